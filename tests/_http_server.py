@@ -1,0 +1,74 @@
+"""A tiny HTTP server on 127.0.0.1 for testing tools.HTTPSearch and tools.WebSearch without the internet.
+
+Routes (POST): /retrieve (Search-R1 reply: items {"document": ..., "score": ...}), /retrieve_plain (bare documents),
+/slow (sleeps `slow_s` before answering), /error500 (always 500), /flaky (500 `flaky_failures` times, then OK),
+/garbage (200 with non-JSON), /serper (Serper.dev-shaped reply; 401 unless the X-API-KEY header is right).
+"""
+import json
+import threading
+import time
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+API_KEY = "test-key-not-secret"
+
+
+class _Handler(BaseHTTPRequestHandler):
+    def log_message(self, *args):  # keep pytest output quiet
+        pass
+
+    def _reply(self, code: int, body: bytes):
+        self.send_response(code)
+        self.send_header("Content-Type", "application/json")
+        self.send_header("Content-Length", str(len(body)))
+        self.end_headers()
+        self.wfile.write(body)
+
+    def do_POST(self):
+        srv = self.server
+        payload = json.loads(self.rfile.read(int(self.headers.get("Content-Length", 0))) or b"{}")
+        with srv.lock:
+            srv.hits[self.path] = srv.hits.get(self.path, 0) + 1
+            hits = srv.hits[self.path]
+        if self.path == "/slow":
+            time.sleep(srv.slow_s)
+        if self.path == "/error500" or (self.path == "/flaky" and hits <= srv.flaky_failures):
+            return self._reply(500, b'{"error": "internal"}')
+        if self.path == "/garbage":
+            return self._reply(200, b"<html>not json")
+        if self.path == "/serper":
+            if self.headers.get("X-API-KEY") != API_KEY:
+                return self._reply(401, b'{"message": "Unauthorized."}')
+            q = payload["q"]
+            organic = [{"title": f"T{i}", "link": f"http://x/{i}", "snippet": f"{q} snippet {i % 3}"} for i in range(5)]
+            return self._reply(200, json.dumps({"searchParameters": {"q": q}, "organic": organic}).encode())
+        docs = [[{"id": str(j), "contents": f'"Doc {j} for {q}"\ntext about {q}'} for j in range(payload["topk"])]
+                for q in payload["queries"]]
+        if payload.get("return_scores") and self.path != "/retrieve_plain":
+            docs = [[{"document": d, "score": 1.0 / (j + 1)} for j, d in enumerate(ds)] for ds in docs]
+        return self._reply(200, json.dumps({"result": docs}).encode())
+
+
+class FakeServer:
+    """Context manager: `with FakeServer() as srv: srv.url("/retrieve")`; `srv.hits` counts requests per path."""
+
+    def __init__(self, slow_s: float = 2.0, flaky_failures: int = 2):
+        self.httpd = ThreadingHTTPServer(("127.0.0.1", 0), _Handler)
+        self.httpd.daemon_threads = True
+        self.httpd.hits, self.httpd.lock = {}, threading.Lock()
+        self.httpd.slow_s, self.httpd.flaky_failures = slow_s, flaky_failures
+        self.thread = threading.Thread(target=self.httpd.serve_forever, daemon=True)
+
+    @property
+    def hits(self) -> dict:
+        return self.httpd.hits
+
+    def url(self, path: str) -> str:
+        return f"http://127.0.0.1:{self.httpd.server_address[1]}{path}"
+
+    def __enter__(self):
+        self.thread.start()
+        return self
+
+    def __exit__(self, *exc):
+        self.httpd.shutdown()
+        self.httpd.server_close()

@@ -1,0 +1,281 @@
+"""loss.py: entropy / log-prob definitions, the chunked path, and the AEPO loss's values and gradients."""
+import math
+
+import pytest
+import torch
+
+import loss as L
+
+# ---------------------------------------------------------------------------------------------
+# Entropy and log-probs
+
+
+def test_entropy_uniform_is_log_v_and_one_hot_is_zero():
+    V = 1000
+    assert torch.allclose(L.token_entropy(torch.zeros(3, V)), torch.full((3,), math.log(V)))
+    assert torch.allclose(L.token_entropy(torch.randn(2, V) * 1e-9), torch.full((2,), math.log(V)))
+    peaked = torch.full((2, V), -1e4)
+    peaked[:, 7] = 1e4
+    assert torch.allclose(L.token_entropy(peaked), torch.zeros(2), atol=1e-6)
+
+
+def test_entropy_and_logprobs_by_hand_with_temperature():
+    z = torch.tensor([[0.0, math.log(3.0)]])           # p = (1/4, 3/4) at T = 1
+    h = -(0.25 * math.log(0.25) + 0.75 * math.log(0.75))
+    assert torch.allclose(L.token_entropy(z), torch.tensor([h]))
+    assert torch.allclose(L.token_logprobs(z, torch.tensor([1])), torch.tensor([math.log(0.75)]))
+    # T = 2: p ∝ (1, sqrt 3)
+    q = torch.tensor([1.0, math.sqrt(3.0)]) / (1 + math.sqrt(3.0))
+    assert torch.allclose(L.token_entropy(z, temperature=2.0), -(q * q.log()).sum().reshape(1))
+    assert torch.allclose(L.token_logprobs(z, torch.tensor([0]), temperature=2.0), q[0].log().reshape(1))
+    assert L.token_entropy(z.bfloat16()).dtype == torch.float32
+
+
+def _direct(hidden, weight, ids, temperature):
+    logits = hidden.float() @ weight.float().T
+    return L.token_logprobs(logits, ids, temperature), L.token_entropy(logits, temperature)
+
+
+@pytest.mark.parametrize("temperature,chunk", [(1.0, 7), (0.7, 5), (1.3, 64)])
+def test_chunked_equals_direct_values_and_gradients(temperature, chunk):
+    torch.manual_seed(0)
+    N, D, V = 23, 16, 50                             # chunk 7 and 5 do not divide 23
+    h = torch.randn(N, D, dtype=torch.float64)
+    w = torch.randn(V, D, dtype=torch.float64)
+    ids = torch.randint(0, V, (N,))
+    g1, g2 = torch.randn(N), torch.randn(N)
+    results = []
+    for fn in (_direct, lambda a, b, c, t: L.logprobs_and_entropy(a, b, c, t, chunk_size=chunk)):
+        hh, ww = h.float().requires_grad_(), w.float().requires_grad_()
+        logp, ent = fn(hh, ww, ids, temperature)
+        ((logp * g1).sum() + (ent * g2).sum()).backward()
+        results.append((logp.detach(), ent.detach(), hh.grad, ww.grad))
+    for a, b in zip(*results):
+        assert torch.allclose(a, b, atol=1e-5, rtol=1e-4)
+    # gradient through logp only (the trainer's use: entropy detached)
+    hh, ww = h.float().requires_grad_(), w.float().requires_grad_()
+    logp, _ = L.logprobs_and_entropy(hh, ww, ids, temperature, chunk_size=chunk)
+    (logp * g1).sum().backward()
+    hr, wr = h.float().requires_grad_(), w.float().requires_grad_()
+    (_direct(hr, wr, ids, temperature)[0] * g1).sum().backward()
+    assert torch.allclose(hh.grad, hr.grad, atol=1e-5) and torch.allclose(ww.grad, wr.grad, atol=1e-5)
+    # gradient through the entropy only
+    hh, ww = h.float().requires_grad_(), w.float().requires_grad_()
+    (L.logprobs_and_entropy(hh, ww, ids, temperature, chunk_size=chunk)[1] * g2).sum().backward()
+    hr, wr = h.float().requires_grad_(), w.float().requires_grad_()
+    (_direct(hr, wr, ids, temperature)[1] * g2).sum().backward()
+    assert torch.allclose(hh.grad, hr.grad, atol=1e-5) and torch.allclose(ww.grad, wr.grad, atol=1e-5)
+
+
+def test_chunked_uniform_and_peaked():
+    V = 300
+    logp, ent = L.logprobs_and_entropy(torch.randn(5, 4), torch.zeros(V, 4), torch.arange(5), chunk_size=2)
+    assert torch.allclose(ent, torch.full((5,), math.log(V))) and torch.allclose(logp, torch.full((5,), -math.log(V)))
+    w = torch.zeros(V, 4)
+    w[3, 0] = 1e4                                      # token 3 takes all the mass when h[:, 0] = 1
+    logp, ent = L.logprobs_and_entropy(torch.tensor([[1.0, 0, 0, 0]] * 3), w, torch.tensor([3, 3, 0]), chunk_size=2)
+    assert torch.allclose(ent, torch.zeros(3), atol=1e-6) and torch.allclose(logp[:2], torch.zeros(2))
+
+
+def test_chunked_gradcheck_float64():
+    torch.manual_seed(1)
+    h = torch.randn(5, 4, dtype=torch.float64, requires_grad=True)
+    w = torch.randn(9, 4, dtype=torch.float64, requires_grad=True)
+    ids = torch.randint(0, 9, (5,))
+    # the function computes in float32, so compare against finite differences loosely
+    fn = lambda a, b: L.logprobs_and_entropy(a.float(), b.float(), ids, 0.9, chunk_size=2)
+    logp, ent = fn(h, w)
+    (logp.sum() + 0.5 * ent.sum()).backward()
+    eps = 1e-3
+    for t in (h, w):
+        num = torch.zeros_like(t)
+        for i in range(t.numel()):
+            d = torch.zeros_like(t).view(-1)
+            d[i] = eps
+            d = d.view_as(t)
+            with torch.no_grad():
+                args_p = (h + d, w) if t is h else (h, w + d)
+                args_m = (h - d, w) if t is h else (h, w - d)
+                fp = sum(x.sum() * c for x, c in zip(fn(*args_p), (1.0, 0.5)))
+                fm = sum(x.sum() * c for x, c in zip(fn(*args_m), (1.0, 0.5)))
+            num.view(-1)[i] = (fp - fm) / (2 * eps)
+        assert torch.allclose(t.grad, num, atol=2e-3)
+
+
+def test_chunked_bf16_inputs_give_float32_outputs_and_input_dtype_grads():
+    torch.manual_seed(2)
+    h = torch.randn(6, 8).bfloat16().requires_grad_()
+    w = torch.randn(11, 8).bfloat16().requires_grad_()
+    logp, ent = L.logprobs_and_entropy(h, w, torch.randint(0, 11, (6,)), chunk_size=4)
+    assert logp.dtype == ent.dtype == torch.float32
+    logp.sum().backward()
+    assert h.grad.dtype == w.grad.dtype == torch.bfloat16
+
+
+def test_chunked_frozen_weight_and_bad_shapes():
+    h = torch.randn(4, 3, requires_grad=True)
+    w = torch.randn(5, 3)
+    L.logprobs_and_entropy(h, w, torch.zeros(4, dtype=torch.long))[0].sum().backward()
+    assert h.grad is not None and w.grad is None
+    with pytest.raises(ValueError, match="weight"):
+        L.logprobs_and_entropy(h, torch.randn(5, 4), torch.zeros(4, dtype=torch.long))
+    with pytest.raises(ValueError, match="ids"):
+        L.logprobs_and_entropy(h, w, torch.zeros(3, dtype=torch.long))
+
+
+# ---------------------------------------------------------------------------------------------
+# Policy loss
+
+
+def _grad_weight(r, a, sg_clip, **kw):
+    """F from ∂loss/∂logp = -F·A/n_valid for one token with ratio r and advantage a."""
+    old = torch.zeros(1, 1)
+    logp = torch.full((1, 1), math.log(r), requires_grad=True)
+    loss, _ = L.policy_loss(logp, old, torch.full((1, 1), a), torch.ones(1, 1), 1, sg_clip=sg_clip, **kw)
+    loss.backward()
+    return (-logp.grad / a).item()
+
+
+@pytest.mark.parametrize("r,a,f_ppo,f_aepo", [
+    (1.5, 1.0, 0.0, 1.2),      # A > 0, r > 1 + eps_high
+    (0.5, -1.0, 0.0, 0.0),     # A < 0, r < 1 - eps_low
+    (4.0, -1.0, 0.0, 0.0),     # A < 0, r > clip_c (dual clip)
+    (1.1, 1.0, 1.1, 1.1),      # inside the trust region
+    (0.5, 2.0, 0.5, 0.5),      # A > 0, r < 1 - eps_low: min picks r·A
+    (1.5, -0.5, 1.5, 1.5),     # A < 0, 1 + eps_high < r < clip_c: min picks r·A
+])
+def test_gradient_table(r, a, f_ppo, f_aepo):
+    assert _grad_weight(r, a, sg_clip=False) == pytest.approx(f_ppo, abs=1e-6)
+    assert _grad_weight(r, a, sg_clip=True) == pytest.approx(f_aepo, abs=1e-6)
+
+
+def test_gradient_table_other_eps():
+    assert _grad_weight(2.0, 1.0, True, eps_high=0.28) == pytest.approx(1.28, abs=1e-6)
+    assert _grad_weight(1.25, 1.0, True, eps_high=0.28) == pytest.approx(1.25, abs=1e-6)
+
+
+def test_loss_values_by_hand():
+    logp = torch.log(torch.tensor([[1.5, 0.5, 4.0, 1.0]]))
+    adv = torch.tensor([[1.0, -1.0, -1.0, 2.0]])
+    mask = torch.ones(1, 4)
+    # J = 1.2·1, 0.8·(-1), 3·(-1), 1·2  -> Σ J = 1.2 - 0.8 - 3 + 2 = -0.6; n_valid = 6
+    for sg in (True, False):
+        loss, m = L.policy_loss(logp, torch.zeros(1, 4), adv, mask, 6, sg_clip=sg)
+        assert loss.item() == pytest.approx(0.6 / 6, abs=1e-6)
+    assert m["n_tokens"].item() == 4 and m["clip_upper"].item() == 1
+    assert m["clip_lower"].item() == 1 and m["clip_dual"].item() == 1 and m["sg_kept"].item() == 0
+    assert m["ratio"].item() == pytest.approx(7.0)
+    k3 = sum(r - 1 - math.log(r) for r in (1.5, 0.5, 4.0, 1.0))
+    assert m["approx_kl"].item() == pytest.approx(k3, rel=1e-6)
+    _, m = L.policy_loss(logp, torch.zeros(1, 4), adv, mask, 6, sg_clip=True)
+    assert m["sg_kept"].item() == 1
+    assert all(not v.requires_grad and v.dim() == 0 for v in m.values())
+
+
+def test_masked_tokens_get_exactly_zero_gradient():
+    torch.manual_seed(3)
+    logp = (torch.randn(3, 8) * 0.5).requires_grad_()
+    old = torch.randn(3, 8) * 0.5
+    old[0, 0] = 500.0                                     # garbage at a padding position
+    mask = (torch.rand(3, 8) > 0.4).float()
+    mask[0, 0] = 0
+    loss, m = L.policy_loss(logp, old, torch.randn(3, 8), mask, mask.sum())
+    loss.backward()
+    assert torch.isfinite(loss)
+    assert torch.all(logp.grad[mask == 0] == 0)
+    assert m["n_tokens"].item() == mask.sum().item()
+
+
+def test_ratio_one_is_plain_policy_gradient():
+    torch.manual_seed(4)
+    logp = torch.randn(2, 6).requires_grad_()
+    adv, mask = torch.randn(2, 6), (torch.rand(2, 6) > 0.3).float()
+    for sg in (True, False):
+        logp.grad = None
+        loss, _ = L.policy_loss(logp, logp.detach(), adv, mask, 10, sg_clip=sg)
+        loss.backward()
+        assert loss.item() == pytest.approx(-(adv * mask).sum().item() / 10, abs=1e-6)
+        assert torch.allclose(logp.grad, -adv * mask / 10, atol=1e-7)
+
+
+def _textbook_ppo(logp, old, adv, mask, n_valid, eps=0.2, c=3.0):
+    ratio = torch.exp(logp - old)
+    pg1, pg2 = -adv * ratio, -adv * torch.clamp(ratio, 1 - eps, 1 + eps)
+    clip1 = torch.maximum(pg1, pg2)
+    clip2 = torch.min(-adv * c, clip1)
+    pg = torch.where(adv < 0, clip2, clip1)
+    return (pg * mask).sum() / n_valid
+
+
+def test_sg_clip_off_equals_textbook_ppo():
+    torch.manual_seed(5)
+    logp = (torch.randn(4, 32) * 0.6).requires_grad_()
+    old, adv = torch.randn(4, 32) * 0.6, torch.randn(4, 32)
+    mask = (torch.rand(4, 32) > 0.2).float()
+    loss, _ = L.policy_loss(logp, old, adv, mask, 77.0, sg_clip=False)
+    (g,) = torch.autograd.grad(loss, logp)
+    ref = _textbook_ppo(logp, old, adv, mask, 77.0)
+    (g_ref,) = torch.autograd.grad(ref, logp)
+    assert torch.allclose(loss, ref, atol=1e-6) and torch.allclose(g, g_ref, atol=1e-7)
+    # sg_clip on: same value, gradient differs only on upper-clipped positive-advantage tokens
+    loss2, _ = L.policy_loss(logp, old, adv, mask, 77.0, sg_clip=True)
+    (g2,) = torch.autograd.grad(loss2, logp)
+    up = (adv > 0) & (torch.exp(logp - old) > 1.2) & (mask > 0)
+    assert up.any() and torch.allclose(loss2, ref, atol=1e-6)
+    assert torch.allclose(g2[~up], g_ref[~up], atol=1e-7)
+    assert torch.allclose(g2[up], -1.2 * adv[up] / 77.0, atol=1e-7)
+
+
+def test_micro_batches_give_the_same_gradient():
+    torch.manual_seed(6)
+    logp = (torch.randn(8, 20) * 0.5).requires_grad_()
+    old, adv = torch.randn(8, 20) * 0.5, torch.randn(8, 20)
+    mask = (torch.rand(8, 20) > 0.3).float()
+    ref_logp = torch.randn(8, 20) * 0.5
+    n_valid = mask.sum()
+    full, _ = L.policy_loss(logp, old, adv, mask, n_valid, ref_logp=ref_logp, kl_coef=0.1)
+    (g_full,) = torch.autograd.grad(full, logp)
+    acc, total = torch.zeros_like(logp), 0.0
+    for sl in (slice(0, 3), slice(3, 4), slice(4, 8)):    # uneven micro-batches
+        part = logp.detach()[sl].clone().requires_grad_()
+        l, _ = L.policy_loss(part, old[sl], adv[sl], mask[sl], n_valid, ref_logp=ref_logp[sl], kl_coef=0.1)
+        l.backward()
+        acc[sl] = part.grad
+        total += l.item()
+    assert torch.allclose(acc, g_full, atol=1e-6) and total == pytest.approx(full.item(), abs=1e-6)
+
+
+def test_kl_to_reference_k3_value_and_gradient():
+    logp = torch.tensor([[-1.0, -2.0, -0.5]], requires_grad=True)
+    ref = torch.tensor([[-1.5, -1.0, -0.5]])
+    mask = torch.tensor([[1.0, 1.0, 0.0]])
+    adv = torch.zeros(1, 3)                               # isolate the KL term
+    loss, m = L.policy_loss(logp, logp.detach(), adv, mask, 4, ref_logp=ref, kl_coef=0.5)
+    d = (ref - logp.detach())[0, :2]
+    k3 = (d.exp() - d - 1).sum()
+    assert m["kl_ref"].item() == pytest.approx(k3.item(), rel=1e-6)
+    assert loss.item() == pytest.approx(0.5 * k3.item() / 4, rel=1e-6)
+    loss.backward()
+    expected = 0.5 * (1 - (ref - logp.detach()).exp()) * mask / 4   # d k3/d logp = 1 - e^(ref - logp)
+    assert torch.allclose(logp.grad, expected, atol=1e-7)
+    # kl_coef = 0: metric still reported, loss unchanged
+    loss0, m0 = L.policy_loss(logp, logp.detach(), adv, mask, 4, ref_logp=ref)
+    assert loss0.item() == 0 and m0["kl_ref"].item() == pytest.approx(k3.item(), rel=1e-6)
+
+
+@pytest.mark.parametrize("name", ["logp", "old_logp", "advantages", "mask", "ref_logp"])
+def test_non_finite_inputs_raise_naming_tensor_and_count(name):
+    args = {k: torch.zeros(2, 3) for k in ("logp", "old_logp", "advantages", "ref_logp")}
+    args["mask"] = torch.ones(2, 3)
+    args[name][0, 0], args[name][1, 2] = float("nan"), float("inf")
+    with pytest.raises(ValueError, match=rf"^{name}: 2 of 6 entries are non-finite"):
+        L.policy_loss(args["logp"], args["old_logp"], args["advantages"], args["mask"], 6,
+                      ref_logp=args["ref_logp"], kl_coef=0.1)
+
+
+def test_bad_n_valid_and_shapes_raise():
+    z = torch.zeros(2, 3)
+    with pytest.raises(ValueError, match="n_valid"):
+        L.policy_loss(z, z, z, z, 0)
+    with pytest.raises(ValueError, match="advantages"):
+        L.policy_loss(z, z, torch.zeros(2), z, 1)

