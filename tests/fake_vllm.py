@@ -55,6 +55,8 @@ class LLM:
         self.kwargs = dict(enable_prefix_caching=enable_prefix_caching, seed=seed, dtype=dtype,
                            enable_sleep_mode=enable_sleep_mode, **kw)
         self.events = []
+        import inspect  # transformers renamed past_key_values -> cache in 5.2x
+        self._cache_arg = "cache" if "cache" in inspect.signature(self.model.forward).parameters else "past_key_values"
         vocab = self.model.config.vocab_size
         runner = SimpleNamespace(model=_ModelHandle(self.model))
         self.llm_engine = SimpleNamespace(
@@ -88,8 +90,8 @@ class LLM:
         ctx = torch.tensor([ids])
         past = None
         for _ in range(sp.max_tokens):
-            res = self.model(input_ids=ctx, cache=past, use_cache=True)
-            past = res.cache
+            res = self.model(input_ids=ctx, use_cache=True, **{self._cache_arg: past})
+            past = getattr(res, self._cache_arg)
             logits = res.logits[0, -1].float()
             lp = torch.log_softmax(logits, -1)
             if sp.temperature == 0:
