@@ -91,6 +91,20 @@ def _finish_reason(stop: str | None) -> str:
     return "answer" if stop == "</answer>" else "tool"
 
 
+class _TopkRecorder:
+    """A logits processor that records the top-k log-probs of the raw logits for the first n steps
+    and changes nothing. Custom processors run before temperature and top-p in `generate`, so it
+    sees the model's own distribution; keeping only (B, k) per step avoids storing (B, V) logits."""
+
+    def __init__(self, k: int, n: int):
+        self.k, self.n, self.steps = k, n, []
+
+    def __call__(self, input_ids, scores):
+        if len(self.steps) < self.n:
+            self.steps.append(torch.log_softmax(scores.float(), -1).topk(self.k, -1).values.cpu())
+        return scores
+
+
 class TransformersGenerator:
     """All contexts of a round in batched `model.generate` calls (left padding), stopping at the
     closing tool tags, `</answer>` and EOS. H_seg uses the top-10 log-probs of the raw logits (T=1),
@@ -125,18 +139,16 @@ class TransformersGenerator:
             attn[i, width - len(c):] = 1
         torch.manual_seed(seed)
         sample = self.temperature > 0
+        recorder = _TopkRecorder(self.topk, self.n_entropy)
         gen = self.model.generate(
             input_ids=ids.to(device), attention_mask=attn.to(device), max_new_tokens=max(max_new_tokens),
             do_sample=sample, temperature=self.temperature if sample else None,
-            top_p=self.top_p if sample else None, top_k=None,
+            top_p=self.top_p if sample else None, top_k=0, logits_processor=[recorder],
             stop_strings=list(tools.STOP_STRINGS), tokenizer=self.tokenizer,
-            eos_token_id=sorted(self.eos_ids), pad_token_id=self.pad_id,
-            output_logits=True, return_dict_in_generate=True)
+            eos_token_id=sorted(self.eos_ids), pad_token_id=self.pad_id, return_dict_in_generate=True)
         new = gen.sequences[:, width:].tolist()
-        n_ent = min(self.n_entropy, len(gen.logits))
-        # top-k log-probs of the raw logits at the first n positions: (n, B, topk)
-        topk = torch.stack([torch.log_softmax(gen.logits[j].float(), -1).topk(self.topk, -1).values
-                            for j in range(n_ent)]).cpu() if n_ent else torch.empty(0, len(contexts), self.topk)
+        n_ent = len(recorder.steps)
+        topk = torch.stack(recorder.steps) if n_ent else torch.empty(0, len(contexts), self.topk)  # (n, B, topk)
         segments = []
         for i, row in enumerate(new):
             token_ids, reason, text = self._cut(row, max_new_tokens[i])

@@ -46,7 +46,7 @@ class ForcedFirstCall:
 
 @pytest.fixture(scope="module")
 def real_tools(tmp_path_factory):
-    t = tools.Tools(tools.make_search("bm25"))
+    t = tools.Tools(tools.make_search("bm25", topk=1))   # short results keep the random model's turns short
     yield t
     t.close()
 
@@ -97,7 +97,7 @@ def test_full_tree_with_tiny_model_and_real_tools(tokenizer, tiny_model, real_to
     inner = TransformersGenerator(tiny_model, tokenizer, temperature=1.0)
     gen = ForcedFirstCall(inner, tokenizer, len(prompts[0]))
     trajs, stats = tree_rollout(prompts, gen, real_tools, tokenizer, k=4, gamma=5.0,
-                                max_response_tokens=3000, seed=1)
+                                max_response_tokens=420, seed=1)
     assert len(trajs) == 4 and all(t.finished for t in trajs)
     assert stats["tools/search/calls"] >= 1
     first = trajs[0]
@@ -195,3 +195,16 @@ def test_vllm_backend_missing_is_a_clear_error():
         pytest.skip("vllm is installed here")
     with pytest.raises(ImportError, match="requirements-vllm.txt"):
         VLLMGenerator("any")
+
+
+def test_segment_entropy_is_from_the_raw_distribution(tokenizer, tiny_model):
+    """With temperature and top-p on, H_seg still uses the model's own (T = 1) top-10 log-probs,
+    recomputed here by a plain forward pass over the sampled tokens."""
+    gen = TransformersGenerator(tiny_model, tokenizer, temperature=0.5, top_p=0.9)
+    ctx = as_ids(chat_prompt(tokenizer, "entropy?"))
+    seg = gen.generate([ctx], [30], seed=11)[0]
+    with torch.no_grad():
+        logits = tiny_model(torch.tensor([ctx + seg.token_ids])).logits[0].float()
+    first = logits[len(ctx) - 1: len(ctx) - 1 + min(20, len(seg.token_ids))]
+    top = torch.log_softmax(first, -1).topk(10, -1).values.tolist()
+    assert seg.h_seg == pytest.approx(rollout.segment_entropy(top, tiny_model.config.vocab_size), rel=1e-4)
