@@ -30,12 +30,23 @@ import tools  # noqa: E402
 
 
 def load_policy(spec: str):
+    """(model, tokenizer): 'cold' = the newest cold-started embedded model in the cache, 'raw' = the embedded
+    model as shipped, else a model directory."""
+    import os
     import train
+    cache = Path(os.environ.get("AEPO_CACHE") or Path.home() / ".cache" / "aepo")
     if spec == "cold":
-        return train.load_cold_started_embedded()
-    if spec == "raw":
-        return train.load_model_and_tokenizer("embedded")
-    return train.load_model_and_tokenizer(spec)
+        found = sorted((p for p in (cache / "cold_start").glob("*") if (p / "config.json").exists()),
+                       key=lambda p: p.stat().st_mtime)
+        if not found:
+            raise SystemExit(f"no cold-started model under {cache}/cold_start: run `python train.py` once "
+                             "(it caches one) or pass --model DIR")
+        path = str(found[-1])
+    elif spec == "raw":
+        path = str(train.embedded_model_dir(cache))
+    else:
+        path = spec
+    return train.load_lm(path, torch.device("cpu")), train.load_tokenizer(path)
 
 
 def main():

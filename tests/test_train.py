@@ -1,0 +1,384 @@
+"""train.py: config errors, tensor layout and masks, gradients under 1 and 2 processes (DDP, FSDP2), the whole loop
+for two steps (1 and 2 processes), checkpoint/resume exactness. A tiny random Llama over the real SmolLM2 tokenizer
+stands in for the model; the search is a replay table written by the test (no index needed)."""
+import json
+import os
+import socket
+import zlib
+from pathlib import Path
+
+import pytest
+import torch
+import torch.multiprocessing as mp
+
+import rollout
+import tools
+import train
+from tests.conftest import make_tiny_model
+
+QA = [("What is the capital of France?", "Paris"), ("Who wrote Hamlet?", "William Shakespeare"),
+      ("What is the largest planet?", "Jupiter"), ("In what year did World War II end?", "1945"),
+      ("What is the chemical symbol of gold?", "Au"), ("Who painted the Mona Lisa?", "Leonardo da Vinci")]
+
+
+def fake_reward(text, golds):
+    """Stand-in for the deep-research reward: a random model never produces the format, so every real reward is −1
+    and every advantage 0; this deterministic function of the text gives the groups a spread."""
+    return (zlib.crc32(text.encode()) % 97) / 97.0
+
+
+@pytest.fixture(scope="module")
+def setup(tmp_path_factory, tokenizer):
+    """A tiny model directory, a QA file with search queries and a replay search table."""
+    root = tmp_path_factory.mktemp("train")
+    make_tiny_model(tokenizer).save_pretrained(root / "tiny")
+    tokenizer.save_pretrained(root / "tiny")
+    with open(root / "qa.jsonl", "w") as f:
+        for q, a in QA:
+            f.write(json.dumps({"question": q, "answer": [a], "query": q.rstrip("?")}) + "\n")
+    (root / "search.json").write_text(json.dumps({q.rstrip("?"): f"Page 1: {q} The answer is {a}." for q, a in QA}))
+    return root
+
+
+def flags(root, run_name, **over):
+    base = dict(model=str(root / "tiny"), train_data=str(root / "qa.jsonl"), eval_data="", search="replay",
+                search_kw=json.dumps({"path": str(root / "search.json")}), cold_start="false", k=2,
+                questions_per_step=2, mini_batch_size=1, micro_batch_size=3, steps=2, max_response_tokens=12,
+                out_dir=str(root / "runs"), run_name=run_name, cache_dir=str(root / "cache"), save_every=1,
+                keep_checkpoints=3, lr=1e-3)
+    base.update(over)
+    return [f"--{key}={value}" for key, value in base.items()]
+
+
+def weights(path):
+    from safetensors.torch import load_file
+    return load_file(str(Path(path) / "model.safetensors"))
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# Config and bad input
+
+
+def test_config_defaults_and_flags():
+    cfg = train.parse_config(["--k", "8", "--sg_clip", "false", "--search_kw", "{topk: 5}"])
+    assert cfg.k == 8 and cfg.sg_clip is False and cfg.search_kw == {"topk": 5}
+    assert cfg.eps_low == cfg.eps_high == 0.2 and cfg.clip_c == 3.0 and cfg.alpha == 0.2   # SPEC defaults
+    assert (cfg.beta, cfg.gamma, cfg.lam, cfg.tau) == (0.5, 0.2, 0.05, 0.5)
+
+
+def test_yaml_configs_parse():
+    configs = Path(__file__).resolve().parents[1] / "configs"
+    assert train.parse_config([f"--config={configs / 'embedded.yaml'}"]) == train.Config()   # documents the default
+    for path in sorted(configs.glob("*.yaml")):
+        assert isinstance(train.parse_config([f"--config={path}"]), train.Config), path
+    big = train.parse_config([f"--config={configs / 'aepo_qwen3_14b.yaml'}"])
+    assert (big.k, big.questions_per_step, big.mini_batch_size, big.lr) == (12, 64, 8, 1e-6)
+    grpo = train.parse_config([f"--config={configs / 'aepo_qwen3_14b.yaml'}", f"--config={configs / 'grpo.yaml'}"])
+    assert not (grpo.entropy_branching or grpo.sg_clip or grpo.entropy_advantage) and grpo.k == 12   # an overlay
+
+
+def test_unknown_flag_and_key_error(tmp_path, capsys):
+    with pytest.raises(SystemExit):
+        train.parse_config(["--no_such_flag", "1"])
+    assert "no_such_flag" in capsys.readouterr().err
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("k: 4\nlearning_rate: 0.1\n")
+    with pytest.raises(SystemExit):
+        train.parse_config([f"--config={bad}"])
+    assert "learning_rate" in capsys.readouterr().err
+
+
+def test_bad_sizes():
+    with pytest.raises(ValueError, match="multiple of mini_batch_size"):
+        train.parse_config(["--questions_per_step", "6", "--mini_batch_size", "4"])
+
+
+def test_missing_data_file(setup, tmp_path):
+    with pytest.raises(FileNotFoundError, match="train_data: file not found: .*nope.jsonl"):
+        train.main(flags(setup, "missing", train_data=str(tmp_path / "nope.jsonl")))
+
+
+def test_missing_model(setup, tmp_path):
+    with pytest.raises(FileNotFoundError, match="not a local directory"):
+        train.main(flags(setup, "nomodel", model=str(tmp_path / "no_model")))
+
+
+def test_dataset_without_answer(setup, tmp_path):
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text(json.dumps({"question": "Q?", "answer": ["A"]}) + "\n" + json.dumps({"question": "Q2?"}) + "\n")
+    with pytest.raises(ValueError, match="line 2.*'answer'"):
+        train.main(flags(setup, "badrows", train_data=str(bad)))
+
+
+def test_cold_start_needs_query(setup, tmp_path):
+    rows = tmp_path / "noquery.jsonl"
+    rows.write_text("".join(json.dumps({"question": q, "answer": [a]}) + "\n" for q, a in QA))
+    with pytest.raises(ValueError, match="'query' field"):
+        train.main(flags(setup, "noquery", train_data=str(rows), cold_start="true"))
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# Layout: which positions are scored
+
+
+def test_tensorize_scores_policy_tokens_only():
+    batch = train.tensorize([([5, 6, 7], [10, 11, 12, 13], [1, 0, 0, 1]), ([5], [20, 21], [1, 1])], pad_id=0,
+                            device="cpu")
+    ids, mask = batch["input_ids"], batch["mask"]
+    assert ids.tolist() == [[5, 6, 7, 10, 11, 12, 13], [5, 20, 21, 0, 0, 0, 0]]
+    assert batch["attention_mask"].tolist() == [[1] * 7, [1, 1, 1, 0, 0, 0, 0]]
+    # mask[i, t] = 1  <=>  token ids[i, t+1] was sampled by the policy
+    assert mask.tolist() == [[0, 0, 1, 0, 0, 1], [1, 1, 0, 0, 0, 0]]
+
+
+def test_demonstration_tokens_like_rollout(tokenizer):
+    demo = {"messages": [{"role": "user", "content": "Who wrote Hamlet?"},
+                         {"role": "assistant", "content": "<think> x </think>\n<search> Hamlet author </search>"},
+                         {"role": "tool", "content": "Page 1: Hamlet is a play by William Shakespeare."},
+                         {"role": "assistant", "content": "<answer> \\boxed{William Shakespeare} </answer>"}]}
+    prompt, response, mask = train.demo_tokens(demo, tokenizer)
+    assert prompt == train.evaluation.build_prompt(tokenizer, "Who wrote Hamlet?")    # system prompt added
+    seg1 = tokenizer.encode(demo["messages"][1]["content"], add_special_tokens=False)
+    result = tokenizer.encode(tools.format_result(demo["messages"][2]["content"]), add_special_tokens=False)
+    seg2 = tokenizer.encode(demo["messages"][3]["content"], add_special_tokens=False)
+    assert response == seg1 + result + seg2
+    assert mask == [1] * len(seg1) + [0] * len(result) + [1] * len(seg2)
+
+
+def test_build_demonstrations_uses_real_results():
+    rows = [{"question": q, "golds": [a], "meta": {"query": q}} for q, a in QA[:2]]
+
+    class Search:
+        def search(self, queries):
+            return ["Page 1: Paris is the capital.", "Page 1: nothing useful"]
+    demos = train.build_demonstrations(rows, Search())
+    assert len(demos) == 1                                       # the second result lacks the gold answer
+    msgs = demos[0]["messages"]
+    assert [m["role"] for m in msgs] == ["system", "user", "assistant", "tool", "assistant"]
+    assert msgs[3]["content"] == "Page 1: Paris is the capital." and "\\boxed{Paris}" in msgs[4]["content"]
+
+
+def test_policy_logp_matches_full_softmax(tokenizer):
+    torch.manual_seed(0)
+    lm = make_tiny_model(tokenizer)
+    policy = train.Policy(lm)
+    batch = train.tensorize([([5, 6, 7], [10, 11, 12, 13], [1, 0, 0, 1]), ([5, 9], [20, 21], [1, 1])], 0, "cpu")
+    logp, entropy = policy(batch["input_ids"], batch["attention_mask"], batch["mask"], temperature=0.7)
+    logits = lm(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits[:, :-1].float() / 0.7
+    ref = torch.log_softmax(logits, -1).gather(-1, batch["input_ids"][:, 1:, None]).squeeze(-1)
+    ref_h = -(torch.softmax(logits, -1) * torch.log_softmax(logits, -1)).sum(-1)
+    m = batch["mask"].bool()
+    torch.testing.assert_close(logp[m], ref[m], atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(entropy[m], ref_h[m], atol=1e-4, rtol=1e-5)
+    assert (logp[~m] == 0).all() and (entropy[~m] == 0).all()
+    g1 = torch.autograd.grad(logp.sum(), lm.model.layers[0].mlp.up_proj.weight)[0]
+    g2 = torch.autograd.grad(ref[m].sum(), lm.model.layers[0].mlp.up_proj.weight)[0]
+    torch.testing.assert_close(g1, g2, atol=1e-5, rtol=1e-4)
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# Gradients: micro-batching and world size never change them
+
+
+def peaked_tiny_model(tokenizer):
+    """The tiny model with 40x larger (tied) embeddings: its next-token distributions range from peaked to flat, so
+    token entropies have a real spread. (At init every entropy is ~log V with a spread of ~1e-5, where the z-score of
+    the entropy-aware advantage turns float32 rounding into visible differences.)"""
+    lm = make_tiny_model(tokenizer)
+    with torch.no_grad():
+        lm.model.embed_tokens.weight.mul_(40.0)
+    return lm
+
+
+def hand_made_trajectories(n_questions=4, k=2, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    out = []
+    for q in range(n_questions):
+        prompt = torch.randint(100, 5000, (int(torch.randint(3, 8, (1,), generator=g)),), generator=g).tolist()
+        for j in range(k):
+            n = int(torch.randint(4, 12, (1,), generator=g))
+            resp = torch.randint(100, 5000, (n,), generator=g).tolist()
+            mask = [1] * n
+            mask[n // 3:n // 3 + 2] = [0, 0]                      # a tool result inside the response
+            out.append(rollout.Trajectory(q, j, prompt, resp, mask))
+    rewards = torch.rand(len(out), generator=g)
+    return out, rewards
+
+
+def gradients(policy, trajectories, rewards, cfg, world, n_minibatches=1):
+    """What the loop does for one mini-batch: advantages, old pass, perturbed old log-probs (so ratios leave 1 and
+    clipping happens), accumulate_gradients. Returns {name: full gradient}."""
+    groups = torch.tensor([t.group_id for t in trajectories])
+    adv = train.advantage.group_advantages(rewards, groups)
+    batches = train.micro_batches(trajectories, adv, n_minibatches, cfg, 0, "cpu")
+    train.old_policy_pass(policy, None, batches, cfg, train.contextlib.nullcontext)
+    for mb in (mb for mbs in batches for mb in mbs):              # a deterministic function of the token
+        mb["old_logp"] = mb["old_logp"] + 0.4 * torch.sin(mb["input_ids"][:, 1:].float()) * mb["mask"]
+    metrics = train.accumulate_gradients(policy, batches[0], cfg, world, train.contextlib.nullcontext, "test")
+    grads = {}
+    for name, p in train.unwrap(policy).named_parameters():
+        grad = p.grad.full_tensor() if hasattr(p.grad, "full_tensor") else p.grad
+        grads[name] = grad.detach().clone()
+    return grads, metrics
+
+
+def _grad_worker(rank, world, port, parallel, tok_dir, out):
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world),
+                      LOCAL_RANK=str(rank))
+    torch.set_num_threads(1)
+    torch.distributed.init_process_group("gloo")
+    try:
+        from transformers import AutoTokenizer
+        lm = peaked_tiny_model(AutoTokenizer.from_pretrained(tok_dir))
+        cfg = train.Config(parallel=parallel, micro_batch_size=3)
+        policy = train.wrap_policy(lm, cfg, world, torch.device("cpu"))
+        trajectories, rewards = hand_made_trajectories()
+        per = len(trajectories) // world
+        mine = slice(rank * per, (rank + 1) * per)                # whole questions per rank
+        grads, metrics = gradients(policy, trajectories[mine], rewards[mine], cfg, world)
+        if rank == 0:
+            torch.save({"grads": grads, "metrics": metrics}, out)
+        torch.distributed.barrier()
+    finally:
+        torch.distributed.destroy_process_group()
+
+
+def free_port():
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture(scope="module")
+def single_process_gradient(tokenizer):
+    cfg = train.Config(micro_batch_size=8)
+    policy = train.Policy(peaked_tiny_model(tokenizer))
+    trajectories, rewards = hand_made_trajectories()
+    grads, metrics = gradients(policy, trajectories, rewards, cfg, world=1)
+    assert metrics["n_tokens"] > 0
+    assert metrics["clip_upper"] + metrics["clip_lower"] > 0       # the perturbation does make clipping happen
+    return grads
+
+
+def test_micro_batching_does_not_change_gradient(tokenizer, single_process_gradient):
+    policy = train.Policy(peaked_tiny_model(tokenizer))
+    trajectories, rewards = hand_made_trajectories()
+    grads, _ = gradients(policy, trajectories, rewards, train.Config(micro_batch_size=3), world=1)
+    for name, g in single_process_gradient.items():
+        torch.testing.assert_close(grads[name], g, atol=1e-5, rtol=1e-4, msg=name)
+
+
+@pytest.mark.parametrize("parallel", ["ddp", "fsdp"])
+def test_two_rank_gradient_equals_single_process(parallel, tokenizer, single_process_gradient, tmp_path):
+    tok_dir = tmp_path / "tok"
+    tokenizer.save_pretrained(tok_dir)
+    out = tmp_path / "grads.pt"
+    mp.start_processes(_grad_worker, args=(2, free_port(), parallel, str(tok_dir), str(out)), nprocs=2,
+                       start_method="spawn")
+    grads = torch.load(out)["grads"]
+    names = {n.removeprefix("module.") for n in grads}
+    assert names == set(single_process_gradient)
+    for name, g in grads.items():
+        torch.testing.assert_close(g, single_process_gradient[name.removeprefix("module.")], atol=1e-5, rtol=1e-4,
+                                   msg=name)
+
+
+def test_bf16_and_gradient_checkpointing_update(tokenizer, single_process_gradient):
+    """The GPU options on CPU: bf16 autocast (LM head stays float32) and activation recomputation."""
+    lm = peaked_tiny_model(tokenizer)
+    lm.gradient_checkpointing_enable()
+    lm.train()
+    policy = train.Policy(lm)
+    trajectories, rewards = hand_made_trajectories()
+    groups = torch.tensor([t.group_id for t in trajectories])
+    batches = train.micro_batches(trajectories, train.advantage.group_advantages(rewards, groups), 1,
+                                  train.Config(micro_batch_size=3), 0, "cpu")
+    bf16 = lambda: torch.autocast("cpu", dtype=torch.bfloat16)        # noqa: E731
+    train.old_policy_pass(policy, None, batches, train.Config(), bf16)
+    assert all(mb["old_logp"].dtype == torch.float32 for mb in batches[0])
+    train.accumulate_gradients(policy, batches[0], train.Config(), 1, bf16, "test")
+    grads = dict(policy.named_parameters())
+    for name, g in single_process_gradient.items():
+        assert torch.isfinite(grads[name].grad).all(), name
+    cos = torch.nn.functional.cosine_similarity(grads["lm.model.norm.weight"].grad.flatten(),
+                                                single_process_gradient["lm.model.norm.weight"].flatten(), dim=0)
+    assert cos > 0.5                  # bf16 changes the numbers (and the clipped set), not the direction
+
+
+def test_non_finite_loss_raises(tokenizer):
+    policy = train.Policy(make_tiny_model(tokenizer))
+    trajectories, rewards = hand_made_trajectories()
+    cfg = train.Config(micro_batch_size=8)
+    adv = train.advantage.group_advantages(rewards, torch.tensor([t.group_id for t in trajectories]))
+    batches = train.micro_batches(trajectories, adv, 1, cfg, 0, "cpu")
+    train.old_policy_pass(policy, None, batches, cfg, train.contextlib.nullcontext)
+    batches[0][0]["adv_tok"][0, 3] = float("nan")
+    with pytest.raises(ValueError, match="step 7, mini-batch 0, micro-batch 0: advantages.*non-finite"):
+        train.accumulate_gradients(policy, batches[0], cfg, 1, train.contextlib.nullcontext, "step 7, mini-batch 0")
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# The whole loop: two steps, resume exactness, two processes
+
+
+def test_two_steps_then_resume_is_exact(setup, monkeypatch, tokenizer):
+    monkeypatch.setattr(train.evaluation, "deep_research_reward", fake_reward)
+    initial = {k: v.clone() for k, v in make_tiny_model(tokenizer).state_dict().items()}
+    # interrupted: 2 steps (with a cold start and a 1-question eval), then resume for a third
+    common = dict(cold_start="true", cold_start_questions=2, cold_start_steps=2, cold_start_batch=2, kl_coef=0.05)
+    out = train.main(flags(setup, "interrupted", eval_data=str(setup / "qa.jsonl"), eval_limit=1, **common))
+    run = Path(out["run_dir"])
+    rows = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in rows] == [1, 2]
+    for r in rows:
+        assert all(v == v and abs(v) != float("inf") for v in r.values() if isinstance(v, float))
+    assert any(r["adv_nonzero"] > 0 for r in rows) and all(r["n_valid_tokens"] > 0 for r in rows)
+    after = weights(run / "checkpoints" / "step_000002")
+    assert any(not torch.equal(after[k], initial[k]) for k in after if k in initial)   # parameters changed
+    for name in ("config.yaml", "run_info.json", "samples.jsonl", "curves.png", "eval/before_summary.json",
+                 "eval/after_summary.json"):
+        assert (run / name).exists(), name
+    cs = list((setup / "cache" / "cold_start").iterdir())
+    assert len(cs) == 1 and (cs[0] / "config.json").exists()      # cold start cached for the next run
+    train.main(flags(setup, "interrupted", steps=3, resume="true", **common))
+    # uninterrupted: 3 steps (reuses the cached cold start)
+    train.main(flags(setup, "straight", steps=3, **common))
+    a = [json.loads(line) for line in (setup / "runs" / "interrupted" / "metrics.jsonl").read_text().splitlines()]
+    b = [json.loads(line) for line in (setup / "runs" / "straight" / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in a] == [1, 2, 3]
+    assert a[2]["kl_ref"] > 0                                     # the reference is the cold-started policy
+    for key in ("reward", "pg_loss", "grad_norm", "entropy", "clip_hi", "resp_len", "kl_ref"):
+        assert a[2][key] == pytest.approx(b[2][key], rel=1e-6, abs=1e-9), key
+    wa = weights(setup / "runs" / "interrupted" / "checkpoints" / "step_000003")
+    wb = weights(setup / "runs" / "straight" / "checkpoints" / "step_000003")
+    for k in wa:
+        torch.testing.assert_close(wa[k], wb[k], atol=1e-7, rtol=0, msg=k)
+
+
+def test_existing_run_needs_resume(setup, monkeypatch):
+    monkeypatch.setattr(train.evaluation, "deep_research_reward", fake_reward)
+    train.main(flags(setup, "twice", steps=1))
+    with pytest.raises(FileExistsError, match="--resume"):
+        train.main(flags(setup, "twice", steps=1))
+
+
+def _train_worker(rank, world, port, argv):
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world),
+                      LOCAL_RANK=str(rank))
+    torch.set_num_threads(1)
+    train.evaluation.deep_research_reward = fake_reward
+    train.main(argv)
+
+
+@pytest.mark.parametrize("parallel", ["fsdp"])
+def test_two_processes_two_steps(setup, parallel):
+    argv = flags(setup, f"two_procs_{parallel}", parallel=parallel, mini_batch_size=2)
+    mp.start_processes(_train_worker, args=(2, free_port(), argv), nprocs=2, start_method="spawn")
+    run = setup / "runs" / f"two_procs_{parallel}"
+    rows = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in rows] == [1, 2]
+    assert all(r["trajectories"] == 2 * 2 for r in rows)         # 2 questions x k=2, over both ranks
+    assert all(r["grad_norm"] > 0 and r["grad_norm"] == r["grad_norm"] for r in rows)
+    w = weights(run / "checkpoints" / "step_000002")
+    w1 = weights(run / "checkpoints" / "step_000001")
+    assert any(not torch.equal(w[k], w1[k]) for k in w)
