@@ -286,7 +286,7 @@ def test_two_rank_gradient_equals_single_process(parallel, tokenizer, single_pro
 def test_bf16_and_gradient_checkpointing_update(tokenizer, single_process_gradient):
     """The GPU options on CPU: bf16 autocast (LM head stays float32) and activation recomputation."""
     lm = peaked_tiny_model(tokenizer)
-    lm.gradient_checkpointing_enable()
+    (getattr(lm, "activation_checkpointing_enable", None) or lm.gradient_checkpointing_enable)()
     lm.train()
     policy = train.Policy(lm)
     trajectories, rewards = hand_made_trajectories()
@@ -382,3 +382,7 @@ def test_two_processes_two_steps(setup, parallel):
     w = weights(run / "checkpoints" / "step_000002")
     w1 = weights(run / "checkpoints" / "step_000001")
     assert any(not torch.equal(w[k], w1[k]) for k in w)
+    from transformers import AutoModelForCausalLM                # the gathered FSDP2 checkpoint loads as usual
+    lm = AutoModelForCausalLM.from_pretrained(run / "checkpoints" / "step_000002")
+    for name, p in lm.named_parameters():
+        torch.testing.assert_close(p.detach(), w[name], atol=0, rtol=0, msg=name)
