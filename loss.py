@@ -64,6 +64,11 @@ class _ChunkedLogprobEntropy(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, hidden, weight, ids, temperature, chunk):
+        with torch.autocast(hidden.device.type, enabled=False):     # float32 even inside autocast
+            return _ChunkedLogprobEntropy._forward(ctx, hidden, weight, ids, temperature, chunk)
+
+    @staticmethod
+    def _forward(ctx, hidden, weight, ids, temperature, chunk):
         ctx.set_materialize_grads(False)
         w32 = weight.float()
         n = hidden.shape[0]
@@ -91,6 +96,11 @@ class _ChunkedLogprobEntropy(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, g_logp, g_entropy):
+        with torch.autocast(ctx.saved_tensors[0].device.type, enabled=False):
+            return _ChunkedLogprobEntropy._backward(ctx, g_logp, g_entropy)
+
+    @staticmethod
+    def _backward(ctx, g_logp, g_entropy):
         hidden, weight, ids, lse, entropy = ctx.saved_tensors
         need_h, need_w = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
         if (g_logp is None and g_entropy is None) or not (need_h or need_w):

@@ -55,7 +55,8 @@ def main():
     ap.add_argument("--data", default=str(ROOT / "data" / "qa_test.jsonl"))
     ap.add_argument("--questions", type=int, default=8)
     ap.add_argument("--k", type=int, default=8)
-    ap.add_argument("--max_response_tokens", type=int, default=512)
+    ap.add_argument("--max_response_tokens", type=int, default=256, help="as train.py's embedded default")
+    ap.add_argument("--search_topk", type=int, default=1, help="snippets per search (train.py's embedded default)")
     ap.add_argument("--temperature", type=float, default=1.0)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--threads", type=int, default=0, help="torch threads (0 = torch default)")
@@ -66,7 +67,7 @@ def main():
     model, tokenizer = load_policy(args.model)
     rows = E.load_dataset(args.data)[:args.questions]
     prompts = [E.build_prompt(tokenizer, r["question"]) for r in rows]
-    runner = tools.Tools(tools.make_search("bm25"))
+    runner = tools.Tools(tools.make_search("bm25", topk=args.search_topk))
     gen = rollout.TransformersGenerator(model, tokenizer, temperature=args.temperature)
     variants = {
         "aepo": dict(),
@@ -98,7 +99,7 @@ def main():
           f"decoded tokens {a['decoded_tokens_total']} vs {i['decoded_tokens_total']} | "
           f"tool calls/traj {a['tool_calls_per_traj']} vs {i['tool_calls_per_traj']} | "
           f"prefix reuse {a['shared_prefix_frac']:.1%} vs {i['shared_prefix_frac']:.1%} | "
-          f"branches/tree {a['branches_per_tree']} m {a['m']}")
+          f"branches/tree {a['branches_per_tree']} m {a['m']} | reward {a['mean_reward']} vs {i['mean_reward']}")
 
 
 if __name__ == "__main__":

@@ -279,3 +279,22 @@ def test_bad_n_valid_and_shapes_raise():
         L.policy_loss(z, z, z, z, 0)
     with pytest.raises(ValueError, match="advantages"):
         L.policy_loss(z, z, torch.zeros(2), z, 1)
+
+
+def test_chunked_path_is_float32_inside_autocast():
+    """Under bf16 autocast (forward and backward inside the context) the chunked path still computes
+    in float32: same values and gradients as without autocast."""
+    torch.manual_seed(0)
+    hidden = torch.randn(7, 16, requires_grad=True)
+    weight = torch.randn(50, 16, requires_grad=True)
+    ids = torch.randint(0, 50, (7,))
+    logp, ent = L.logprobs_and_entropy(hidden, weight, ids, chunk_size=3)
+    gh, gw = torch.autograd.grad((logp.sum() + ent.sum()), (hidden, weight))
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        logp2, ent2 = L.logprobs_and_entropy(hidden, weight, ids, chunk_size=3)
+        gh2, gw2 = torch.autograd.grad((logp2.sum() + ent2.sum()), (hidden, weight))
+    assert logp2.dtype == torch.float32
+    torch.testing.assert_close(logp2, logp)
+    torch.testing.assert_close(ent2, ent)
+    torch.testing.assert_close(gh2, gh)
+    torch.testing.assert_close(gw2, gw)
