@@ -163,12 +163,9 @@ class TransformersGenerator:
             if tok in self.eos_ids:
                 return row[:j + 1], "eos", text
             text += self.tokenizer.decode([tok])
-            tail = text[-64:]
-            for stop in tools.STOP_STRINGS:
-                at = tail.find(stop)
-                if at >= 0:
-                    full = self.tokenizer.decode(row[:j + 1])
-                    return row[:j + 1], _finish_reason(stop), full
+            hit = tools.first_stop(text[-64:])         # (end offset, stop string) or None
+            if hit is not None:
+                return row[:j + 1], _finish_reason(hit[1]), self.tokenizer.decode(row[:j + 1])
         kept = row[:limit]
         return kept, "length", self.tokenizer.decode(kept)
 
@@ -317,7 +314,7 @@ def tree_rollout(prompts: list[list[int]], generator: Generator, tool_runner, to
         segments = generator.generate([t.prompt_ids + t.response_ids for t in active], budgets,
                                       seed=seed * 7919 + rnd)
         calls, callers = [], []
-        for t, seg, budget in zip(active, segments, budgets):
+        for t, seg in zip(active, segments):
             t.response_ids += seg.token_ids
             t.loss_mask += [1] * len(seg.token_ids)
             t.seg_entropies.append(seg.h_seg)

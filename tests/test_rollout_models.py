@@ -71,8 +71,6 @@ def test_transformers_generator_cuts_at_stop_strings(tokenizer):
     target = tokenizer.encode("x </search> tail", add_special_tokens=False)
 
     def forward_hook(module, args, kwargs, output):
-        ids = kwargs.get("input_ids")
-        pos = output.logits.shape[1]
         logits = torch.full_like(output.logits, -1e4)
         # emit target tokens in order, based on how many were already generated
         n_gen = ForcedCounter.count
