@@ -428,6 +428,7 @@ def tree_stats(groups: list[list[Trajectory]], m_of: list, tool_counts: dict, n_
         "branches_per_tree": sum(branches) / max(1, len(groups)),
         "branch_l_hist": dict(sorted(l_hist.items())),
         "branch_top_chain_share": sum(top_chain) / len(top_chain) if top_chain else 0.0,
+        "trees_with_branches": len(top_chain),
         "tool_calls_per_traj": sum(len(t.tool_calls) for t in trajs) / n,
         "generated_tokens_per_traj": sum(sum(t.loss_mask) for t in trajs) / n,
         "response_tokens_per_traj": sum(len(t.response_ids) for t in trajs) / n,

@@ -90,6 +90,7 @@ class Config:
     eval_limit: int = arg(25, "evaluate the first N held-out questions (0 = all) [embedded]")
     eval_n: int = arg(2, "samples per held-out question (Pass@k for k <= eval_n; official 5) [embedded]")
     eval_every: int = arg(0, "also evaluate every N steps (0 = only before and after)")
+    eval_before: bool = arg(True, "evaluate the starting policy before training (false: only after)")
     eval_temperature: float = arg(0.6, "evaluation sampling temperature (SPEC §6)")
     eval_top_p: float = arg(0.95, "evaluation nucleus sampling (SPEC §6)")
     skip_bad: bool = arg(False, "skip malformed dataset rows (with a warning) instead of stopping")
@@ -682,6 +683,8 @@ def step_metrics(step, rows, trajectories, scores, rewards, adv, tree, stats, st
                   "gen_len": sum(sum(t.loss_mask) for t in trajectories),
                   "truncated": sum(t.truncated for t in trajectories), "adv_nonzero": float((adv != 0).sum()),
                   "m": tree["m"] * len(rows), "branches": tree["branches_per_tree"] * len(rows),
+                  "top_chain": tree["branch_top_chain_share"] * tree["trees_with_branches"],
+                  "trees_branched": tree["trees_with_branches"],
                   "questions": len(rows)})
     local.update({key: float(v) for key, v in tree.items() if key.startswith("tools/")})
     g = reduce_metrics(local)
@@ -690,6 +693,7 @@ def step_metrics(step, rows, trajectories, scores, rewards, adv, tree, stats, st
     m.update({key: g[key] / n for key in ("reward", "acc", "f1", "format_ok", "tool_calls", "resp_len", "seq_len",
                                           "gen_len", "truncated", "adv_nonzero")})
     m.update({"m": g["m"] / g["questions"], "branches": g["branches"] / g["questions"],
+              "branch_top_chain": g["top_chain"] / g["trees_branched"] if g["trees_branched"] else 0.0,
               "entropy": g["h_sum"] / max(1.0, g["h_count"]), "entropy_std": std_h, "n_valid_tokens": g["h_count"],
               "clip_hi": g["loss/clip_upper"] / n_tok, "clip_lo": g["loss/clip_lower"] / n_tok,
               "clip_dual": g["loss/clip_dual"] / n_tok, "preserved": g["loss/sg_kept"] / n_tok,
@@ -953,7 +957,7 @@ def train(cfg: Config, rank: int, world: int, device: torch.device) -> dict:
                                    resume="allow"))
 
     evals = {}
-    before = run_eval("before") if start_step == 0 else None
+    before = run_eval("before") if start_step == 0 and cfg.eval_before else None
     if before is None and (run_dir / "eval" / "before_summary.json").exists():      # resumed run
         before = json.loads((run_dir / "eval" / "before_summary.json").read_text())
     if before:
@@ -1070,7 +1074,12 @@ def save_checkpoint_lm(policy, tokenizer, out: Path, rank: int) -> None:
         tokenizer.save_pretrained(tmp)
         out.parent.mkdir(parents=True, exist_ok=True)
         shutil.rmtree(out, ignore_errors=True)
-        os.replace(tmp, out)
+        try:
+            os.replace(tmp, out)
+        except OSError:                          # another process saved the same cold start meanwhile
+            if not (out / "config.json").exists():
+                raise
+            shutil.rmtree(tmp, ignore_errors=True)
     barrier()
 
 

@@ -357,7 +357,11 @@ def test_two_steps_then_resume_is_exact(setup, monkeypatch, tokenizer):
 
 def test_existing_run_needs_resume(setup, monkeypatch):
     monkeypatch.setattr(train.evaluation, "deep_research_reward", fake_reward)
-    train.main(flags(setup, "twice", steps=1))
+    run = Path(train.main(flags(setup, "twice", steps=1, eval_data=str(setup / "qa.jsonl"), eval_limit=1,
+                                eval_before="false"))["run_dir"])
+    assert not (run / "eval" / "before_summary.json").exists() and (run / "eval" / "after_summary.json").exists()
+    row = json.loads((run / "metrics.jsonl").read_text())
+    assert 0.0 <= row["branch_top_chain"] <= 1.0 and (row["branch_top_chain"] > 0) == (row["branches"] > 0)
     with pytest.raises(FileExistsError, match="--resume"):
         train.main(flags(setup, "twice", steps=1))
 

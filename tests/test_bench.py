@@ -1,0 +1,103 @@
+"""The benchmark helpers that produce README numbers: the synthetic lookup task, the comparison's aggregation and
+the branch-concentration statistics its plots use."""
+import json
+import math
+import sys
+from pathlib import Path
+
+import pytest
+
+import rollout
+import tools
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "bench"))
+import compare_algorithms  # noqa: E402
+import lookup_task  # noqa: E402
+
+
+def read(path):
+    return [json.loads(line) for line in Path(path).read_text().splitlines()]
+
+
+def test_lookup_task_is_deterministic_and_answerable_by_search(tmp_path):
+    a = lookup_task.make_task(tmp_path / "a", n_train=40, n_test=20, n_cold=10)
+    b = lookup_task.make_task(tmp_path / "b", n_train=40, n_test=20, n_cold=10)
+    for key in a:
+        assert Path(a[key]).read_text() == Path(b[key]).read_text()
+    train, test, corpus = read(a["train"]), read(a["test"]), read(a["corpus"])
+    assert len(train) == 50 and len(test) == 20 and len(corpus) == 2 * 70
+    assert all(r["type"] == "lookup" for r in train[:10])                      # the cold-start rows
+    assert [r["type"] for r in train[10:14]] == ["lookup", "director", "lookup", "director"]
+    assert not {r["question"] for r in train} & {r["question"] for r in test}
+    search = tools.make_search("bm25", corpus_path=a["corpus"], cache=tmp_path / "cache", topk=1)
+    rows = train + test
+    first = search.search([r["query"] for r in rows])
+    for r, result in zip(rows, first):
+        phrase = r["answer"][0]
+        assert len(phrase.split()) == 3
+        if r["type"] == "lookup":                                              # one search finds the answer
+            assert phrase in result, (r, result)
+        else:                                                                  # the firm names its director ...
+            assert phrase not in result
+            director = result.split("Its director is ")[1].rstrip(".\n")
+            second = search.search([f"{director} passphrase"])[0]              # ... whose page has the answer
+            assert phrase in second, (r, result, second)
+
+
+def traj(group, tid, parent=None):
+    return rollout.Trajectory(group_id=group, traj_id=tid, prompt_ids=[1, 2], response_ids=[3, 4, 5],
+                              loss_mask=[1, 1, 1], parent=parent, fork_offset=1 if parent is not None else 0)
+
+
+def test_tree_stats_branch_concentration():
+    # question 0: globals 0, 1; branches 2 <- 0, 3 <- 2 (both on chain 0), 4 <- 1  -> top chain 2/3
+    # question 1: no branch (left out of the share);  question 2: one branch -> 1.0
+    groups = [[traj(0, 0), traj(0, 1), traj(0, 2, 0), traj(0, 3, 2), traj(0, 4, 1)],
+              [traj(1, 0), traj(1, 1)],
+              [traj(2, 0), traj(2, 1, 0)]]
+    stats = rollout.tree_stats(groups, [2, 2, 1], {}, 0, 1)
+    assert stats["trees_with_branches"] == 2
+    assert stats["branch_top_chain_share"] == pytest.approx((2 / 3 + 1.0) / 2)
+    assert stats["branches_per_tree"] == pytest.approx(4 / 3)
+
+
+def fake_run(run_dir: Path, rewards, before=None, after=0.5, branches=1.0):
+    (run_dir / "eval").mkdir(parents=True)
+    rows = [{"step": i + 1, "reward": r, "entropy": 0.5 + 0.01 * i, "clip_hi": 0.01, "preserved": 0.002,
+             "branches": branches if i else 0.0, "branch_top_chain": 0.75 if (branches and i) else 0.0,
+             "tool_calls": 1.2, "tools/search/calls": 10.0, "time/step": 30.0} for i, r in enumerate(rewards)]
+    (run_dir / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    for name, v in (("before", before), ("after", after)):
+        if v is not None:
+            (run_dir / "eval" / f"{name}_summary.json").write_text(
+                json.dumps({"pass@1": v, "pass@4": min(1.0, 2 * v), "f1": v, "tool_calls": 1.1}))
+
+
+def test_compare_report_aggregates_every_seed(tmp_path):
+    args = compare_algorithms.main_parser().parse_args(
+        ["--work", str(tmp_path / "work"), "--out", str(tmp_path / "out"), "--seeds", "0,1", "--eval_n", "4"])
+    task = lookup_task.make_task(tmp_path / "work" / "task", n_train=4, n_test=2, n_cold=2)
+    after = {("grpo", 0): 0.2, ("grpo", 1): 0.4, ("arpo", 0): 0.3, ("arpo", 1): 0.3, ("aepo", 0): 0.5,
+             ("aepo", 1): 0.1}
+    for (algo, seed), v in after.items():
+        fake_run(tmp_path / "work" / "runs" / f"{algo}-s{seed}", [0.0, 0.5, 1.0, 1.0],
+                 before=0.25 if algo == "grpo" else None, after=v, branches=0.0 if algo == "grpo" else 1.5)
+    res = compare_algorithms.report(args, [0, 1], task)
+    grpo, aepo = res["algos"]["grpo"], res["algos"]["aepo"]
+    assert grpo["mean_sd"]["pass@1"] == pytest.approx((0.3, math.sqrt(0.02)))
+    assert aepo["mean_sd"]["pass@1"] == pytest.approx((0.3, math.sqrt(0.08)))
+    assert aepo["per_seed"][1]["pass@4"] == pytest.approx(0.2)
+    assert grpo["mean_sd"]["train_reward_2nd_half"][0] == pytest.approx(1.0)      # steps 3-4
+    assert grpo["mean_sd"]["branch_top_chain"] is None                            # never branched
+    assert aepo["mean_sd"]["branch_top_chain"][0] == pytest.approx(0.75)          # steps with branches only
+    assert res["before"][0]["pass@1"] == 0.25
+    md = (tmp_path / "out" / "results.md").read_text()
+    assert "| AEPO | 0.300 ± 0.283 [0.500, 0.100]" in md
+    assert (tmp_path / "out" / "compare_algorithms.png").stat().st_size > 10_000
+    assert "--seed=0" in res["train_command_example"] and "configs/aepo.yaml" in res["train_command_example"]
+
+
+def test_compare_report_names_a_missing_run(tmp_path):
+    args = compare_algorithms.main_parser().parse_args(["--work", str(tmp_path), "--out", str(tmp_path / "o")])
+    with pytest.raises(FileNotFoundError, match="grpo-s0"):
+        compare_algorithms.report(args, [0], {"train": "t", "test": "e", "corpus": "c"})
