@@ -78,7 +78,8 @@ def run_ours(model: Path, steps: int, out: Path, tree: bool) -> dict:
                 f"--steps={steps}", f"--out_dir={out}", f"--run_name={name}", "--save_every=0",
                 "--keep_checkpoints=1", "--log_samples=0", "--seed=0"])
     rows = [json.loads(line) for line in (out / name / "metrics.jsonl").read_text().splitlines()]
-    return {"step_s": [r["time/step"] for r in rows], "completion_tokens": [r["gen_len"] for r in rows]}
+    return {"step_s": [r["time/step"] for r in rows], "gen_s": [r["time/rollout"] for r in rows],
+            "completion_tokens": [r["gen_len"] for r in rows]}
 
 
 def run_trl(model: Path, steps: int, out: Path, gradient_checkpointing: bool) -> dict:
@@ -103,11 +104,12 @@ def run_trl(model: Path, steps: int, out: Path, gradient_checkpointing: bool) ->
     def reward(completions, golds, **_):
         return [evaluation.deep_research_reward(c, g) for c, g in zip(completions, golds)]
 
-    times, lengths = [], []
+    times, gen_times, lengths = [], [], []
 
     class Timer(TrainerCallback):
         def on_step_begin(self, args, state, control, **kw):
             self.t0 = time.time()
+            gen_times.append(0.0)
 
         def on_step_end(self, args, state, control, **kw):
             times.append(time.time() - self.t0)
@@ -126,8 +128,16 @@ def run_trl(model: Path, steps: int, out: Path, gradient_checkpointing: bool) ->
     lm = AutoModelForCausalLM.from_pretrained(model, dtype=torch.float32)
     trainer = GRPOTrainer(model=lm, reward_funcs=reward, args=cfg, train_dataset=data, processing_class=tok,
                           callbacks=[Timer()])
+    generate = trainer._generate                      # time generation inside the step (TRL 1.x method name)
+
+    def timed_generate(*a, **kw):
+        t0 = time.time()
+        out = generate(*a, **kw)
+        gen_times[-1] += time.time() - t0
+        return out
+    trainer._generate = timed_generate
     trainer.train()
-    return {"step_s": times, "completion_tokens": lengths}
+    return {"step_s": times, "gen_s": gen_times, "completion_tokens": lengths}
 
 
 def child(args) -> None:
@@ -160,7 +170,7 @@ def main() -> None:
         raise SystemExit("bench/vs_trl.py needs TRL: pip install -r bench/requirements-trl.txt")
     import torch
     sides = ["ours", "trl"] + (["ours-tree"] if args.ours_tree else [])
-    results = {s: {"step_s": [], "peak_mb": [], "completion_tokens": []} for s in sides}
+    results = {s: {"step_s": [], "gen_s": [], "peak_mb": [], "completion_tokens": []} for s in sides}
     with tempfile.TemporaryDirectory() as tmp:
         model = make_model(args.model, Path(tmp))
         for rep in range(args.repeats):
@@ -176,6 +186,7 @@ def main() -> None:
                     raise SystemExit(f"{side}: run failed (exit {proc.returncode})")
                 res = json.loads(lines[-1][len("RESULT "):])
                 results[side]["step_s"] += res["step_s"][1:]          # drop the warm-up step
+                results[side]["gen_s"] += res["gen_s"][1:]
                 results[side]["peak_mb"].append(res["peak_mb"])
                 results[side]["completion_tokens"] += res["completion_tokens"]
                 print(f"repeat {rep + 1}, {side}: steps {', '.join(f'{t:.2f}' for t in res['step_s'])} s | "
@@ -188,7 +199,9 @@ def main() -> None:
     for side in sides:
         r = results[side]
         step, sd = statistics.fmean(r["step_s"]), statistics.stdev(r["step_s"]) if len(r["step_s"]) > 1 else 0.0
-        print(f"  {side:9s} step {step:6.2f} ± {sd:.2f} s ({len(r['step_s'])} steps) | ratio to TRL "
+        gen = statistics.fmean(r["gen_s"])
+        print(f"  {side:9s} step {step:6.2f} ± {sd:.2f} s ({len(r['step_s'])} steps) = generation {gen:.2f} s + "
+              f"the rest {step - gen:.2f} s | ratio to TRL "
               f"{step / trl_step:.2f}x | peak {max(r['peak_mb']):.0f} MB (ratio {max(r['peak_mb']) / max(results['trl']['peak_mb']):.2f}) | "
               f"completion tokens/sample {statistics.fmean(r['completion_tokens']):.1f}")
 
