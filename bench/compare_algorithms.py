@@ -21,6 +21,7 @@ import argparse
 import concurrent.futures
 import json
 import os
+import shlex
 import shutil
 import statistics
 import subprocess
@@ -91,7 +92,8 @@ def report(args, seeds: list[int], task: dict) -> dict:
                                         ("steps", "k", "questions_per_step", "max_response_tokens", "lr",
                                          "eval_limit", "eval_n")},
            "command": f"python bench/compare_algorithms.py --seeds {','.join(map(str, seeds))}",
-           "train_command_example": "python " + " ".join(train_argv("aepo", seeds[0], task, args)),
+           "train_command_example": "python " + shlex.join(train_argv("aepo", seeds[0], task, args)).replace(
+               f"{ROOT}/", ""),
            "before": {s: {m: runs["grpo", s]["eval"]["before"][m] for m in ("pass@1", f"pass@{k}", "f1")}
                       for s in seeds},
            "algos": {}}
