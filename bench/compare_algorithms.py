@@ -50,22 +50,29 @@ def train_argv(algo: str, seed: int, task: dict, args) -> list[str]:
             "--search_kw", json.dumps({"corpus_path": task["corpus"], "topk": 1}),
             f"--steps={args.steps}", f"--k={args.k}", f"--questions_per_step={args.questions_per_step}",
             f"--max_response_tokens={args.max_response_tokens}", f"--lr={args.lr}",
-            f"--eval_limit={args.eval_limit}", f"--eval_n={args.eval_n}", f"--eval_before={str(algo == 'grpo').lower()}",
+            f"--eval_limit={args.eval_limit}", f"--eval_n={args.eval_n}",
+            f"--eval_before={str(algo == 'grpo').lower()}",
             "--save_every=0", "--keep_checkpoints=1"]
 
 
 def run_one(algo: str, seed: int, task: dict, args) -> str:
     run_dir = Path(args.work) / "runs" / f"{algo}-s{seed}"
+    argv = train_argv(algo, seed, task, args)
+    log = Path(args.work) / "logs" / f"{algo}-s{seed}.log"
+    argv_file = log.with_suffix(".argv.json")
     if (run_dir / "eval" / "after_summary.json").exists():
+        if not argv_file.exists() or json.loads(argv_file.read_text()) != argv:
+            raise RuntimeError(f"{run_dir} finished with other settings than these; pass another --work or "
+                               "delete it")
         return f"{algo}-s{seed}: done before, reused"
     shutil.rmtree(run_dir, ignore_errors=True)                 # an unfinished run starts again
-    log = Path(args.work) / "logs" / f"{algo}-s{seed}.log"
     log.parent.mkdir(parents=True, exist_ok=True)
+    argv_file.write_text(json.dumps(argv))
     env = {**os.environ, "OMP_NUM_THREADS": str(args.threads), "MKL_NUM_THREADS": str(args.threads),
            "TOKENIZERS_PARALLELISM": "false"}
     t0 = time.time()
     with open(log, "w") as f:
-        proc = subprocess.run([sys.executable, *train_argv(algo, seed, task, args)], cwd=ROOT, env=env,
+        proc = subprocess.run([sys.executable, *argv], cwd=ROOT, env=env,
                               stdout=f, stderr=subprocess.STDOUT)
     if proc.returncode != 0:
         raise RuntimeError(f"{algo}-s{seed}: train.py exited {proc.returncode}; see {log}")
@@ -136,10 +143,11 @@ def markdown(res: dict, k: int) -> str:
     before_k = [res["before"][s][f"pass@{k}"] for s in seeds]
     lines = [f"Held-out Pass@1 / Pass@{k} (mean ± sd over seeds {', '.join(map(str, seeds))}; per-seed values in "
              f"brackets). Start (cold start, shared by the three algorithms of a seed): Pass@1 "
-             f"{mean_sd(before)[0]:.3f} ± {mean_sd(before)[1]:.3f} [{', '.join(f'{v:.3f}' for v in before)}], "
+             f"{mean_sd(before)[0]:.3f} ± {mean_sd(before)[1]:.3f} "
+             f"[{', '.join(f'{v:.3f}' for v in before)}], "
              f"Pass@{k} {mean_sd(before_k)[0]:.3f} ± {mean_sd(before_k)[1]:.3f}.", "",
-             f"| | Pass@1 after | Pass@{k} after | train reward (2nd half) | entropy step 1 → last 3 | upper-clip share "
-             "| kept by sg clip | branches / tree | top-chain share | tool calls / traj | searches run | s / step |",
+             f"| | Pass@1 after | Pass@{k} after | train reward (2nd half) | entropy step 1 → last 3 "
+             "| upper-clip share | kept by sg clip | branches / tree | top-chain share | tool calls / traj | searches run | s / step |",
              "|---|---|---|---|---|---|---|---|---|---|---|---|"]
 
     def cell(a, key, fmt="{:.3f}", seeds_too=False):

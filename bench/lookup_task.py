@@ -27,7 +27,8 @@ WORDS = ("amber anchor apple arrow autumn badge bamboo barrel basket beacon bell
          " ginger glacier harbor hazel helmet hollow island ivory jasmine kettle lantern lemon marble meadow mirror"
          " nutmeg orchard otter paddle pebble pepper pillow pine plum quartz quiver raven ribbon river saddle"
          " silver sparrow spruce thistle thunder tulip velvet violet walnut willow winter zephyr").split()
-JOBS = "archivist carpenter chemist courier engineer gardener librarian navigator painter surveyor tailor weaver".split()
+JOBS = ("archivist carpenter chemist courier engineer gardener librarian navigator painter surveyor tailor"
+        " weaver").split()
 KINDS = "bakery boatyard foundry mill press pottery tannery workshop".split()
 TOWNS = "Ardley Brennock Calloway Dunmere Elsworth Fenwick Garrow Holloway".split()
 

@@ -101,3 +101,16 @@ def test_compare_report_names_a_missing_run(tmp_path):
     args = compare_algorithms.main_parser().parse_args(["--work", str(tmp_path), "--out", str(tmp_path / "o")])
     with pytest.raises(FileNotFoundError, match="grpo-s0"):
         compare_algorithms.report(args, [0], {"train": "t", "test": "e", "corpus": "c"})
+
+
+def test_compare_refuses_a_finished_run_with_other_settings(tmp_path):
+    args = compare_algorithms.main_parser().parse_args(["--work", str(tmp_path), "--steps", "3"])
+    task = {"train": "t", "test": "e", "corpus": "c"}
+    fake_run(tmp_path / "runs" / "grpo-s0", [0.0], before=0.1)
+    (tmp_path / "logs").mkdir()
+    argv = compare_algorithms.train_argv("grpo", 0, task, args)
+    (tmp_path / "logs" / "grpo-s0.argv.json").write_text(json.dumps(argv))
+    assert "reused" in compare_algorithms.run_one("grpo", 0, task, args)        # same settings: not run again
+    args.steps = 4
+    with pytest.raises(RuntimeError, match="other settings"):
+        compare_algorithms.run_one("grpo", 0, task, args)
