@@ -202,7 +202,8 @@ def main() -> None:
         gen = statistics.fmean(r["gen_s"])
         print(f"  {side:9s} step {step:6.2f} ± {sd:.2f} s ({len(r['step_s'])} steps) = generation {gen:.2f} s + "
               f"the rest {step - gen:.2f} s | ratio to TRL "
-              f"{step / trl_step:.2f}x | peak {max(r['peak_mb']):.0f} MB (ratio {max(r['peak_mb']) / max(results['trl']['peak_mb']):.2f}) | "
+              f"{step / trl_step:.2f}x | peak {max(r['peak_mb']):.0f} MB "
+              f"(ratio {max(r['peak_mb']) / max(results['trl']['peak_mb']):.2f}) | "
               f"completion tokens/sample {statistics.fmean(r['completion_tokens']):.1f}")
 
 
