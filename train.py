@@ -1073,10 +1073,11 @@ def save_checkpoint_lm(policy, tokenizer, out: Path, rank: int) -> None:
         unwrap(policy).lm.save_pretrained(tmp, state_dict={k.removeprefix("lm."): v for k, v in sd.items()})
         tokenizer.save_pretrained(tmp)
         out.parent.mkdir(parents=True, exist_ok=True)
-        shutil.rmtree(out, ignore_errors=True)
+        if out.exists() and not (out / "config.json").exists():
+            shutil.rmtree(out, ignore_errors=True)   # an incomplete leftover; a complete one is never deleted
         try:
-            os.replace(tmp, out)
-        except OSError:                          # another process saved the same cold start meanwhile
+            os.replace(tmp, out)                 # atomic; fails if another process saved the same cold start first
+        except OSError:
             if not (out / "config.json").exists():
                 raise
             shutil.rmtree(tmp, ignore_errors=True)

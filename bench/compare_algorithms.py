@@ -1,6 +1,6 @@
 """GRPO vs ARPO vs AEPO at small scale: same model, data, budget and seeds; only the SPEC switches differ.
 
-    python bench/compare_algorithms.py                          # 3 algorithms x 3 seeds, ~1 h on 2 CPU cores
+    python bench/compare_algorithms.py                          # 3 algorithms x 3 seeds, 1 h 49 min on 2 CPU cores
     python bench/compare_algorithms.py --seeds 0,1,2,3,4 --jobs 1 --threads 2
     python bench/compare_algorithms.py --report_only            # re-aggregate finished runs
 
@@ -131,9 +131,10 @@ def report(args, seeds: list[int], task: dict) -> dict:
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     (out / "results.json").write_text(json.dumps(res, indent=2))
-    (out / "results.md").write_text(markdown(res, k))
+    table = markdown(res, k)
+    (out / "results.md").write_text(table)
     plot(runs, res, seeds, k, out / "compare_algorithms.png")
-    print(markdown(res, k))
+    print(table)
     return res
 
 
