@@ -493,7 +493,8 @@ def _criterion(row: dict, judge) -> str:
 def evaluate(model, tokenizer, rows: list[dict], tools, *, n: int = 5, temperature: float = 0.6,
              top_p: float = 0.95, max_response_tokens: int = 4096, batch_size: int = 64, out_dir=None,
              generator=None, name: str = "eval", judge: Judge | None = None, max_tool_calls: int = 6,
-             seed: int = 0, config: dict | None = None, progress: bool = True) -> dict:
+             seed: int = 0, config: dict | None = None, progress: bool = True, rank: int = 0,
+             world: int = 1) -> dict:
     """Sample n trajectories per question (rollout.tree_rollout with entropy_branching=False, k=n) and
     score them. Returns the summary dict; with out_dir, writes {name}_results.jsonl (one line per
     question, full trajectories), {name}_summary.json and {name}_summary.md.
@@ -502,16 +503,23 @@ def evaluate(model, tokenizer, rows: list[dict], tools, *, n: int = 5, temperatu
     tokenizer, temperature, top_p, batch_size). batch_size: trajectories generated together (each
     rollout call takes batch_size // n questions). Correct = exact_match of the boxed answer, or
     math_equal for rows with meta["kind"] == "math", or judge(question, prediction, golds) if given.
+    Several processes (world > 1, every rank calls it): questions go out in chunks of batch_size // n, chunk j to
+    rank j % world, each with the seed it has in one process, so the merged results equal one process's; every
+    rank returns the summary and rank 0 writes the files.
     """
+    import generation
+    import parallel
     import rollout
     from tqdm import tqdm
     if generator is None:
-        generator = rollout.TransformersGenerator(model, tokenizer, temperature=temperature, top_p=top_p,
-                                                  batch_size=batch_size)
+        generator = generation.TransformersGenerator(model, tokenizer, temperature=temperature, top_p=top_p,
+                                                     batch_size=batch_size)
     started, records, tree = time.time(), [], Counter()
     per_call = max(1, batch_size // n)
-    bar = tqdm(total=len(rows) * n, desc=f"eval {name}", unit="traj", disable=not progress)
-    for start in range(0, len(rows), per_call):
+    mine = list(range(0, len(rows), per_call))[rank::world]
+    bar = tqdm(total=sum(len(rows[s:s + per_call]) for s in mine) * n, desc=f"eval {name}", unit="traj",
+               disable=not progress)
+    for start in mine:
         chunk = rows[start:start + per_call]
         done = [0]
 
@@ -547,13 +555,16 @@ def evaluate(model, tokenizer, rows: list[dict], tools, *, n: int = 5, temperatu
                             "pass@k": {str(k): pass_at_k(n, c, k) for k in range(1, n + 1)},
                             "samples": samples})
     bar.close()
+    gathered = parallel.gather((records, dict(tree)))
+    records = sorted((rec for recs, _ in gathered for rec in recs), key=lambda rec: rec["index"])
+    tree = sum((Counter(counts) for _, counts in gathered), Counter())
     summary = summarize(records, n, name)
     summary.update(wall_s=round(time.time() - started, 1), tool_counts=dict(tree),
                    settings={"n": n, "temperature": temperature, "top_p": top_p, "seed": seed,
                              "max_response_tokens": max_response_tokens, "max_tool_calls": max_tool_calls,
                              "judge": None if judge is None else {"url": judge.url, "model": judge.model}},
                    config=config)
-    if out_dir is not None:
+    if out_dir is not None and rank == 0:
         out = Path(out_dir)
         out.mkdir(parents=True, exist_ok=True)
         with open(out / f"{name}_results.jsonl", "w", encoding="utf-8") as f:

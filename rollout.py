@@ -27,8 +27,6 @@ import random
 from dataclasses import dataclass, field
 from typing import Protocol
 
-import torch
-
 import tools
 
 # --------------------------------------------------------------------------------------------------
@@ -68,7 +66,7 @@ def branch_probability(u: float, delta_h: float, l: int, gamma: float = 0.2, lam
 
 
 # --------------------------------------------------------------------------------------------------
-# Generation backends: token ids in, token ids out
+# The generation interface (generation.py implements it for transformers and vLLM): token ids in, segments out
 
 
 @dataclass
@@ -85,160 +83,6 @@ class Generator(Protocol):
 
     def generate(self, contexts: list[list[int]], max_new_tokens: list[int], seed: int) -> list[Segment]:
         """One segment per context, sampled with the backend's temperature and top-p."""
-
-
-def _finish_reason(stop: str | None) -> str:
-    return "answer" if stop == "</answer>" else "tool"
-
-
-class _TopkRecorder:
-    """A logits processor that records the top-k log-probs of the raw logits for the first n steps
-    and changes nothing. Custom processors run before temperature and top-p in `generate`, so it
-    sees the model's own distribution; keeping only (B, k) per step avoids storing (B, V) logits."""
-
-    def __init__(self, k: int, n: int):
-        self.k, self.n, self.steps = k, n, []
-
-    def __call__(self, input_ids, scores):
-        if len(self.steps) < self.n:
-            self.steps.append(torch.log_softmax(scores.float(), -1).topk(self.k, -1).values.cpu())
-        return scores
-
-
-class TransformersGenerator:
-    """All contexts of a round in batched `model.generate` calls (left padding), stopping at the
-    closing tool tags, `</answer>` and EOS. H_seg uses the top-10 log-probs of the raw logits (T=1),
-    the same quantity vLLM returns by default, so trees do not depend on the backend."""
-
-    def __init__(self, model, tokenizer, temperature: float = 1.0, top_p: float = 1.0,
-                 batch_size: int = 64, topk: int = 10, n_entropy: int = 20):
-        self.model, self.tokenizer = model, tokenizer
-        self.temperature, self.top_p, self.batch_size = temperature, top_p, batch_size
-        self.topk, self.n_entropy = topk, n_entropy
-        self.vocab_size = model.config.vocab_size
-        eos = model.generation_config.eos_token_id if model.generation_config.eos_token_id is not None \
-            else tokenizer.eos_token_id
-        self.eos_ids = set(eos if isinstance(eos, (list, tuple)) else [eos])
-        self.pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else min(self.eos_ids)
-
-    @torch.no_grad()
-    def generate(self, contexts, max_new_tokens, seed):
-        out: list[Segment] = []
-        for start in range(0, len(contexts), self.batch_size):
-            out += self._generate_batch(contexts[start:start + self.batch_size],
-                                        max_new_tokens[start:start + self.batch_size], seed + start)
-        return out
-
-    def _generate_batch(self, contexts, max_new_tokens, seed):
-        device = next(self.model.parameters()).device
-        width = max(len(c) for c in contexts)
-        ids = torch.full((len(contexts), width), self.pad_id, dtype=torch.long)
-        attn = torch.zeros_like(ids)
-        for i, c in enumerate(contexts):
-            ids[i, width - len(c):] = torch.tensor(c)
-            attn[i, width - len(c):] = 1
-        torch.manual_seed(seed)
-        sample = self.temperature > 0
-        recorder = _TopkRecorder(self.topk, self.n_entropy)
-        gen = self.model.generate(
-            input_ids=ids.to(device), attention_mask=attn.to(device), max_new_tokens=max(max_new_tokens),
-            do_sample=sample, temperature=self.temperature if sample else None,
-            top_p=self.top_p if sample else None, top_k=0, logits_processor=[recorder],
-            stop_strings=list(tools.STOP_STRINGS), tokenizer=self.tokenizer,
-            eos_token_id=sorted(self.eos_ids), pad_token_id=self.pad_id, return_dict_in_generate=True)
-        new = gen.sequences[:, width:].tolist()
-        n_ent = len(recorder.steps)
-        topk = torch.stack(recorder.steps) if n_ent else torch.empty(0, len(contexts), self.topk)  # (n, B, topk)
-        segments = []
-        for i, row in enumerate(new):
-            token_ids, reason, text = self._cut(row, max_new_tokens[i])
-            per_pos = topk[:min(len(token_ids), n_ent), i].tolist()
-            segments.append(Segment(token_ids, reason, segment_entropy(per_pos, self.vocab_size), text))
-        return segments
-
-    def _cut(self, row: list[int], limit: int) -> tuple[list[int], str, str]:
-        """Keep tokens up to the first stop string / EOS (inclusive) or `limit` tokens."""
-        text = ""
-        for j, tok in enumerate(row[:limit]):
-            if tok in self.eos_ids:
-                return row[:j + 1], "eos", text
-            text += self.tokenizer.decode([tok])
-            hit = tools.first_stop(text[-64:])         # (end offset, stop string) or None
-            if hit is not None:
-                return row[:j + 1], _finish_reason(hit[1]), self.tokenizer.decode(row[:j + 1])
-        kept = row[:limit]
-        return kept, "length", self.tokenizer.decode(kept)
-
-
-class VLLMGenerator:
-    """vLLM backend (GPU): token-id prompts, prefix caching on (branches share their prefix),
-    `logprobs=10` for H_seg, stop strings kept in the output, sleep/wake for a colocated trainer.
-
-    Only this class imports vllm, and only when constructed. Tested on CPU against a stand-in module
-    that mimics the parts of vLLM's API used here (tests/fake_vllm.py); see the README for what has
-    run on a GPU.
-    """
-
-    def __init__(self, model_path: str, temperature: float = 1.0, top_p: float = 1.0, topk: int = 10,
-                 n_entropy: int = 20, gpu_memory_utilization: float = 0.4, seed: int = 0,
-                 enable_sleep_mode: bool = True, dtype: str = "bfloat16", vllm_module=None, **llm_kwargs):
-        if vllm_module is None:
-            try:
-                import vllm as vllm_module
-            except ImportError as err:
-                raise ImportError("the vLLM backend needs vllm: pip install -r requirements-vllm.txt "
-                                  "(GPU machines only); or use --backend transformers") from err
-        self.vllm = vllm_module
-        self.llm = vllm_module.LLM(model=model_path, enable_prefix_caching=True, seed=seed, dtype=dtype,
-                                   gpu_memory_utilization=gpu_memory_utilization,
-                                   enable_sleep_mode=enable_sleep_mode, **llm_kwargs)
-        self.temperature, self.top_p, self.topk, self.n_entropy = temperature, top_p, topk, n_entropy
-        self.vocab_size = self.llm.llm_engine.model_config.get_vocab_size()
-        self.tokenizer = self.llm.get_tokenizer()
-
-    def generate(self, contexts, max_new_tokens, seed):
-        params = [self.vllm.SamplingParams(
-            temperature=self.temperature, top_p=self.top_p, max_tokens=n, logprobs=self.topk,
-            stop=list(tools.STOP_STRINGS), include_stop_str_in_output=True, seed=seed * 1_000_003 + i)
-            for i, n in enumerate(max_new_tokens)]
-        prompts = [self.vllm.inputs.TokensPrompt(prompt_token_ids=list(c)) for c in contexts]
-        outputs = self.llm.generate(prompts, params, use_tqdm=False)
-        segments = []
-        for out in outputs:
-            o = out.outputs[0]
-            # vLLM may add the sampled token to the top-k dict: keep ranks 1..topk only
-            per_pos = [[lp.logprob for lp in pos.values() if lp.rank is not None and lp.rank <= self.topk]
-                       for pos in (o.logprobs or [])[:self.n_entropy]]
-            if o.finish_reason == "length":
-                reason = "length"
-            elif isinstance(o.stop_reason, str):
-                reason = _finish_reason(o.stop_reason)
-            else:  # EOS (stop_reason None) or a stop token id
-                reason = "eos"
-            segments.append(Segment(list(o.token_ids), reason,
-                                    segment_entropy(per_pos, self.vocab_size), o.text))
-        return segments
-
-    def load_weights(self, named_tensors) -> None:
-        """Push the trainer's new weights (an iterable of (name, tensor)) into the engine after an
-        optimiser step, and drop cached prefixes computed with the old weights."""
-        engine = self.llm.llm_engine
-        executor = getattr(engine, "model_executor", None)
-        worker = getattr(getattr(executor, "driver_worker", None), "worker", None) \
-            or getattr(executor, "driver_worker", None)
-        runner = getattr(worker, "model_runner", None)
-        if runner is None:
-            raise RuntimeError("cannot reach the vLLM model runner in-process; run with "
-                               "VLLM_ENABLE_V1_MULTIPROCESSING=0 (colocated engine)")
-        runner.model.load_weights(named_tensors)
-        self.llm.reset_prefix_cache()
-
-    def sleep(self) -> None:
-        """Release the engine's GPU memory (weights offloaded, KV cache dropped) for training."""
-        self.llm.sleep(level=1)
-
-    def wake_up(self) -> None:
-        self.llm.wake_up()
 
 
 # --------------------------------------------------------------------------------------------------

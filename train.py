@@ -34,7 +34,6 @@ Deviations from the paper / official code:
 4. Under FSDP2 with the transformers backend, generation runs on an unsharded copy of the policy, refreshed after
    every optimiser step: HF `generate` on a sharded module deadlocks when ranks need different numbers of forward
    calls, which tree rollouts always do. The copy costs one extra set of weights per rank; use vLLM for big models.
-5. Evaluation before/after training runs on rank 0 only (the others wait).
 
 The embedded default (configs/embedded.yaml) is sized from measurements on 2 CPU cores: SmolLM2-135M runs a
 forward at ~500 tokens/s and forward+backward at ~150 tokens/s, so a step of 2 questions × k=4 takes ~60-100 s;
@@ -63,13 +62,16 @@ from pathlib import Path
 
 import numpy as np
 import torch
-import torch.distributed as dist
 
 import advantage
+import checkpoint
 import eval as evaluation
+import generation
 import loss
+import parallel
 import rollout
 import tools
+from policy import full_named_parameters, load_lm, load_policy, no_grad_sync, unwrap
 
 # ---------------------------------------------------------------------------------------------------------------------
 # Config: one dataclass, SPEC defaults unless marked "embedded"; filled from YAML (--config) and flags (jsonargparse)
@@ -155,6 +157,8 @@ class Config:
     resume: bool = arg(False, "continue the run from its latest checkpoint")
     save_every: int = arg(8, "checkpoint every N steps (the last step is always saved) [embedded]")
     keep_checkpoints: int = arg(2, "checkpoints kept (oldest deleted)")
+    save_trainer_state: bool = arg(True, "checkpoints also hold the sharded float32 model and AdamW state (12 B per "
+                                         "parameter) for an exact --resume; false: only the exported model")
     log_samples: int = arg(2, "trajectories per step written to samples.jsonl (rank 0)")
     tensorboard: bool = arg(False, "also log to TensorBoard (<run>/tb)")
     wandb: bool = arg(False, "also log to Weights & Biases")
@@ -292,80 +296,6 @@ def load_tokenizer(path: str):
     return tokenizer
 
 
-def load_lm(path: str, device: torch.device):
-    from transformers import AutoModelForCausalLM
-    try:
-        lm = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
-    except OSError as err:
-        raise FileNotFoundError(f"could not load model {path!r}: {err}") from err
-    return lm.to(device).eval()
-
-
-# ---------------------------------------------------------------------------------------------------------------------
-# The policy as one module: (log π(y_t), H_t) of chosen target tokens, so DDP / FSDP2 hooks fire on every pass
-
-
-class Policy(torch.nn.Module):
-    """Wraps a causal LM. forward(input_ids (B, L), attention_mask (B, L), mask (B, L-1)) -> (logp, entropy),
-    both (B, L-1) float32: log π(input_ids[:, t+1] | input_ids[:, :t+1]) and the token entropy H_t (SPEC §1) at
-    positions where mask is 1, 0 elsewhere. Only masked positions go through the LM head (loss.logprobs_and_entropy,
-    chunked), so prompts and tool results cost no (T, V) logits."""
-
-    def __init__(self, lm):
-        super().__init__()
-        self.lm = lm
-
-    def forward(self, input_ids, attention_mask, mask, temperature: float = 1.0, chunk_size: int = 1024):
-        hidden = self.lm.get_decoder()(input_ids=input_ids, attention_mask=attention_mask).last_hidden_state
-        sel = mask.bool()
-        with torch.autocast(hidden.device.type, enabled=False):      # the LM head in float32 (SPEC §1)
-            logp_sel, entropy_sel = loss.logprobs_and_entropy(
-                hidden[:, :-1][sel], self.lm.get_output_embeddings().weight, input_ids[:, 1:][sel], temperature,
-                chunk_size)
-        logp = torch.zeros(sel.shape, dtype=torch.float32, device=hidden.device).masked_scatter(sel, logp_sel)
-        entropy = torch.zeros(sel.shape, dtype=torch.float32, device=hidden.device).masked_scatter(sel, entropy_sel)
-        return logp, entropy
-
-
-def unwrap(policy) -> Policy:
-    return policy.module if isinstance(policy, torch.nn.parallel.DistributedDataParallel) else policy
-
-
-def wrap_policy(lm, cfg: Config, world: int, device: torch.device):
-    """Policy under DDP or FSDP2 (every decoder layer its own shard group, the rest in the root group)."""
-    policy = Policy(lm)
-    if world == 1:
-        return policy
-    if cfg.parallel == "ddp":
-        return torch.nn.parallel.DistributedDataParallel(policy, device_ids=[device.index] if device.type == "cuda"
-                                                         else None)
-    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
-    mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) if cfg.bf16 \
-        else MixedPrecisionPolicy()
-    block_names = set(getattr(lm, "_no_split_modules", None) or [])
-    blocks = [m for m in lm.modules() if type(m).__name__ in block_names]
-    if not blocks:
-        raise ValueError(f"fsdp: found no decoder layers in {type(lm).__name__} (its _no_split_modules is empty)")
-    for block in blocks:
-        fully_shard(block, mp_policy=mp)
-    fully_shard(policy, mp_policy=mp)
-    return policy
-
-
-def no_grad_sync(policy, last: bool):
-    """Gradient accumulation: reduce gradients across ranks only on the last micro-batch of a mini-batch."""
-    if isinstance(policy, torch.nn.parallel.DistributedDataParallel):
-        return contextlib.nullcontext() if last else policy.no_sync()
-    if hasattr(policy, "set_requires_gradient_sync"):        # FSDP2
-        policy.set_requires_gradient_sync(last)
-    return contextlib.nullcontext()
-
-
-def full_named_parameters(policy):
-    """(name, full tensor) of the wrapped LM's parameters, gathering FSDP2 shards (a collective: all ranks call it)."""
-    for name, p in unwrap(policy).lm.named_parameters():
-        yield name, (p.full_tensor() if hasattr(p, "full_tensor") else p).detach()
-
 
 # ---------------------------------------------------------------------------------------------------------------------
 # Trajectories -> padded tensors (one layout for RL and the cold start)
@@ -404,39 +334,13 @@ def micro_batches(trajectories, adv: torch.Tensor, n_minibatches: int, cfg: Conf
 
 
 # ---------------------------------------------------------------------------------------------------------------------
-# Distributed helpers
-
-
-def all_reduce_sum(t: torch.Tensor) -> torch.Tensor:
-    """Sum over ranks (a copy; nccl reduces on the GPU, the result comes back on t's device)."""
-    if not dist.is_initialized():
-        return t
-    on = torch.device("cuda", torch.cuda.current_device()) if dist.get_backend() == "nccl" else t.device
-    out = t.detach().to(on, copy=True)
-    dist.all_reduce(out)
-    return out.to(t.device)
-
-
-def reduce_metrics(sums: dict[str, float]) -> dict[str, float]:
-    """Sum a dict of floats over ranks (one all-reduce, float64)."""
-    keys = sorted(sums)
-    t = all_reduce_sum(torch.tensor([float(sums[key]) for key in keys], dtype=torch.float64))
-    return dict(zip(keys, t.tolist()))
-
-
-def barrier():
-    if dist.is_initialized():
-        dist.barrier()
-
-
-# ---------------------------------------------------------------------------------------------------------------------
 # One optimiser mini-batch: micro-batches with gradient accumulation, loss normalised by the global token count
 
 
 def accumulate_gradients(policy, mbs: list[dict], cfg: Config, world: int, amp, where: str) -> dict:
     """Backward of loss.policy_loss over the micro-batches of one mini-batch. Each micro-batch dict holds input_ids,
     attention_mask, mask, old_logp, adv_tok (Ã, (b, L-1)) and optionally ref_logp. Returns summed loss metrics."""
-    n_valid = all_reduce_sum(sum(mb["mask"].sum() for mb in mbs).double()).item()   # N_valid over ranks
+    n_valid = parallel.all_reduce_sum(sum(mb["mask"].sum() for mb in mbs).double()).item()   # N_valid over ranks
     sums: dict[str, float] = {}
     for i, mb in enumerate(mbs):
         with no_grad_sync(policy, last=i == len(mbs) - 1):
@@ -474,7 +378,7 @@ def old_policy_pass(policy, ref, batches: list[list[dict]], cfg: Config, amp) ->
                 mb["ref_logp"], _ = ref(mb["input_ids"], mb["attention_mask"], mb["mask"], cfg.temperature,
                                         cfg.logp_chunk_size)
             stats += advantage.entropy_stats(mb["entropy"], mb["mask"]).cpu()
-    mean_h, std_h = advantage.mean_std(all_reduce_sum(stats))                  # over all ranks
+    mean_h, std_h = advantage.mean_std(parallel.all_reduce_sum(stats))                  # over all ranks
     for mb in flat:
         if cfg.entropy_advantage:
             mb["adv_tok"] = advantage.entropy_weighted_advantages(mb["adv"], mb["entropy"], mb["mask"],
@@ -578,7 +482,7 @@ def cold_start(policy, demos: list[dict], tokenizer, cfg: Config, rank: int, wor
         mine = [items[i] for i in batch[rank::world]]
         mbs = [tensorize(mine[s:s + cfg.micro_batch_size], tokenizer.pad_token_id, device)
                for s in range(0, len(mine), cfg.micro_batch_size)]
-        n_valid = all_reduce_sum(sum(mb["mask"].sum() for mb in mbs).double()).item()
+        n_valid = parallel.all_reduce_sum(sum(mb["mask"].sum() for mb in mbs).double()).item()
         total = 0.0
         for i, mb in enumerate(mbs):
             with no_grad_sync(policy, last=i == len(mbs) - 1):
@@ -590,7 +494,7 @@ def cold_start(policy, demos: list[dict], tokenizer, cfg: Config, rank: int, wor
                 (nll * world).backward()
             total += nll.item()
         grad_norm = optimizer_step(policy, optimizer, cfg)
-        total = reduce_metrics({"nll": total})["nll"]
+        total = parallel.reduce_metrics({"nll": total})["nll"]
         log(f"cold start {step + 1}/{cfg.cold_start_steps} | nll/token {total:.3f} | grad_norm {grad_norm:.2f}")
     unwrap(policy).lm.eval()
 
@@ -601,64 +505,6 @@ def cold_start_key(model_path: str, demos: list[dict], cfg: Config, world: int) 
                 cfg.bf16, world)
     h = hashlib.sha256(json.dumps([model_path, demos, settings], sort_keys=True).encode())
     return h.hexdigest()[:16]
-
-
-# ---------------------------------------------------------------------------------------------------------------------
-# Checkpoints: save_pretrained model + optimiser + RNG + step, written to a temporary directory and renamed
-
-
-def checkpoint_dirs(run_dir: Path) -> list[Path]:
-    root = run_dir / "checkpoints"
-    return sorted(p for p in root.glob("step_*") if (p / "trainer_state.pt").exists()) if root.exists() else []
-
-
-def save_checkpoint(run_dir: Path, step: int, policy, optimizer, tokenizer, cfg: Config, info: dict, rank: int,
-                    keep: int) -> Path:
-    from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model_state_dict,
-                                                         get_optimizer_state_dict)
-    options = StateDictOptions(full_state_dict=True, cpu_offload=True)
-    model_sd = get_model_state_dict(policy, options=options)              # collectives: every rank calls
-    optim_sd = get_optimizer_state_dict(policy, optimizer, options=options)
-    rng = {"python": random.getstate(), "numpy": np.random.get_state(), "torch": torch.get_rng_state(),
-           "cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else None}
-    rngs = [None] * dist.get_world_size() if dist.is_initialized() else [rng]
-    if dist.is_initialized():
-        dist.all_gather_object(rngs, rng)
-    final = run_dir / "checkpoints" / f"step_{step:06d}"
-    if rank == 0:
-        tmp = final.with_name(f".tmp_{final.name}")
-        shutil.rmtree(tmp, ignore_errors=True)
-        lm_sd = {name.removeprefix("lm."): t for name, t in model_sd.items()}
-        lm = unwrap(policy).lm
-        lm.save_pretrained(tmp, state_dict=lm_sd)
-        tokenizer.save_pretrained(tmp)
-        torch.save({"step": step, "optimizer": optim_sd, "rng": rngs, "data_position": step * cfg.questions_per_step},
-                   tmp / "trainer_state.pt")
-        (tmp / "config.yaml").write_text(config_yaml(cfg))
-        (tmp / "run_info.json").write_text(json.dumps(info, indent=2))
-        if final.exists():                       # re-saving a step: move the old one aside first
-            os.replace(final, final.with_name(f".old_{final.name}"))
-        os.replace(tmp, final)
-        shutil.rmtree(final.with_name(f".old_{final.name}"), ignore_errors=True)
-        for old in checkpoint_dirs(run_dir)[:-keep] if keep > 0 else []:
-            shutil.rmtree(old, ignore_errors=True)
-    barrier()
-    return final
-
-
-def load_trainer_state(ckpt: Path, policy, optimizer, rank: int) -> int:
-    from torch.distributed.checkpoint.state_dict import StateDictOptions, set_optimizer_state_dict
-    state = torch.load(ckpt / "trainer_state.pt", map_location="cpu", weights_only=False)
-    set_optimizer_state_dict(policy, optimizer, optim_state_dict=state["optimizer"],
-                             options=StateDictOptions(full_state_dict=True))
-    rngs = state["rng"]
-    rng = rngs[rank] if rank < len(rngs) else rngs[0]
-    random.setstate(rng["python"])
-    np.random.set_state(rng["numpy"])
-    torch.set_rng_state(rng["torch"])
-    if rng["cuda"] is not None and torch.cuda.is_available():
-        torch.cuda.set_rng_state_all(rng["cuda"])
-    return int(state["step"])
 
 
 # ---------------------------------------------------------------------------------------------------------------------
@@ -687,7 +533,7 @@ def step_metrics(step, rows, trajectories, scores, rewards, adv, tree, stats, st
                   "trees_branched": tree["trees_with_branches"],
                   "questions": len(rows)})
     local.update({key: float(v) for key, v in tree.items() if key.startswith("tools/")})
-    g = reduce_metrics(local)
+    g = parallel.reduce_metrics(local)
     n, n_tok = g["n_traj"], max(1.0, g["loss/n_tokens"])
     m = {"step": step, "trajectories": n}
     m.update({key: g[key] / n for key in ("reward", "acc", "f1", "format_ok", "tool_calls", "resp_len", "seq_len",
@@ -748,6 +594,12 @@ def load_questions(path: str, tokenizer, cfg: Config, what: str) -> list[dict]:
     return kept
 
 
+def seed_all(seed: int) -> None:
+    random.seed(seed)
+    np.random.seed(seed)
+    torch.manual_seed(seed)
+
+
 def step_questions(rows: list[dict], step: int, cfg: Config) -> list[dict]:
     """The step's global batch: positions step·Q .. step·Q+Q−1 of a sequence of seeded per-epoch permutations."""
     out = []
@@ -766,26 +618,11 @@ def step_questions(rows: list[dict], step: int, cfg: Config) -> list[dict]:
 def main(argv=None) -> dict:
     cfg = parse_config(argv)
 
-    # -------------------------------------------------------------------------------- init (1..N processes)
-    distributed = int(os.environ.get("WORLD_SIZE", "1")) > 1
-    use_cuda = cfg.device == "cuda" or (cfg.device == "auto" and torch.cuda.is_available())
-    if distributed:
-        local_rank = int(os.environ.get("LOCAL_RANK", "0"))
-        if use_cuda:
-            torch.cuda.set_device(local_rank)
-        dist.init_process_group("nccl" if use_cuda else "gloo",
-                                timeout=datetime.timedelta(minutes=cfg.dist_timeout_min))
-        rank, world = dist.get_rank(), dist.get_world_size()
-        device = torch.device("cuda", local_rank) if use_cuda else torch.device("cpu")
-    else:
-        rank, world = 0, 1
-        device = torch.device("cuda") if use_cuda else torch.device("cpu")
+    rank, world, device = parallel.init(cfg.device, cfg.dist_timeout_min)
     try:
         return train(cfg, rank, world, device)
     finally:
-        if dist.is_initialized():
-            dist.barrier()                       # without it some runs abort at exit
-            dist.destroy_process_group()
+        parallel.close()
 
 
 def train(cfg: Config, rank: int, world: int, device: torch.device) -> dict:
@@ -800,9 +637,7 @@ def train(cfg: Config, rank: int, world: int, device: torch.device) -> dict:
             tqdm.write(line)
 
     amp = (lambda: torch.autocast(device.type, dtype=torch.bfloat16)) if cfg.bf16 else contextlib.nullcontext
-    random.seed(cfg.seed + rank)
-    np.random.seed(cfg.seed + rank)
-    torch.manual_seed(cfg.seed + rank)
+    seed_all(cfg.seed + rank)
     for path, what in ((cfg.train_data, "train_data"), (cfg.eval_data, "eval_data"),
                        (cfg.cold_start_data, "cold_start_data")):
         if path and not Path(path).is_file():
@@ -811,15 +646,15 @@ def train(cfg: Config, rank: int, world: int, device: torch.device) -> dict:
     # -------------------------------------------------------------------------------- run directory
     out = Path(cfg.out_dir)
     if cfg.resume and not cfg.run_name:
-        runs = sorted((p for p in out.glob("*") if checkpoint_dirs(p)),
-                      key=lambda p: checkpoint_dirs(p)[-1].stat().st_mtime)
+        runs = sorted((p for p in out.glob("*") if checkpoint.checkpoint_dirs(p)),
+                      key=lambda p: checkpoint.checkpoint_dirs(p)[-1].stat().st_mtime)
         if not runs:
             raise FileNotFoundError(f"--resume: no run with a checkpoint under {out}/")
         run_dir = runs[-1]
     else:
         name = cfg.run_name or f"{Path(cfg.model).name}-{datetime.datetime.now():%Y%m%d-%H%M%S}"
         run_dir = out / name
-    ckpts = checkpoint_dirs(run_dir)
+    ckpts = checkpoint.checkpoint_dirs(run_dir)
     if cfg.resume and not ckpts:
         raise FileNotFoundError(f"--resume: no checkpoint in {run_dir}/checkpoints")
     if not cfg.resume and ckpts:
@@ -830,14 +665,10 @@ def train(cfg: Config, rank: int, world: int, device: torch.device) -> dict:
         print(config_yaml(cfg), flush=True)
         (run_dir / "config.yaml").write_text(config_yaml(cfg))
         (run_dir / "run_info.json").write_text(json.dumps(info, indent=2))
-    barrier()
+    parallel.barrier()
 
     # -------------------------------------------------------------------------------- model and tokenizer
-    base_path = resolve_model(cfg) if master or not cfg.model == "embedded" else None
-    if dist.is_initialized():                    # rank 0 converts the embedded model once; the others wait
-        box = [base_path]
-        dist.broadcast_object_list(box, src=0)
-        base_path = box[0]
+    base_path = parallel.broadcast(resolve_model(cfg) if master or not cfg.model == "embedded" else None)
     tokenizer = load_tokenizer(base_path)
 
     # -------------------------------------------------------------------------------- tools and data
@@ -866,40 +697,38 @@ def train(cfg: Config, rank: int, world: int, device: torch.device) -> dict:
     cs_dir = cache_root(cfg) / "cold_start" / cold_start_key(base_path, demos, cfg, world) if demos else None
     need_cold_start = bool(demos) and not (cs_dir / "config.json").exists() and not cfg.resume
     init_path = str(ckpts[-1]) if cfg.resume else (str(cs_dir) if demos and not need_cold_start else base_path)
-    lm = load_lm(init_path, device)
-    if cfg.gradient_checkpointing:               # transformers 5 renamed it; 4.x has only the old name
-        (getattr(lm, "activation_checkpointing_enable", None) or lm.gradient_checkpointing_enable)()
-    policy = wrap_policy(lm, cfg, world, device)
+    policy = load_policy(init_path, world, device, cfg.parallel, cfg.bf16, rank, cfg.gradient_checkpointing)
 
     # -------------------------------------------------------------------------------- cold start (once, cached)
     if need_cold_start:
         log(f"cold start: {len(demos)} demonstrations, {cfg.cold_start_steps} steps (cached in {cs_dir})")
         cold_start(policy, demos, tokenizer, cfg, rank, world, device, amp, log)
-        save_checkpoint_lm(policy, tokenizer, cs_dir, rank)
+        checkpoint.export_model(policy, tokenizer, cs_dir, rank)
         init_path = str(cs_dir)
     ref = None
     if cfg.kl_coef > 0:                          # frozen reference: the policy RL starts from (also on --resume)
-        ref = load_lm(str(cs_dir) if demos else base_path, device).requires_grad_(False)
-        ref = wrap_policy(ref, cfg, world, device) if cfg.parallel == "fsdp" and world > 1 else Policy(ref)
+        ref = load_policy(str(cs_dir) if demos else base_path, world, device, cfg.parallel, cfg.bf16, rank)
+        ref = unwrap(ref).requires_grad_(False)
 
     # -------------------------------------------------------------------------------- generator
     # under FSDP2 the transformers backend generates with an unsharded copy (deviation 4); vLLM has its own copy
     gen_lm = load_lm(init_path, device) if world > 1 and cfg.parallel == "fsdp" and cfg.backend == "transformers" \
         else None
     lm_for_generation = gen_lm if gen_lm is not None else unwrap(policy).lm
-    if cfg.backend == "vllm":
-        generator = rollout.VLLMGenerator(init_path,
-                                          temperature=cfg.temperature, top_p=cfg.top_p,
-                                          gpu_memory_utilization=cfg.vllm_gpu_memory_utilization, seed=cfg.seed + rank)
+    if cfg.backend == "vllm":                    # one engine per rank, on this rank's GPU, in this process
+        generator = generation.VLLMGenerator(init_path, temperature=cfg.temperature, top_p=cfg.top_p,
+                                             gpu_memory_utilization=cfg.vllm_gpu_memory_utilization,
+                                             seed=cfg.seed + rank,
+                                             max_model_len=cfg.max_prompt_tokens + cfg.max_response_tokens)
+        seed_all(cfg.seed + rank)                # building the engine re-seeded the global RNGs
     else:
-        generator = rollout.TransformersGenerator(lm_for_generation, tokenizer, temperature=cfg.temperature,
-                                                  top_p=cfg.top_p, batch_size=cfg.gen_batch_size)
+        generator = generation.TransformersGenerator(lm_for_generation, tokenizer, temperature=cfg.temperature,
+                                                     top_p=cfg.top_p, batch_size=cfg.gen_batch_size)
 
     def refresh_generator():
         """New weights to the generation engine after an optimiser step (collective under FSDP2)."""
         if cfg.backend == "vllm":
-            generator.wake_up()
-            generator.load_weights(full_named_parameters(policy))
+            generator.wake_up(full_named_parameters(policy, torch.bfloat16))
         elif gen_lm is not None:
             with torch.no_grad():
                 params = dict(gen_lm.named_parameters())
@@ -909,30 +738,28 @@ def train(cfg: Config, rank: int, world: int, device: torch.device) -> dict:
     def run_eval(name: str) -> dict | None:
         if not eval_rows:
             return None
-        summary = None
-        if master:
-            if cfg.backend == "vllm":            # sample with the evaluation settings on the same engine
-                generator.temperature, generator.top_p = cfg.eval_temperature, cfg.eval_top_p
-            with amp():
-                summary = evaluation.evaluate(
-                    lm_for_generation, tokenizer, eval_rows, tool_runner, n=cfg.eval_n,
-                    temperature=cfg.eval_temperature, top_p=cfg.eval_top_p,
-                    max_response_tokens=cfg.max_response_tokens, batch_size=cfg.gen_batch_size,
-                    out_dir=run_dir / "eval", name=name, max_tool_calls=cfg.max_tool_calls, seed=cfg.seed,
-                    generator=generator if cfg.backend == "vllm" else None, config=dataclasses.asdict(cfg))
-            if cfg.backend == "vllm":
-                generator.temperature, generator.top_p = cfg.temperature, cfg.top_p
-            log(f"eval {name}: Pass@1 {summary['pass@1']:.3f} | EM {summary['em']:.3f} | F1 {summary['f1']:.3f} | "
-                f"reward {summary['reward']:.3f} | format ok {summary['format_valid']:.2f} | "
-                f"tool calls {summary['tool_calls']:.2f} | {summary['wall_s']:.0f}s")
-        barrier()
+        if cfg.backend == "vllm":                # sample with the evaluation settings on the same engine
+            generator.temperature, generator.top_p = cfg.eval_temperature, cfg.eval_top_p
+        with amp():                              # every rank evaluates its share; rank 0 writes the merged results
+            summary = evaluation.evaluate(
+                lm_for_generation, tokenizer, eval_rows, tool_runner, n=cfg.eval_n,
+                temperature=cfg.eval_temperature, top_p=cfg.eval_top_p,
+                max_response_tokens=cfg.max_response_tokens, batch_size=cfg.gen_batch_size,
+                out_dir=run_dir / "eval", name=name, max_tool_calls=cfg.max_tool_calls, seed=cfg.seed,
+                generator=generator if cfg.backend == "vllm" else None, config=dataclasses.asdict(cfg),
+                rank=rank, world=world, progress=master)
+        if cfg.backend == "vllm":
+            generator.temperature, generator.top_p = cfg.temperature, cfg.top_p
+        log(f"eval {name}: Pass@1 {summary['pass@1']:.3f} | EM {summary['em']:.3f} | F1 {summary['f1']:.3f} | "
+            f"reward {summary['reward']:.3f} | format ok {summary['format_valid']:.2f} | "
+            f"tool calls {summary['tool_calls']:.2f} | {summary['wall_s']:.0f}s")
         return summary
 
     # -------------------------------------------------------------------------------- optimiser, resume
     optimizer = torch.optim.AdamW(policy.parameters(), lr=cfg.lr, weight_decay=cfg.weight_decay)
     start_step = 0
     if cfg.resume:
-        start_step = load_trainer_state(ckpts[-1], policy, optimizer, rank)
+        start_step = checkpoint.load(ckpts[-1], policy, optimizer, rank)
         log(f"resumed {run_dir} from {ckpts[-1].name} (step {start_step})")
         for name in ("metrics.jsonl", "samples.jsonl"):      # drop lines logged after that checkpoint
             path = run_dir / name
@@ -1047,7 +874,11 @@ def train(cfg: Config, rank: int, world: int, device: torch.device) -> dict:
         if cfg.eval_every and (step + 1) % cfg.eval_every == 0 and step + 1 < steps:
             run_eval(f"step{step + 1}")
         if (cfg.save_every and (step + 1) % cfg.save_every == 0) or step + 1 == steps:
-            save_checkpoint(run_dir, step + 1, policy, optimizer, tokenizer, cfg, info, rank, cfg.keep_checkpoints)
+            checkpoint.save(run_dir, step + 1, policy, optimizer, tokenizer, rank=rank, keep=cfg.keep_checkpoints,
+                            config_yaml=config_yaml(cfg), info=json.dumps(info, indent=2),
+                            data_position=(step + 1) * cfg.questions_per_step,
+                            export_dtype=torch.bfloat16 if cfg.bf16 else torch.float32,
+                            trainer_state=cfg.save_trainer_state)
     bar.close()
 
     # -------------------------------------------------------------------------------- final evaluation and plot
@@ -1061,27 +892,6 @@ def train(cfg: Config, rank: int, world: int, device: torch.device) -> dict:
         (getattr(tracker, "close", None) or getattr(tracker, "finish"))()
     tool_runner.close()
     return {"run_dir": str(run_dir), "last": last, "evals": evals, "steps": steps}
-
-
-def save_checkpoint_lm(policy, tokenizer, out: Path, rank: int) -> None:
-    """The policy's full weights in save_pretrained format at `out`, atomically (the cold-start cache)."""
-    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
-    sd = get_model_state_dict(policy, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
-    if rank == 0:
-        tmp = out.with_name(f"{out.name}.tmp{os.getpid()}")
-        shutil.rmtree(tmp, ignore_errors=True)
-        unwrap(policy).lm.save_pretrained(tmp, state_dict={k.removeprefix("lm."): v for k, v in sd.items()})
-        tokenizer.save_pretrained(tmp)
-        out.parent.mkdir(parents=True, exist_ok=True)
-        if out.exists() and not (out / "config.json").exists():
-            shutil.rmtree(out, ignore_errors=True)   # an incomplete leftover; a complete one is never deleted
-        try:
-            os.replace(tmp, out)                 # atomic; fails if another process saved the same cold start first
-        except OSError:
-            if not (out / "config.json").exists():
-                raise
-            shutil.rmtree(tmp, ignore_errors=True)
-    barrier()
 
 
 if __name__ == "__main__":

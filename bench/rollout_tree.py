@@ -25,6 +25,7 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 import eval as E  # noqa: E402
+import generation  # noqa: E402
 import rollout  # noqa: E402
 import tools  # noqa: E402
 
@@ -68,7 +69,7 @@ def main():
     rows = E.load_dataset(args.data)[:args.questions]
     prompts = [E.build_prompt(tokenizer, r["question"]) for r in rows]
     runner = tools.Tools(tools.make_search("bm25", topk=args.search_topk))
-    gen = rollout.TransformersGenerator(model, tokenizer, temperature=args.temperature)
+    gen = generation.TransformersGenerator(model, tokenizer, temperature=args.temperature)
     variants = {
         "aepo": dict(),
         "arpo": dict(dynamic_budget=False, lam=0.0),

@@ -1,12 +1,12 @@
 """The rollout on real token ids: a tiny random transformers model with the real tokenizer and the
-real local tools, and the vLLM adapter against the stand-in module (tests/fake_vllm.py)."""
+real local tools (the vLLM backend: tests/test_vllm.py)."""
 import pytest
 import torch
 
 import rollout
 import tools
-from rollout import Segment, TransformersGenerator, VLLMGenerator, tree_rollout
-from tests import fake_vllm
+from generation import TransformersGenerator
+from rollout import Segment, tree_rollout
 from tests.conftest import make_tiny_model
 
 
@@ -125,74 +125,6 @@ def test_full_tree_with_tiny_model_and_real_tools(tokenizer, tiny_model, real_to
     for b in branches:
         parent = trajs[b.parent]
         assert b.response_ids[:b.fork_offset] == parent.response_ids[:b.fork_offset]
-
-
-# ---------------------------------------------------------------------------------------------- vLLM
-
-@pytest.fixture(scope="module")
-def tiny_model_dir(tokenizer, tmp_path_factory):
-    path = tmp_path_factory.mktemp("tiny")
-    model = make_tiny_model(tokenizer, seed=1)
-    model.save_pretrained(path)
-    tokenizer.save_pretrained(path)
-    return path
-
-
-def test_vllm_adapter_matches_transformers_backend(tokenizer, tiny_model_dir):
-    """Greedy decoding: both backends sample the same ids and compute the same H_seg (SPEC §1)."""
-    from transformers import AutoModelForCausalLM
-    vgen = VLLMGenerator(str(tiny_model_dir), temperature=0.0, vllm_module=fake_vllm)
-    llm = fake_vllm.LLM.instances[-1]
-    assert llm.kwargs["enable_prefix_caching"] is True
-    tgen = TransformersGenerator(AutoModelForCausalLM.from_pretrained(tiny_model_dir).eval(), tokenizer,
-                                 temperature=0.0)
-    assert vgen.vocab_size == tgen.vocab_size
-    ctx = [as_ids(chat_prompt(tokenizer, q)) for q in ("first?", "second question?")]
-    a = vgen.generate(ctx, [25, 8], seed=0)
-    b = tgen.generate(ctx, [25, 8], seed=0)
-    for x, y in zip(a, b):
-        assert x.token_ids == y.token_ids
-        assert x.finish_reason == y.finish_reason
-        assert x.h_seg == pytest.approx(y.h_seg, abs=1e-4)
-        assert x.h_seg > 0
-
-
-def test_vllm_adapter_reasons_weights_and_sleep(tokenizer, tiny_model_dir):
-    vgen = VLLMGenerator(str(tiny_model_dir), temperature=1.0, vllm_module=fake_vllm)
-    llm = fake_vllm.LLM.instances[-1]
-    ctx = [as_ids(chat_prompt(tokenizer, "q?"))]
-    seg = vgen.generate(ctx, [6], seed=4)[0]
-    assert seg.finish_reason in ("length", "eos") and len(seg.token_ids) <= 6
-    assert vgen.generate(ctx, [6], seed=4)[0].token_ids == seg.token_ids     # per-request seeds
-    # weight sync: new weights change the output, and cached prefixes are dropped
-    new = make_tiny_model(tokenizer, seed=99)
-    vgen.load_weights(new.state_dict().items())
-    assert "reset_prefix_cache" in llm.events
-    assert torch.equal(llm.model.model.embed_tokens.weight, new.model.embed_tokens.weight)
-    vgen.sleep()
-    vgen.wake_up()
-    assert llm.events[-2:] == ["sleep1", "wake_up"]
-
-
-def test_vllm_stop_reason_mapping(tokenizer, tiny_model_dir, monkeypatch):
-    from types import SimpleNamespace
-    vgen = VLLMGenerator(str(tiny_model_dir), vllm_module=fake_vllm)
-
-    def fake_generate(prompts, params, use_tqdm=False):
-        cases = [("stop", "</search>"), ("stop", "</answer>"), ("stop", None), ("length", None), ("stop", 7)]
-        return [SimpleNamespace(outputs=[SimpleNamespace(token_ids=[5], logprobs=None, finish_reason=f,
-                                                         stop_reason=r, text="x")]) for f, r in cases]
-    monkeypatch.setattr(vgen.llm, "generate", fake_generate)
-    reasons = [s.finish_reason for s in vgen.generate([[1]] * 5, [4] * 5, seed=0)]
-    assert reasons == ["tool", "answer", "eos", "length", "eos"]
-
-
-def test_vllm_backend_missing_is_a_clear_error():
-    import importlib.util
-    if importlib.util.find_spec("vllm") is not None:
-        pytest.skip("vllm is installed here")
-    with pytest.raises(ImportError, match="requirements-vllm.txt"):
-        VLLMGenerator("any")
 
 
 def test_segment_entropy_is_from_the_raw_distribution(tokenizer, tiny_model):

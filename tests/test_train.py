@@ -4,6 +4,7 @@ stands in for the model; the search is a replay table written by the test (no in
 import json
 import os
 import socket
+import sys
 import zlib
 from pathlib import Path
 
@@ -13,6 +14,7 @@ import torch.multiprocessing as mp
 
 import rollout
 import tools
+import policy as policy_mod
 import train
 from tests.conftest import make_tiny_model
 
@@ -161,7 +163,7 @@ def test_build_demonstrations_uses_real_results():
 def test_policy_logp_matches_full_softmax(tokenizer):
     torch.manual_seed(0)
     lm = make_tiny_model(tokenizer)
-    policy = train.Policy(lm)
+    policy = policy_mod.Policy(lm)
     batch = train.tensorize([([5, 6, 7], [10, 11, 12, 13], [1, 0, 0, 1]), ([5, 9], [20, 21], [1, 1])], 0, "cpu")
     logp, entropy = policy(batch["input_ids"], batch["attention_mask"], batch["mask"], temperature=0.7)
     logits = lm(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits[:, :-1].float() / 0.7
@@ -216,10 +218,27 @@ def gradients(policy, trajectories, rewards, cfg, world, n_minibatches=1):
         mb["old_logp"] = mb["old_logp"] + 0.4 * torch.sin(mb["input_ids"][:, 1:].float()) * mb["mask"]
     metrics = train.accumulate_gradients(policy, batches[0], cfg, world, train.contextlib.nullcontext, "test")
     grads = {}
-    for name, p in train.unwrap(policy).named_parameters():
+    for name, p in policy_mod.unwrap(policy).named_parameters():
         grad = p.grad.full_tensor() if hasattr(p.grad, "full_tensor") else p.grad
         grads[name] = grad.detach().clone()
     return grads, metrics
+
+
+def local(t):
+    return t.to_local() if hasattr(t, "to_local") else t
+
+
+def gradient_bytes(module) -> int:
+    """Bytes of gradient this rank holds: every parameter's .grad (its local shard under FSDP2) plus the unsharded
+    gradients FSDP2 keeps while gradient sync is off (internal attributes of torch's FSDPParam)."""
+    total = sum(local(p.grad).numel() * local(p.grad).element_size() for p in module.parameters() if p.grad is not None)
+    for m in module.modules():
+        group = m._get_fsdp_state()._fsdp_param_group if hasattr(m, "_get_fsdp_state") else None
+        for fsdp_param in group.fsdp_params if group is not None else []:
+            unsharded = getattr(fsdp_param, "_unsharded_param", None)
+            for g in (fsdp_param.unsharded_accumulated_grad, getattr(unsharded, "grad", None)):
+                total += g.numel() * g.element_size() if g is not None else 0
+    return total
 
 
 def _grad_worker(rank, world, port, parallel, tok_dir, out):
@@ -231,13 +250,21 @@ def _grad_worker(rank, world, port, parallel, tok_dir, out):
         from transformers import AutoTokenizer
         lm = peaked_tiny_model(AutoTokenizer.from_pretrained(tok_dir))
         cfg = train.Config(parallel=parallel, micro_batch_size=3)
-        policy = train.wrap_policy(lm, cfg, world, torch.device("cpu"))
+        policy = policy_mod.Policy(lm)
+        if parallel == "fsdp":
+            policy = policy_mod.shard(policy, bf16=False)
+        else:
+            policy = torch.nn.parallel.DistributedDataParallel(policy)
         trajectories, rewards = hand_made_trajectories()
         per = len(trajectories) // world
         mine = slice(rank * per, (rank + 1) * per)                # whole questions per rank
+        seen = []                                                 # gradient bytes before each micro-batch
+        policy.register_forward_pre_hook(lambda module, args: seen.append(gradient_bytes(policy)))
         grads, metrics = gradients(policy, trajectories[mine], rewards[mine], cfg, world)
+        seen.append(gradient_bytes(policy))
+        shard_bytes = sum(local(p).numel() * local(p).element_size() for p in policy.parameters())
         if rank == 0:
-            torch.save({"grads": grads, "metrics": metrics}, out)
+            torch.save({"grads": grads, "metrics": metrics, "grad_bytes": seen, "shard_bytes": shard_bytes}, out)
         torch.distributed.barrier()
     finally:
         torch.distributed.destroy_process_group()
@@ -252,7 +279,7 @@ def free_port():
 @pytest.fixture(scope="module")
 def single_process_gradient(tokenizer):
     cfg = train.Config(micro_batch_size=8)
-    policy = train.Policy(peaked_tiny_model(tokenizer))
+    policy = policy_mod.Policy(peaked_tiny_model(tokenizer))
     trajectories, rewards = hand_made_trajectories()
     grads, metrics = gradients(policy, trajectories, rewards, cfg, world=1)
     assert metrics["n_tokens"] > 0
@@ -261,7 +288,7 @@ def single_process_gradient(tokenizer):
 
 
 def test_micro_batching_does_not_change_gradient(tokenizer, single_process_gradient):
-    policy = train.Policy(peaked_tiny_model(tokenizer))
+    policy = policy_mod.Policy(peaked_tiny_model(tokenizer))
     trajectories, rewards = hand_made_trajectories()
     grads, _ = gradients(policy, trajectories, rewards, train.Config(micro_batch_size=3), world=1)
     for name, g in single_process_gradient.items():
@@ -275,7 +302,11 @@ def test_two_rank_gradient_equals_single_process(parallel, tokenizer, single_pro
     out = tmp_path / "grads.pt"
     mp.start_processes(_grad_worker, args=(2, free_port(), parallel, str(tok_dir), str(out)), nprocs=2,
                        start_method="spawn")
-    grads = torch.load(out)["grads"]
+    saved = torch.load(out)
+    grads = saved["grads"]
+    if parallel == "fsdp":            # accumulation over 2 micro-batches never holds more than this rank's shard
+        assert len(saved["grad_bytes"]) == 2 + 2 + 1 and saved["grad_bytes"][-1] > 0   # 2 old, 2 update passes, end
+        assert max(saved["grad_bytes"]) <= 1.1 * saved["shard_bytes"], (saved["grad_bytes"], saved["shard_bytes"])
     names = {n.removeprefix("module.") for n in grads}
     assert names == set(single_process_gradient)
     for name, g in grads.items():
@@ -288,7 +319,7 @@ def test_bf16_and_gradient_checkpointing_update(tokenizer, single_process_gradie
     lm = peaked_tiny_model(tokenizer)
     (getattr(lm, "activation_checkpointing_enable", None) or lm.gradient_checkpointing_enable)()
     lm.train()
-    policy = train.Policy(lm)
+    policy = policy_mod.Policy(lm)
     trajectories, rewards = hand_made_trajectories()
     groups = torch.tensor([t.group_id for t in trajectories])
     batches = train.micro_batches(trajectories, train.advantage.group_advantages(rewards, groups), 1,
@@ -306,7 +337,7 @@ def test_bf16_and_gradient_checkpointing_update(tokenizer, single_process_gradie
 
 
 def test_non_finite_loss_raises(tokenizer):
-    policy = train.Policy(make_tiny_model(tokenizer))
+    policy = policy_mod.Policy(make_tiny_model(tokenizer))
     trajectories, rewards = hand_made_trajectories()
     cfg = train.Config(micro_batch_size=8)
     adv = train.advantage.group_advantages(rewards, torch.tensor([t.group_id for t in trajectories]))
@@ -355,6 +386,31 @@ def test_two_steps_then_resume_is_exact(setup, monkeypatch, tokenizer):
         torch.testing.assert_close(wa[k], wb[k], atol=1e-7, rtol=0, msg=k)
 
 
+def test_vllm_backend_loop(setup, monkeypatch):
+    """The loop with the vLLM backend (the stand-in of tests/fake_vllm.py): per step rollout at the rollout
+    temperature -> sleep -> update -> wake weights -> every weight written -> wake KV cache -> reset; evaluation at
+    its own temperature and back; the engine ends with the checkpoint's (bf16) weights."""
+    from tests import fake_vllm
+    monkeypatch.setattr(train.evaluation, "deep_research_reward", fake_reward)
+    monkeypatch.setitem(sys.modules, "vllm", fake_vllm)
+    monkeypatch.delenv("VLLM_ENABLE_V1_MULTIPROCESSING", raising=False)
+    run = Path(train.main(flags(setup, "vllm", backend="vllm", eval_data=str(setup / "qa.jsonl"), eval_limit=1,
+                                eval_n=1, temperature=0.9, bf16="true"))["run_dir"])
+    llm = fake_vllm.LLM.instances[-1]
+    kinds = []                                   # the engine's calls, repeats collapsed, batch sizes dropped
+    for event in llm.events:
+        kind = event.split(":")[0] + (":" + event.split(":")[-1] if event.startswith(("generate", "wake")) else "")
+        if not kinds or kinds[-1] != kind:
+            kinds.append(kind)
+    step = ["generate:T=0.9", "sleep2", "wake_up:weights", "load_weights", "wake_up:kv_cache", "reset_prefix_cache"]
+    assert kinds == ["generate:T=0.6"] + step + step + ["generate:T=0.6"]
+    assert llm.asleep == set()
+    exported = weights(run / "checkpoints" / "step_000002")
+    for name, p in llm.model.named_parameters():
+        assert exported[name].dtype == torch.bfloat16
+        torch.testing.assert_close(p.detach(), exported[name].float(), atol=0, rtol=0, msg=name)
+
+
 def test_existing_run_needs_resume(setup, monkeypatch):
     monkeypatch.setattr(train.evaluation, "deep_research_reward", fake_reward)
     run = Path(train.main(flags(setup, "twice", steps=1, eval_data=str(setup / "qa.jsonl"), eval_limit=1,
@@ -364,29 +420,3 @@ def test_existing_run_needs_resume(setup, monkeypatch):
     assert 0.0 <= row["branch_top_chain"] <= 1.0 and (row["branch_top_chain"] > 0) == (row["branches"] > 0)
     with pytest.raises(FileExistsError, match="--resume"):
         train.main(flags(setup, "twice", steps=1))
-
-
-def _train_worker(rank, world, port, argv):
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world),
-                      LOCAL_RANK=str(rank))
-    torch.set_num_threads(1)
-    train.evaluation.deep_research_reward = fake_reward
-    train.main(argv)
-
-
-@pytest.mark.parametrize("parallel", ["fsdp"])
-def test_two_processes_two_steps(setup, parallel):
-    argv = flags(setup, f"two_procs_{parallel}", parallel=parallel, mini_batch_size=2)
-    mp.start_processes(_train_worker, args=(2, free_port(), argv), nprocs=2, start_method="spawn")
-    run = setup / "runs" / f"two_procs_{parallel}"
-    rows = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
-    assert [r["step"] for r in rows] == [1, 2]
-    assert all(r["trajectories"] == 2 * 2 for r in rows)         # 2 questions x k=2, over both ranks
-    assert all(r["grad_norm"] > 0 and r["grad_norm"] == r["grad_norm"] for r in rows)
-    w = weights(run / "checkpoints" / "step_000002")
-    w1 = weights(run / "checkpoints" / "step_000001")
-    assert any(not torch.equal(w[k], w1[k]) for k in w)
-    from transformers import AutoModelForCausalLM                # the gathered FSDP2 checkpoint loads as usual
-    lm = AutoModelForCausalLM.from_pretrained(run / "checkpoints" / "step_000002")
-    for name, p in lm.named_parameters():
-        torch.testing.assert_close(p.detach(), w[name], atol=0, rtol=0, msg=name)

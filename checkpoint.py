@@ -1,0 +1,146 @@
+"""Checkpoints: sharded trainer state (torch.distributed.checkpoint) plus a save_pretrained export, written atomically.
+
+Paper: Dong et al., "Agentic Entropy-Balanced Policy Optimization", arXiv:2510.14545. No equation lives here: this
+is how a run of §3's training survives a crash and hands its model to evaluation and to vLLM.
+
+A checkpoint `runs/<name>/checkpoints/step_NNNNNN/` holds
+- the exported model at its top level (config.json, model.safetensors, tokenizer files): `from_pretrained(dir)` and
+  `vllm.LLM(dir)` load it as is; float32, or bfloat16 with `--bf16` (what vLLM generates with);
+- `trainer/`: every rank's shard of the float32 model and of the AdamW state, written and read by each rank itself
+  (`torch.distributed.checkpoint`, so no rank gathers the optimiser state and another world size can read it);
+- `trainer_state.pt`: step, data position, every rank's RNG states; `config.yaml`, `run_info.json`.
+Size per parameter: 4 B model shard + 8 B AdamW moments + 4 B (2 B with --bf16) export = 16 B (14 B); with
+`--save_trainer_state false` only the export and trainer_state.pt are written (4 B / 2 B per parameter) and a
+resume restarts the AdamW moments. Everything is written into `.tmp_step_NNNNNN/` and renamed when complete, so a
+crash mid-write keeps the previous checkpoint intact.
+
+Deviations from the paper / official code:
+1. verl saves one file per rank of its own format plus an optional HF export; here the export is always written and
+   is what evaluation, vLLM and the cold-start cache read.
+"""
+from __future__ import annotations
+
+import contextlib
+import os
+import random
+import shutil
+import sys
+import warnings
+from pathlib import Path
+
+import numpy as np
+import torch
+
+import parallel
+import policy as policy_mod
+
+
+def checkpoint_dirs(run_dir: Path) -> list[Path]:
+    """The run's complete checkpoints, oldest first."""
+    root = Path(run_dir) / "checkpoints"
+    return sorted(p for p in root.glob("step_*") if (p / "trainer_state.pt").exists()) if root.exists() else []
+
+
+@contextlib.contextmanager
+def one_process_quietly():
+    """torch.distributed.checkpoint warns on every save and load without a process group; one process is meant."""
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="torch.distributed is .*single process")
+        yield
+
+
+def _rng_state() -> dict:
+    return {"python": random.getstate(), "numpy": np.random.get_state(), "torch": torch.get_rng_state(),
+            "cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else None}
+
+
+def _write_export(policy, tokenizer, out: Path, rank: int, dtype) -> None:
+    """save_pretrained of the full model at `out`: parameters gathered one at a time, only rank 0 keeps them (on the
+    CPU, in `dtype`). A collective under FSDP2: every rank calls it."""
+    state = {}
+    for name, full in policy_mod.full_named_parameters(policy, dtype):
+        if rank == 0:
+            state[name] = full.to("cpu", copy=True)
+    if rank == 0:
+        lm = policy_mod.unwrap(policy).lm
+        lm.save_pretrained(out, state_dict=state)
+        tokenizer.save_pretrained(out)
+
+
+def export_model(policy, tokenizer, out: Path, rank: int, dtype=torch.float32) -> None:
+    """The policy's weights in save_pretrained format at `out`, atomically (the cold-start cache). Several processes
+    may save the same cache at once: the first complete one wins and is never deleted."""
+    tmp = out.with_name(f"{out.name}.tmp{os.getpid()}")
+    if rank == 0:
+        shutil.rmtree(tmp, ignore_errors=True)
+    _write_export(policy, tokenizer, tmp, rank, dtype)
+    if rank == 0:
+        out.parent.mkdir(parents=True, exist_ok=True)
+        if out.exists() and not (out / "config.json").exists():
+            shutil.rmtree(out, ignore_errors=True)   # an incomplete leftover; a complete one is never deleted
+        try:
+            os.replace(tmp, out)                     # atomic; fails if another process saved the same model first
+        except OSError:
+            if not (out / "config.json").exists():
+                raise
+            shutil.rmtree(tmp, ignore_errors=True)
+    parallel.barrier()
+
+
+def save(run_dir: Path, step: int, policy, optimizer, tokenizer, *, rank: int, keep: int, config_yaml: str,
+         info: str, data_position: int, export_dtype=torch.float32, trainer_state: bool = True) -> Path:
+    """Write checkpoint `step` (every rank calls it), then delete all but the newest `keep` (keep <= 0: none)."""
+    from torch.distributed.checkpoint import save as dcp_save
+    from torch.distributed.checkpoint.state_dict import get_state_dict
+    final = Path(run_dir) / "checkpoints" / f"step_{step:06d}"
+    tmp = final.with_name(f".tmp_{final.name}")
+    if rank == 0:
+        shutil.rmtree(tmp, ignore_errors=True)
+        tmp.mkdir(parents=True)
+    parallel.barrier()
+    if trainer_state:
+        model_sd, optim_sd = get_state_dict(policy, optimizer)          # this rank's shards (views, no copies)
+        with one_process_quietly():
+            dcp_save({"model": model_sd, "optim": optim_sd}, checkpoint_id=str(tmp / "trainer"),
+                     no_dist=not torch.distributed.is_initialized())
+    _write_export(policy, tokenizer, tmp, rank, export_dtype)
+    rngs = parallel.gather(_rng_state())
+    if rank == 0:
+        torch.save({"step": step, "data_position": data_position, "rng": rngs, "trainer_state": trainer_state},
+                   tmp / "trainer_state.pt")
+        (tmp / "config.yaml").write_text(config_yaml)
+        (tmp / "run_info.json").write_text(info)
+        if final.exists():                           # re-saving a step: move the old one aside first
+            os.replace(final, final.with_name(f".old_{final.name}"))
+        os.replace(tmp, final)
+        shutil.rmtree(final.with_name(f".old_{final.name}"), ignore_errors=True)
+        for old in checkpoint_dirs(run_dir)[:-keep] if keep > 0 else []:
+            shutil.rmtree(old, ignore_errors=True)
+    parallel.barrier()
+    return final
+
+
+def load(ckpt: Path, policy, optimizer, rank: int) -> int:
+    """Restore the trainer state of checkpoint `ckpt` into an already built policy and optimiser (each rank reads its
+    own shards) and this rank's RNG states; returns the step. A checkpoint saved without trainer state leaves the
+    weights as loaded from its export and the optimiser fresh (with a warning)."""
+    from torch.distributed.checkpoint import load as dcp_load
+    from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+    state = torch.load(Path(ckpt) / "trainer_state.pt", map_location="cpu", weights_only=False)
+    if state.get("trainer_state", True):
+        model_sd, optim_sd = get_state_dict(policy, optimizer)
+        shards = {"model": model_sd, "optim": optim_sd}
+        with one_process_quietly():
+            dcp_load(shards, checkpoint_id=str(Path(ckpt) / "trainer"), no_dist=not torch.distributed.is_initialized())
+        set_state_dict(policy, optimizer, model_state_dict=shards["model"], optim_state_dict=shards["optim"])
+    elif rank == 0:
+        print(f"warning: {ckpt} was saved with --save_trainer_state false: the weights come from its export and the "
+              "AdamW moments restart from zero", file=sys.stderr)
+    rngs = state["rng"]
+    rng = rngs[rank] if rank < len(rngs) else rngs[0]
+    random.setstate(rng["python"])
+    np.random.set_state(rng["numpy"])
+    torch.set_rng_state(rng["torch"])
+    if rng["cuda"] is not None and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all(rng["cuda"])
+    return int(state["step"])

@@ -1,0 +1,77 @@
+"""One code path for 1..N processes: the process group, sums over ranks, objects gathered from ranks.
+
+Paper: Dong et al., "Agentic Entropy-Balanced Policy Optimization", arXiv:2510.14545. No equation lives here: this
+is the plumbing that lets the training of §3 run on several processes (torchrun), with the only cross-rank
+quantities being sums (valid-token counts, entropy statistics, logged metrics) and gathered lists (evaluation
+records, RNG states). Without a process group every function is the identity, so one process needs no launcher.
+
+Deviations from the paper / official code:
+1. The official code runs verl's Ray workers; this project uses torchrun processes with gloo (CPU) or nccl (GPU).
+"""
+from __future__ import annotations
+
+import datetime
+import os
+
+import torch
+import torch.distributed as dist
+
+
+def init(device: str = "auto", timeout_min: int = 120) -> tuple[int, int, torch.device]:
+    """(rank, world size, device) of this process. Under torchrun (WORLD_SIZE > 1) joins the process group, nccl
+    on GPUs and gloo on CPUs, and pins rank r to cuda:LOCAL_RANK. device: auto (cuda if available) | cpu | cuda."""
+    use_cuda = device == "cuda" or (device == "auto" and torch.cuda.is_available())
+    if int(os.environ.get("WORLD_SIZE", "1")) <= 1:
+        return 0, 1, torch.device("cuda", torch.cuda.current_device()) if use_cuda else torch.device("cpu")
+    local_rank = int(os.environ.get("LOCAL_RANK", "0"))
+    if use_cuda:
+        torch.cuda.set_device(local_rank)
+    dist.init_process_group("nccl" if use_cuda else "gloo", timeout=datetime.timedelta(minutes=timeout_min))
+    return dist.get_rank(), dist.get_world_size(), torch.device("cuda", local_rank) if use_cuda else torch.device("cpu")
+
+
+def close() -> None:
+    """Leave the process group (a barrier first: without it some gloo runs abort at exit)."""
+    if dist.is_initialized():
+        dist.barrier()
+        dist.destroy_process_group()
+
+
+def barrier() -> None:
+    if dist.is_initialized():
+        dist.barrier()
+
+
+def all_reduce_sum(t: torch.Tensor) -> torch.Tensor:
+    """Sum over ranks (a copy; nccl reduces on the GPU, the result comes back on t's device)."""
+    if not dist.is_initialized():
+        return t
+    on = torch.device("cuda", torch.cuda.current_device()) if dist.get_backend() == "nccl" else t.device
+    out = t.detach().to(on, copy=True)
+    dist.all_reduce(out)
+    return out.to(t.device)
+
+
+def reduce_metrics(sums: dict[str, float]) -> dict[str, float]:
+    """Sum a dict of floats over ranks (one all-reduce, float64). Every rank must pass the same keys."""
+    keys = sorted(sums)
+    t = all_reduce_sum(torch.tensor([float(sums[key]) for key in keys], dtype=torch.float64))
+    return dict(zip(keys, t.tolist()))
+
+
+def gather(obj) -> list:
+    """[obj of rank 0, obj of rank 1, ...] on every rank (picklable objects; [obj] without a process group)."""
+    if not dist.is_initialized():
+        return [obj]
+    out = [None] * dist.get_world_size()
+    dist.all_gather_object(out, obj)
+    return out
+
+
+def broadcast(obj):
+    """Rank 0's obj on every rank."""
+    if not dist.is_initialized():
+        return obj
+    box = [obj]
+    dist.broadcast_object_list(box, src=0)
+    return box[0]

@@ -1,0 +1,153 @@
+"""The policy LM as one torch module, loaded and placed on 1..N processes (DDP or FSDP2).
+
+Paper: Dong et al., "Agentic Entropy-Balanced Policy Optimization", arXiv:2510.14545, §3.3 and SPEC §1: the
+training side needs log π(y_t) of every policy-sampled token (the ratio of §4) and the token entropy H_t over the
+full vocabulary (the entropy-aware advantage of §3b). `Policy.forward` computes both in one pass, only at those
+tokens, through `loss.logprobs_and_entropy` (chunked, float32), so data-parallel hooks fire on every pass.
+
+Placement: one process holds the whole model; DDP replicates it; FSDP2 (`fully_shard` per decoder layer, the rest in
+the root group) shards parameters, gradients and optimiser state. A sharded model is built on the meta device and
+filled from rank 0's copy of the checkpoint (`broadcast_from_rank0`), so no rank but 0 ever holds the full model
+and no rank holds it in float32. Parameters stay float32 (the optimiser's master weights); `--bf16` computes in
+bfloat16 (FSDP2 mixed precision, autocast elsewhere).
+
+Deviations from the paper / official code:
+1. Under FSDP2 gradient accumulation reduce-scatters every micro-batch (only DDP skips the sync until the last):
+   skipping it under FSDP2 keeps whole unsharded float32 gradients on every rank.
+"""
+from __future__ import annotations
+
+import contextlib
+
+import torch
+
+import loss
+
+
+class Policy(torch.nn.Module):
+    """Wraps a causal LM. forward(input_ids (B, L), attention_mask (B, L), mask (B, L-1)) -> (logp, entropy),
+    both (B, L-1) float32: log π(input_ids[:, t+1] | input_ids[:, :t+1]) and the token entropy H_t (SPEC §1) at
+    positions where mask is 1, 0 elsewhere. Only masked positions go through the LM head (loss.logprobs_and_entropy,
+    chunked), so prompts and tool results cost no (T, V) logits."""
+
+    def __init__(self, lm):
+        super().__init__()
+        self.lm = lm
+
+    def forward(self, input_ids, attention_mask, mask, temperature: float = 1.0, chunk_size: int = 1024):
+        hidden = self.lm.get_decoder()(input_ids=input_ids, attention_mask=attention_mask).last_hidden_state
+        sel = mask.bool()
+        with torch.autocast(hidden.device.type, enabled=False):      # the LM head in float32 (SPEC §1)
+            logp_sel, entropy_sel = loss.logprobs_and_entropy(
+                hidden[:, :-1][sel], self.lm.get_output_embeddings().weight, input_ids[:, 1:][sel], temperature,
+                chunk_size)
+        logp = torch.zeros(sel.shape, dtype=torch.float32, device=hidden.device).masked_scatter(sel, logp_sel)
+        entropy = torch.zeros(sel.shape, dtype=torch.float32, device=hidden.device).masked_scatter(sel, entropy_sel)
+        return logp, entropy
+
+
+def unwrap(policy) -> Policy:
+    return policy.module if isinstance(policy, torch.nn.parallel.DistributedDataParallel) else policy
+
+
+def load_lm(path: str, device, dtype=torch.float32):
+    """A whole transformers causal LM on `device`, in eval mode."""
+    from transformers import AutoModelForCausalLM
+    try:
+        lm = AutoModelForCausalLM.from_pretrained(path, dtype=dtype)
+    except OSError as err:
+        raise FileNotFoundError(f"could not load model {path!r}: {err}") from err
+    return lm.to(device).eval()
+
+
+@contextlib.contextmanager
+def params_on_meta():
+    """Modules built inside get their parameters on the meta device (no memory) and their buffers for real (rotary
+    frequencies are computed in __init__ and are in no checkpoint)."""
+    register = torch.nn.Module.register_parameter
+
+    def to_meta(module, name, param):
+        if param is not None and param.device.type != "meta":
+            param = torch.nn.Parameter(param.to("meta"), requires_grad=param.requires_grad)
+        register(module, name, param)
+
+    torch.nn.Module.register_parameter = to_meta
+    try:
+        yield
+    finally:
+        torch.nn.Module.register_parameter = register
+
+
+def shard(policy: Policy, bf16: bool) -> Policy:
+    """FSDP2: every decoder layer its own shard group, the rest (embeddings, final norm, LM head) in the root."""
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+    mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) if bf16 else MixedPrecisionPolicy()
+    lm = policy.lm
+    block_names = set(getattr(lm, "_no_split_modules", None) or [])
+    blocks = [m for m in lm.modules() if type(m).__name__ in block_names]
+    if not blocks:
+        raise ValueError(f"fsdp: found no decoder layers in {type(lm).__name__} (its _no_split_modules is empty)")
+    for block in blocks:
+        fully_shard(block, mp_policy=mp)
+    fully_shard(policy, mp_policy=mp)
+    return policy
+
+
+def load_policy(path: str, world: int, device, parallel: str = "ddp", bf16: bool = False, rank: int = 0,
+                gradient_checkpointing: bool = False):
+    """The Policy around the model at `path`, float32 parameters, placed for `world` processes:
+    1 -> plain; ddp -> DistributedDataParallel (each rank loads the whole model); fsdp -> FSDP2-sharded, built on the
+    meta device and filled from rank 0's copy (read in the checkpoint's dtype), so only rank 0 ever reads the file.
+    A collective under FSDP2: every rank calls it. gradient_checkpointing: recompute activations in backward."""
+    if world == 1 or parallel == "ddp":
+        policy = Policy(load_lm(path, device))
+        if gradient_checkpointing:
+            enable_gradient_checkpointing(policy.lm)
+        if world == 1:
+            return policy
+        return torch.nn.parallel.DistributedDataParallel(policy, device_ids=[device.index] if device.type == "cuda"
+                                                         else None)
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
+    from transformers import AutoConfig, AutoModelForCausalLM
+    try:
+        config = AutoConfig.from_pretrained(path)
+    except OSError as err:
+        raise FileNotFoundError(f"could not load model {path!r}: {err}") from err
+    with params_on_meta():
+        lm = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    if gradient_checkpointing:
+        enable_gradient_checkpointing(lm)
+    buffers = {name: b.clone() for name, b in lm.named_buffers()}
+    policy = shard(Policy(lm), bf16)
+    policy.to_empty(device=device)               # this rank's shards; buffers need their values again
+    with torch.no_grad():
+        for name, b in policy.lm.named_buffers():
+            b.copy_(buffers[name])
+    full = {}
+    if rank == 0:                                 # the checkpoint's own dtype: bf16 for most released models
+        full = {f"lm.{k}": v for k, v in AutoModelForCausalLM.from_pretrained(path, dtype="auto").state_dict().items()}
+    set_model_state_dict(policy, full, options=StateDictOptions(full_state_dict=True, broadcast_from_rank0=True))
+    del full
+    return policy.eval()
+
+
+def enable_gradient_checkpointing(lm) -> None:
+    """Recompute each decoder layer's activations in backward (transformers 5 renamed the method; 4.x has the old
+    name). Takes effect in train mode only."""
+    (getattr(lm, "activation_checkpointing_enable", None) or lm.gradient_checkpointing_enable)()
+
+
+def no_grad_sync(policy, last: bool):
+    """Gradient accumulation under DDP: reduce gradients only on the last micro-batch of a mini-batch. FSDP2 always
+    reduce-scatters (deviation 1); one process has nothing to sync."""
+    if isinstance(policy, torch.nn.parallel.DistributedDataParallel) and not last:
+        return policy.no_sync()
+    return contextlib.nullcontext()
+
+
+def full_named_parameters(policy, dtype=None):
+    """(name, full tensor) of the LM's parameters one at a time, gathering FSDP2 shards (a collective: every rank
+    iterates to the end), cast to `dtype` if given. Peak extra memory: one full parameter."""
+    for name, p in unwrap(policy).lm.named_parameters():
+        full = (p.full_tensor() if hasattr(p, "full_tensor") else p).detach()
+        yield name, full if dtype is None else full.to(dtype)

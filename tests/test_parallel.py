@@ -1,0 +1,180 @@
+"""Several processes (2 gloo ranks on the CPU): the sharded model loads exactly the checkpoint, an FSDP2 run resumes
+exactly from its sharded checkpoint (each rank writing its own shard), evaluation split over ranks equals one
+process's, and checkpoints survive a crash mid-write; `--save_trainer_state false` keeps only the export."""
+import json
+import os
+from pathlib import Path
+
+import pytest
+import torch
+import torch.multiprocessing as mp
+
+import checkpoint
+import eval as evaluation
+import policy as policy_mod
+import train
+from tests.conftest import make_tiny_model
+from tests.fakes import EchoTools
+from tests.test_train import QA, fake_reward, flags, free_port, setup, weights  # noqa: F401 -- fixture
+
+
+def spawn(fn, *args, world=2):
+    mp.start_processes(_entry, args=(world, free_port(), fn, args), nprocs=world, start_method="spawn")
+
+
+def _entry(rank, world, port, fn, args):
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world),
+                      LOCAL_RANK=str(rank))
+    torch.set_num_threads(1)
+    fn(rank, world, *args)
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# Loading a sharded model
+
+
+def _load_worker(rank, world, model_dir, out):
+    torch.distributed.init_process_group("gloo")
+    try:
+        policy = policy_mod.load_policy(model_dir, world, torch.device("cpu"), "fsdp", rank=rank)
+        local = {name: p.to_local().numel() for name, p in policy.named_parameters()}
+        full = {name: t.clone() for name, t in policy_mod.full_named_parameters(policy)}
+        buffers = {name: b.clone() for name, b in policy.lm.named_buffers()}
+        torch.save({"local": local, "full": full, "buffers": buffers}, f"{out}.{rank}")
+        torch.distributed.barrier()
+    finally:
+        torch.distributed.destroy_process_group()
+
+
+def test_fsdp_loading_equals_the_checkpoint(tokenizer, tmp_path):
+    """A bf16 checkpoint, loaded sharded on 2 ranks: float32 parameters equal to the checkpoint's, each rank holding
+    half of each parameter, rotary buffers as a plain load computes them."""
+    from transformers import AutoModelForCausalLM
+    model = make_tiny_model(tokenizer, seed=3).to(torch.bfloat16)
+    model.save_pretrained(tmp_path / "m")
+    spawn(_load_worker, str(tmp_path / "m"), str(tmp_path / "out"))
+    ref = AutoModelForCausalLM.from_pretrained(tmp_path / "m", dtype=torch.float32)
+    ref_params = dict(ref.named_parameters())
+    for rank in (0, 1):
+        got = torch.load(f"{tmp_path / 'out'}.{rank}")
+        assert set(got["full"]) == set(ref_params)
+        for name, p in ref_params.items():
+            assert got["full"][name].dtype == torch.float32
+            torch.testing.assert_close(got["full"][name], p.detach(), atol=0, rtol=0, msg=name)
+            rows = -(-p.shape[0] // 2) if rank == 0 else p.shape[0] // 2           # dim 0 split, rank 0 first
+            assert got["local"][f"lm.{name}"] == rows * p[0].numel(), name
+        for name, b in ref.named_buffers():
+            torch.testing.assert_close(got["buffers"][name], b, atol=0, rtol=0, msg=name)
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# FSDP2 training: exact resume from sharded checkpoints
+
+
+def _train_worker(rank, world, argv):
+    train.evaluation.deep_research_reward = fake_reward
+    train.main(argv)
+
+
+def test_fsdp_two_processes_resume_exactly(setup):  # noqa: F811 -- the fixture
+    """2 steps, then a resume for a third, equals 3 straight steps (metrics and weights); every rank wrote its own
+    shard; the export loads with transformers."""
+    common = dict(parallel="fsdp", mini_batch_size=2)
+    spawn(_train_worker, flags(setup, "fsdp_interrupted", **common))
+    spawn(_train_worker, flags(setup, "fsdp_interrupted", steps=3, resume="true", **common))
+    spawn(_train_worker, flags(setup, "fsdp_straight", steps=3, **common))
+    runs = setup / "runs"
+    a = [json.loads(line) for line in (runs / "fsdp_interrupted" / "metrics.jsonl").read_text().splitlines()]
+    b = [json.loads(line) for line in (runs / "fsdp_straight" / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in a] == [r["step"] for r in b] == [1, 2, 3]
+    assert all(r["trajectories"] == 2 * 2 and r["grad_norm"] > 0 for r in a)     # 2 questions x k=2, both ranks
+    for key in ("reward", "pg_loss", "grad_norm", "entropy", "clip_hi", "resp_len"):
+        assert a[2][key] == pytest.approx(b[2][key], rel=1e-6, abs=1e-9), key
+    step3 = runs / "fsdp_interrupted" / "checkpoints" / "step_000003"
+    shards = sorted(p.name for p in (step3 / "trainer").glob("*.distcp"))
+    assert shards == ["__0_0.distcp", "__1_0.distcp"]                           # each rank its own shard
+    wa, wb = weights(step3), weights(runs / "fsdp_straight" / "checkpoints" / "step_000003")
+    for k in wa:
+        torch.testing.assert_close(wa[k], wb[k], atol=1e-7, rtol=0, msg=k)
+    from transformers import AutoModelForCausalLM
+    lm = AutoModelForCausalLM.from_pretrained(step3)
+    for name, p in lm.named_parameters():
+        torch.testing.assert_close(p.detach(), wa[name], atol=0, rtol=0, msg=name)
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# Evaluation on all ranks
+
+
+def _eval_rows():
+    return [{"question": q, "golds": [a], "meta": {"kind": "qa"}} for q, a in QA]
+
+
+def _eval_worker(rank, world, model_dir, out_dir):
+    from transformers import AutoTokenizer
+    torch.distributed.init_process_group("gloo")
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(model_dir)
+        model = policy_mod.load_lm(model_dir, "cpu")
+        summary = evaluation.evaluate(model, tokenizer, _eval_rows(), EchoTools(), n=2, temperature=1.0,
+                                      max_response_tokens=10, batch_size=4, out_dir=out_dir, name="split",
+                                      rank=rank, world=world, progress=False)
+        Path(out_dir, f"summary{rank}.json").write_text(json.dumps(summary))
+    finally:
+        torch.distributed.destroy_process_group()
+
+
+def test_evaluation_split_over_ranks_equals_one_process(tokenizer, tmp_path):
+    """6 questions x 2 samples in chunks of 2 questions: rank 0 takes chunks 0 and 2, rank 1 chunk 1; rank 0 writes
+    the merged results, equal to one process's, and both ranks return the same summary."""
+    model = make_tiny_model(tokenizer, seed=7)
+    model.save_pretrained(tmp_path / "m")
+    tokenizer.save_pretrained(tmp_path / "m")
+    one = evaluation.evaluate(policy_mod.load_lm(str(tmp_path / "m"), "cpu"), tokenizer, _eval_rows(), EchoTools(),
+                              n=2, temperature=1.0, max_response_tokens=10, batch_size=4, out_dir=tmp_path / "one",
+                              name="split", progress=False)
+    spawn(_eval_worker, str(tmp_path / "m"), str(tmp_path / "two"))
+    lines = lambda d: [json.loads(x) for x in (d / "split_results.jsonl").read_text().splitlines()]   # noqa: E731
+    a, b = lines(tmp_path / "one"), lines(tmp_path / "two")
+    assert [r["index"] for r in b] == list(range(len(QA)))
+    assert [[s["text"] for s in r["samples"]] for r in a] == [[s["text"] for s in r["samples"]] for r in b]
+    s0, s1 = (json.loads((tmp_path / "two" / f"summary{r}.json").read_text()) for r in (0, 1))
+    for key in ("pass@1", "pass@2", "em", "f1", "reward", "format_valid", "tool_calls", "response_tokens"):
+        assert s0[key] == s1[key] == one[key], key
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# Checkpoints: a crash mid-write, model-only checkpoints
+
+
+def test_crash_while_saving_keeps_the_previous_checkpoint(setup, monkeypatch):  # noqa: F811 -- the fixture
+    monkeypatch.setattr(train.evaluation, "deep_research_reward", fake_reward)
+    calls = []
+    real = checkpoint._write_export
+
+    def export_then_crash(policy, tokenizer, out, rank, dtype):
+        calls.append(out)
+        real(policy, tokenizer, out, rank, dtype)
+        if len(calls) == 2:
+            raise OSError(28, "No space left on device")
+    monkeypatch.setattr(checkpoint, "_write_export", export_then_crash)
+    with pytest.raises(OSError, match="No space left"):
+        train.main(flags(setup, "crash"))
+    ckpts = checkpoint.checkpoint_dirs(setup / "runs" / "crash")
+    assert [p.name for p in ckpts] == ["step_000001"]                       # step 2 never became a checkpoint
+    from transformers import AutoModelForCausalLM
+    AutoModelForCausalLM.from_pretrained(ckpts[0])                          # the previous one is intact
+
+
+def test_model_only_checkpoints_resume(setup, monkeypatch, capsys):  # noqa: F811 -- the fixture
+    monkeypatch.setattr(train.evaluation, "deep_research_reward", fake_reward)
+    run = Path(train.main(flags(setup, "lean", steps=1, save_trainer_state="false"))["run_dir"])
+    step1 = run / "checkpoints" / "step_000001"
+    assert not (step1 / "trainer").exists() and (step1 / "model.safetensors").exists()
+    full = Path(train.main(flags(setup, "full", steps=1))["run_dir"]) / "checkpoints" / "step_000001"
+    size = lambda d: sum(p.stat().st_size for p in d.rglob("*") if p.is_file())       # noqa: E731
+    assert size(step1) < 0.5 * size(full)                                    # 4 B vs 16 B per parameter
+    train.main(flags(setup, "lean", steps=2, resume="true", save_trainer_state="false"))
+    assert "AdamW moments restart" in capsys.readouterr().err
+    rows = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in rows] == [1, 2]
