@@ -1,0 +1,53 @@
+"""The refactoring guard: a short fixed-seed run on the tiny test model (cold start, KL reference, 2 RL steps with 2
+mini-batches each, tool calls and branches, checkpoints) must log exactly the metrics recorded in
+tests/golden/tiny_two_steps.jsonl, every key but wall-clock times. Moving code between modules must not change a
+number.
+
+Re-record (only for an intended change of behaviour, saying why in the commit):
+    AEPO_RECORD_GOLDEN=1 python -m pytest tests/test_golden_run.py
+"""
+import json
+import os
+from pathlib import Path
+
+import pytest
+
+import generation
+import train
+from rollout import Segment
+from tests.test_train import fake_reward, flags, setup  # noqa: F401 -- the fixture
+
+GOLDEN = Path(__file__).parent / "golden" / "tiny_two_steps.jsonl"
+TIMES = ("time/", "update_tokens_per_s")
+
+
+class SearchFirst(generation.TransformersGenerator):
+    """The real generator, except that a trajectory's first segment is a scripted search call (a random model
+    never writes one) whose segment entropy depends on the context, so the tree has tools and branches."""
+
+    def generate(self, contexts, max_new_tokens, seed):
+        out = super().generate(contexts, max_new_tokens, seed)
+        for i, context in enumerate(contexts):
+            if self.tokenizer.decode(context[-3:]).endswith("assistant\n"):      # right after the prompt
+                text = "<think> look it up </think> <search> What is the capital of France </search>"
+                ids = self.tokenizer.encode(text, add_special_tokens=False)[:max_new_tokens[i]]
+                out[i] = Segment(ids, "tool", 0.3 + 0.15 * (len(context) % 5), text)
+        return out
+
+
+def test_metrics_equal_the_recorded_run(setup, monkeypatch):  # noqa: F811 -- the fixture
+    monkeypatch.setattr(train.evaluation, "deep_research_reward", fake_reward)
+    monkeypatch.setattr(generation, "TransformersGenerator", SearchFirst)
+    run = Path(train.main(flags(setup, "golden", cold_start="true", cold_start_questions=2, cold_start_steps=2,
+                                cold_start_batch=2, kl_coef=0.05, seed=3, k=4, max_response_tokens=100,
+                                micro_batch_size=3))["run_dir"])
+    rows = [{k: v for k, v in json.loads(line).items() if not k.startswith(TIMES)}
+            for line in (run / "metrics.jsonl").read_text().splitlines()]
+    assert sum(r["branches"] for r in rows) > 0 and all(r["tool_calls"] > 0 for r in rows)   # the tree is there
+    if os.environ.get("AEPO_RECORD_GOLDEN"):
+        GOLDEN.write_text("".join(json.dumps(r, sort_keys=True) + "\n" for r in rows))
+    golden = [json.loads(line) for line in GOLDEN.read_text().splitlines()]
+    assert [sorted(r) for r in rows] == [sorted(g) for g in golden]
+    for r, g in zip(rows, golden):
+        for key, value in g.items():
+            assert r[key] == pytest.approx(value, rel=1e-5, abs=1e-8), (r["step"], key)
