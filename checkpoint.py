@@ -21,6 +21,7 @@ Deviations from the paper / official code:
 from __future__ import annotations
 
 import contextlib
+import json
 import os
 import random
 import shutil
@@ -88,7 +89,7 @@ def export_model(policy, tokenizer, out: Path, rank: int, dtype=torch.float32) -
 
 
 def save(run_dir: Path, step: int, policy, optimizer, tokenizer, *, rank: int, keep: int, config_yaml: str,
-         info: str, data_position: int, export_dtype=torch.float32, trainer_state: bool = True) -> Path:
+         info: dict, data_position: int, export_dtype=torch.float32, trainer_state: bool = True) -> Path:
     """Write checkpoint `step` (every rank calls it), then delete all but the newest `keep` (keep <= 0: none)."""
     from torch.distributed.checkpoint import save as dcp_save
     from torch.distributed.checkpoint.state_dict import get_state_dict
@@ -109,7 +110,7 @@ def save(run_dir: Path, step: int, policy, optimizer, tokenizer, *, rank: int, k
         torch.save({"step": step, "data_position": data_position, "rng": rngs, "trainer_state": trainer_state},
                    tmp / "trainer_state.pt")
         (tmp / "config.yaml").write_text(config_yaml)
-        (tmp / "run_info.json").write_text(info)
+        (tmp / "run_info.json").write_text(json.dumps(info, indent=2))
         if final.exists():                           # re-saving a step: move the old one aside first
             os.replace(final, final.with_name(f".old_{final.name}"))
         os.replace(tmp, final)

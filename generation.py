@@ -61,6 +61,13 @@ class TransformersGenerator:
         self.pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else min(self.eos_ids)
 
     @torch.no_grad()
+    def load_weights(self, named_tensors) -> None:
+        """Copy new weights, (name, full tensor) pairs, into the model this generator samples from."""
+        params = dict(self.model.named_parameters())
+        for name, tensor in named_tensors:
+            params[name].copy_(tensor)
+
+    @torch.no_grad()
     def generate(self, contexts, max_new_tokens, seed):
         out: list[Segment] = []
         for start in range(0, len(contexts), self.batch_size):

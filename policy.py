@@ -50,6 +50,17 @@ def unwrap(policy) -> Policy:
     return policy.module if isinstance(policy, torch.nn.parallel.DistributedDataParallel) else policy
 
 
+def load_tokenizer(path: str):
+    from transformers import AutoTokenizer
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(path)
+    except OSError as err:
+        raise FileNotFoundError(f"could not load the tokenizer of model {path!r}: {err}") from err
+    if tokenizer.pad_token_id is None:
+        tokenizer.pad_token = tokenizer.eos_token
+    return tokenizer
+
+
 def load_lm(path: str, device, dtype=torch.float32):
     """A whole transformers causal LM on `device`, in eval mode."""
     from transformers import AutoModelForCausalLM
@@ -129,6 +140,31 @@ def load_policy(path: str, world: int, device, parallel: str = "ddp", bf16: bool
     set_model_state_dict(policy, full, options=StateDictOptions(full_state_dict=True, broadcast_from_rank0=True))
     del full
     return policy.eval()
+
+
+def tensorize(items: list[tuple[list[int], list[int], list[int]]], pad_id: int, device) -> dict:
+    """items: (prompt_ids, response_ids, loss_mask) per trajectory. Returns input_ids (B, L) right-padded,
+    attention_mask (B, L), and mask (B, L-1): 1 where the *next* token was sampled by the policy (scored)."""
+    width = max(len(p) + len(r) for p, r, _ in items)
+    ids = torch.full((len(items), width), pad_id, dtype=torch.long)
+    attn = torch.zeros((len(items), width), dtype=torch.long)
+    mask = torch.zeros((len(items), width - 1), dtype=torch.float32)
+    for i, (p, r, m) in enumerate(items):
+        ids[i, :len(p) + len(r)] = torch.tensor(p + r)
+        attn[i, :len(p) + len(r)] = 1
+        mask[i, len(p) - 1:len(p) - 1 + len(r)] = torch.tensor(m, dtype=torch.float32)
+    return {"input_ids": ids.to(device), "attention_mask": attn.to(device), "mask": mask.to(device)}
+
+
+def optimizer_step(policy, optimizer, grad_clip: float) -> float:
+    """Clip the gradient norm (over all ranks' shards), step, zero the gradients; returns the norm before clipping."""
+    grad_norm = torch.nn.utils.clip_grad_norm_([p for p in policy.parameters() if p.grad is not None], grad_clip)
+    grad_norm = grad_norm.full_tensor() if hasattr(grad_norm, "full_tensor") else grad_norm
+    if not torch.isfinite(grad_norm):
+        raise FloatingPointError(f"non-finite gradient norm {grad_norm.item()}")
+    optimizer.step()
+    optimizer.zero_grad(set_to_none=True)
+    return float(grad_norm)
 
 
 def enable_gradient_checkpointing(lm) -> None:

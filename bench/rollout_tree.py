@@ -24,9 +24,12 @@ import torch
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
+import coldstart  # noqa: E402
 import eval as E  # noqa: E402
 import generation  # noqa: E402
+import policy  # noqa: E402
 import rollout  # noqa: E402
+import search as search_mod  # noqa: E402
 import tools  # noqa: E402
 
 
@@ -34,7 +37,6 @@ def load_policy(spec: str):
     """(model, tokenizer): 'cold' = the newest cold-started embedded model in the cache, 'raw' = the embedded
     model as shipped, else a model directory."""
     import os
-    import train
     cache = Path(os.environ.get("AEPO_CACHE") or Path.home() / ".cache" / "aepo")
     if spec == "cold":
         found = sorted((p for p in (cache / "cold_start").glob("*") if (p / "config.json").exists()),
@@ -44,10 +46,10 @@ def load_policy(spec: str):
                              "(it caches one) or pass --model DIR")
         path = str(found[-1])
     elif spec == "raw":
-        path = str(train.embedded_model_dir(cache))
+        path = str(coldstart.embedded_model_dir(cache))
     else:
         path = spec
-    return train.load_lm(path, torch.device("cpu")), train.load_tokenizer(path)
+    return policy.load_lm(path, torch.device("cpu")), policy.load_tokenizer(path)
 
 
 def main():
@@ -68,7 +70,7 @@ def main():
     model, tokenizer = load_policy(args.model)
     rows = E.load_dataset(args.data)[:args.questions]
     prompts = [E.build_prompt(tokenizer, r["question"]) for r in rows]
-    runner = tools.Tools(tools.make_search("bm25", topk=args.search_topk))
+    runner = tools.Tools(search_mod.make_search("bm25", topk=args.search_topk))
     gen = generation.TransformersGenerator(model, tokenizer, temperature=args.temperature)
     variants = {
         "aepo": dict(),

@@ -4,7 +4,7 @@ Paper: arXiv:2510.14545 (AEPO). A rollout round runs every active trajectory's t
 so a round should cost about as much as its slowest call, not the sum of its calls.
 
 Method.
-- BM25: the embedded ~10k-article corpus (tools.BM25Search; index built or loaded from the cache first, time
+- BM25: the embedded ~10k-article corpus (search_mod.BM25Search; index built or loaded from the cache first, time
   reported). Queries are 8 distinct words of an article's text that are not in its title, for `--queries`
   articles spread over the corpus; recall@1 (the article's own title ranked first) is a sanity number. Timed once
   as one batched `search(queries)` call and once as one call per query.
@@ -26,6 +26,7 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+import search as search_mod  # noqa: E402
 import tools  # noqa: E402
 
 
@@ -51,9 +52,9 @@ def main():
 
     # ---- BM25
     t0 = time.perf_counter()
-    bm25 = tools.BM25Search(cache=args.cache)
+    bm25 = search_mod.BM25Search(cache=args.cache)
     t_index = time.perf_counter() - t0
-    queries, titles = make_queries(tools.default_corpus_path(args.cache), args.queries)
+    queries, titles = make_queries(search_mod.default_corpus_path(args.cache), args.queries)
     t0 = time.perf_counter()
     batched = bm25.search(queries)
     t_batched = time.perf_counter() - t0

@@ -43,8 +43,9 @@ def make_model(kind: str, out: Path) -> Path:
     """The model both sides load: a tiny random Llama with the SmolLM2 tokenizer, or the embedded SmolLM2."""
     sys.path.insert(0, str(ROOT))
     import torch
-    import train
-    base = train.embedded_model_dir(train.cache_root(train.Config()))
+    import coldstart
+    import config
+    base = coldstart.embedded_model_dir(coldstart.cache_root(config.Config()))
     if kind == "embedded":
         return base
     from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM

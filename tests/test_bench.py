@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 
 import rollout
-import tools
+import search as search_mod
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "bench"))
 import compare_algorithms  # noqa: E402
@@ -29,7 +29,7 @@ def test_lookup_task_is_deterministic_and_answerable_by_search(tmp_path):
     assert all(r["type"] == "lookup" for r in train[:10])                      # the cold-start rows
     assert [r["type"] for r in train[10:14]] == ["lookup", "director", "lookup", "director"]
     assert not {r["question"] for r in train} & {r["question"] for r in test}
-    search = tools.make_search("bm25", corpus_path=a["corpus"], cache=tmp_path / "cache", topk=1)
+    search = search_mod.make_search("bm25", corpus_path=a["corpus"], cache=tmp_path / "cache", topk=1)
     rows = train + test
     first = search.search([r["query"] for r in rows])
     for r, result in zip(rows, first):

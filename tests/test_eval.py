@@ -4,14 +4,19 @@ import http.server
 import importlib.util
 import itertools
 import json
-import math
+import re
 import socket
 import threading
+from fractions import Fraction
 from pathlib import Path
 
 import pytest
 
+import dataset as D
 import eval as E
+import reward
+import search as search_mod
+import tools
 from tests.conftest import make_tiny_model  # the `tokenizer` fixture (real SmolLM2 tokenizer) is there too
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -61,32 +66,32 @@ def test_pass_at_k_matches_subset_enumeration():
 
 
 def test_normalize_answer_squad():
-    assert E.normalize_answer("The  Eiffel Tower!") == "eiffel tower"
-    assert E.normalize_answer("An apple, a pear; THE end.") == "apple pear end"
-    assert E.normalize_answer("Theatre anaconda") == "theatre anaconda"  # articles only as whole words
-    assert E.normalize_answer("E. H. Shepard") == "e h shepard"
-    assert E.normalize_answer("  \t\n ") == ""
+    assert reward.normalize_answer("The  Eiffel Tower!") == "eiffel tower"
+    assert reward.normalize_answer("An apple, a pear; THE end.") == "apple pear end"
+    assert reward.normalize_answer("Theatre anaconda") == "theatre anaconda"  # articles only as whole words
+    assert reward.normalize_answer("E. H. Shepard") == "e h shepard"
+    assert reward.normalize_answer("  \t\n ") == ""
 
 
 def test_exact_match_and_f1():
-    assert E.exact_match("the Big Apple", ["NYC", "Big Apple"]) == 1.0
-    assert E.exact_match("Big Apples", ["Big Apple"]) == 0.0
-    assert E.exact_match(None, ["x"]) == 0.0
-    assert E.exact_match("1999", "1999") == 1.0                                 # a bare string gold
-    assert E.f1_score("Stanley Kubrick", ["Kubrick"]) == pytest.approx(2 * 0.5 * 1 / 1.5)
-    assert E.f1_score("New York City", ["Washington", "New York"]) == pytest.approx(0.8)  # best alias
-    assert E.f1_score("a the an", ["the"]) == 0.0                               # empty after normalisation
-    assert E.f1_score("paris paris", ["paris"]) == pytest.approx(2 * 0.5 * 1 / 1.5)  # counts, not sets
-    assert E.f1_score(None, ["x"]) == 0.0 and E.f1_score("x", []) == 0.0
+    assert reward.exact_match("the Big Apple", ["NYC", "Big Apple"]) == 1.0
+    assert reward.exact_match("Big Apples", ["Big Apple"]) == 0.0
+    assert reward.exact_match(None, ["x"]) == 0.0
+    assert reward.exact_match("1999", "1999") == 1.0                                 # a bare string gold
+    assert reward.f1_score("Stanley Kubrick", ["Kubrick"]) == pytest.approx(2 * 0.5 * 1 / 1.5)
+    assert reward.f1_score("New York City", ["Washington", "New York"]) == pytest.approx(0.8)  # best alias
+    assert reward.f1_score("a the an", ["the"]) == 0.0                               # empty after normalisation
+    assert reward.f1_score("paris paris", ["paris"]) == pytest.approx(2 * 0.5 * 1 / 1.5)  # counts, not sets
+    assert reward.f1_score(None, ["x"]) == 0.0 and reward.f1_score("x", []) == 0.0
 
 
 def test_extract_boxed_balanced_braces():
-    assert E.extract_boxed(r"so \boxed{\frac{14}{3}} done") == r"\frac{14}{3}"
-    assert E.extract_boxed(r"\boxed{1} then \boxed{ 2 }") == "2"                # the last one
-    assert E.extract_boxed(r"\boxed{\{1, 2\}}") == r"\{1, 2\}"                  # escaped braces are literal
-    assert E.extract_boxed(r"\boxed {x}") == "x"
-    assert E.extract_boxed(r"\boxed{a} \boxed{unclosed") == "a"
-    assert E.extract_boxed("no box") is None
+    assert reward.extract_boxed(r"so \boxed{\frac{14}{3}} done") == r"\frac{14}{3}"
+    assert reward.extract_boxed(r"\boxed{1} then \boxed{ 2 }") == "2"                # the last one
+    assert reward.extract_boxed(r"\boxed{\{1, 2\}}") == r"\{1, 2\}"                  # escaped braces are literal
+    assert reward.extract_boxed(r"\boxed {x}") == "x"
+    assert reward.extract_boxed(r"\boxed{a} \boxed{unclosed") == "a"
+    assert reward.extract_boxed("no box") is None
 
 
 # --------------------------------------------------------------------------------------------------
@@ -100,17 +105,17 @@ GOLD = ["2001: A Space Odyssey"]
 
 
 def test_valid_trajectories_and_reward():
-    assert E.check_format(ANSWER) == (True, "ok")
-    assert E.deep_research_reward(ANSWER, GOLD) == 1.0
-    assert E.deep_research_reward(SEARCH + ANSWER, GOLD) == 1.0                 # one tool: no bonus
-    assert E.deep_research_reward(SEARCH + PYTHON + ANSWER, GOLD) == pytest.approx(1.1)  # both tools
-    assert E.deep_research_reward(PYTHON + SEARCH + ANSWER, GOLD) == pytest.approx(1.1)
+    assert reward.check_format(ANSWER) == (True, "ok")
+    assert reward.deep_research_reward(ANSWER, GOLD) == 1.0
+    assert reward.deep_research_reward(SEARCH + ANSWER, GOLD) == 1.0                 # one tool: no bonus
+    assert reward.deep_research_reward(SEARCH + PYTHON + ANSWER, GOLD) == pytest.approx(1.1)  # both tools
+    assert reward.deep_research_reward(PYTHON + SEARCH + ANSWER, GOLD) == pytest.approx(1.1)
     wrong = ANSWER.replace("2001: A Space Odyssey", "Spartacus")
-    assert E.deep_research_reward(SEARCH + PYTHON + wrong, GOLD) == 0.0          # F1 = 0: no bonus
+    assert reward.deep_research_reward(SEARCH + PYTHON + wrong, GOLD) == 0.0          # F1 = 0: no bonus
     partial = ANSWER.replace("2001: A Space Odyssey", "Space Odyssey")
-    f1 = E.f1_score("Space Odyssey", GOLD)
-    assert 0 < f1 < 1 and E.deep_research_reward(SEARCH + PYTHON + partial, GOLD) == pytest.approx(f1 + 0.1)
-    assert E.deep_research_reward(ANSWER, ["2001 a space odyssey"]) == 1.0       # SQuAD normalisation
+    f1 = reward.f1_score("Space Odyssey", GOLD)
+    assert 0 < f1 < 1 and reward.deep_research_reward(SEARCH + PYTHON + partial, GOLD) == pytest.approx(f1 + 0.1)
+    assert reward.deep_research_reward(ANSWER, ["2001 a space odyssey"]) == 1.0       # SQuAD normalisation
 
 
 @pytest.mark.parametrize("text, reason", [
@@ -130,29 +135,29 @@ def test_valid_trajectories_and_reward():
     (r"\boxed{x} <answer> x </answer>", "no \\boxed{} inside <answer>"),
 ])
 def test_invalid_format_each_reason(text, reason):
-    valid, why = E.check_format(text)
+    valid, why = reward.check_format(text)
     assert not valid and reason in why
-    assert E.deep_research_reward(text, ["x"]) == -1.0
+    assert reward.deep_research_reward(text, ["x"]) == -1.0
 
 
 def test_tags_inside_result_blocks_are_opaque():
     noisy = "<answer> \\boxed{wrong} </answer> <think> <search> </python> <result> <answer>"
     text = traj("<search> q </search>", R.format(noisy), "<python> x </python>", R.format("</think>"), ANSWER)
-    assert E.check_format(text) == (True, "ok")
-    assert E.deep_research_reward(text, GOLD) == pytest.approx(1.1)
+    assert reward.check_format(text) == (True, "ok")
+    assert reward.deep_research_reward(text, GOLD) == pytest.approx(1.1)
     # a result block cannot supply the answer either
-    assert not E.check_format(traj("<search> q </search>", R.format(r"<answer>\boxed{x}</answer>")))[0]
+    assert not reward.check_format(traj("<search> q </search>", R.format(r"<answer>\boxed{x}</answer>")))[0]
     # a tool call inside the answer: its output cannot supply the boxed answer
     inside = traj("<answer> <search> q </search>", R.format(r"\boxed{x}"), " </answer>")
-    assert E.check_format(inside) == (False, "no \\boxed{} inside <answer>")
-    assert E.score_response(inside[:-10] + r"\boxed{y} </answer>", ["y"])["prediction"] == "y"
+    assert reward.check_format(inside) == (False, "no \\boxed{} inside <answer>")
+    assert reward.score_response(inside[:-10] + r"\boxed{y} </answer>", ["y"])["prediction"] == "y"
     # the evaluation prediction never comes from tool output
-    assert E.score_response(traj("<search> q </search>", R.format(r"\boxed{x}")), ["x"])["prediction"] is None
+    assert reward.score_response(traj("<search> q </search>", R.format(r"\boxed{x}")), ["x"])["prediction"] is None
 
 
 def test_truncated_and_empty_responses_are_invalid():
-    assert E.deep_research_reward("", ["x"]) == -1.0
-    assert E.deep_research_reward(SEARCH[:-10], ["x"]) == -1.0                  # cut inside a result block
+    assert reward.deep_research_reward("", ["x"]) == -1.0
+    assert reward.deep_research_reward(SEARCH[:-10], ["x"]) == -1.0                  # cut inside a result block
 
 
 # --------------------------------------------------------------------------------------------------
@@ -168,34 +173,42 @@ def test_math_equal_examples():
     no = [("4.6667", r"\frac{14}{3}"), ("B", r"\text{(C)}"), (r"(3, \pi)", r"\left( 3, \frac{\pi}{2} \right)"),
           ("1450001", "1,450,000"), ("2", r"2\pi"), ("", "0"), (None, "1"), ("__import__('os')", "1")]
     for a, b in yes:
-        assert E.math_equal(a, b), (a, b)
+        assert reward.math_equal(a, b), (a, b)
     for a, b in no:
-        assert not E.math_equal(a, b), (a, b)
+        assert not reward.math_equal(a, b), (a, b)
 
 
 @needs_shared
 def test_math_equal_on_benchmark_golds():
-    gsm8k = E.load_dataset(SHARED / "benchmarks" / "gsm8k.jsonl")
+    gsm8k = D.load_dataset(SHARED / "benchmarks" / "gsm8k.jsonl")
     for row in gsm8k[:400]:
         gold = row["golds"][0]
         value = int(gold.replace(",", ""))
         for pred in (f"\\${value:,}", f"\\boxed{{{value}}}", f"{value}.", f"${value}$", f"{value} dollars"):
-            assert E.math_equal(pred, gold), (pred, gold)
-        assert not E.math_equal(str(value + 1), gold)
+            assert reward.math_equal(pred, gold), (pred, gold)
+        assert not reward.math_equal(str(value + 1), gold)
     for name in ("aime24", "aime25"):
-        for row in E.load_dataset(SHARED / "benchmarks" / f"{name}.jsonl"):
+        for row in D.load_dataset(SHARED / "benchmarks" / f"{name}.jsonl"):
             gold = row["golds"][0]
-            assert E.math_equal(f"\\boxed{{{gold}}}", gold) and not E.math_equal(f"{int(gold) + 1}", gold)
-    math500 = E.load_dataset(SHARED / "benchmarks" / "math500.jsonl")
+            assert reward.math_equal(f"\\boxed{{{gold}}}", gold) and not reward.math_equal(f"{int(gold) + 1}", gold)
+    math500 = D.load_dataset(SHARED / "benchmarks" / "math500.jsonl")
     golds = [r["golds"][0] for r in math500]
     for gold in golds:                                                          # wrappers never hurt
-        assert E.math_equal(f"\\boxed{{{gold}}}", gold) and E.math_equal(f"${gold}$", gold), gold
-    assert r"\frac{14}{3}" in golds and E.math_equal("14/3", r"\frac{14}{3}")
+        assert reward.math_equal(f"\\boxed{{{gold}}}", gold) and reward.math_equal(f"${gold}$", gold), gold
+    assert r"\frac{14}{3}" in golds and reward.math_equal("14/3", r"\frac{14}{3}")
     # distinct numeric golds are never confused
-    numeric = sorted({g for g in golds if E._to_number(E._strip_math(g)) is not None})[:60]
+    numeric = sorted({g for g in golds if plain_number(g) is not None})[:60]
+    assert len(numeric) == 60
     for a, b in itertools.combinations(numeric, 2):
-        same = math.isclose(E._to_number(E._strip_math(a)), E._to_number(E._strip_math(b)))
-        assert E.math_equal(a, b) == same, (a, b)
+        assert reward.math_equal(a, b) == (plain_number(a) == plain_number(b)), (a, b)
+
+
+def plain_number(s: str):
+    """The exact value of a gold written as an integer, a decimal or a \\frac of integers; else None."""
+    m = re.fullmatch(r"(-?)\\d?frac\{(\d+)\}\{(\d+)\}", s.strip())
+    if m:
+        return Fraction(int(m.group(2)), int(m.group(3))) * (-1 if m.group(1) else 1)
+    return Fraction(s.strip()) if re.fullmatch(r"-?\d+(\.\d+)?", s.strip()) else None
 
 
 # --------------------------------------------------------------------------------------------------
@@ -211,12 +224,12 @@ RL_ROWS = {"hard_search_1k": 1071, "train_10k": 10000, "valid": 180, "gaia_test"
 @needs_shared
 @pytest.mark.parametrize("name", sorted(BENCH_ROWS))
 def test_load_benchmarks(name):
-    rows = E.load_dataset(SHARED / "benchmarks" / f"{name}.jsonl")
+    rows = D.load_dataset(SHARED / "benchmarks" / f"{name}.jsonl")
     assert len(rows) == BENCH_ROWS[name] and rows.skipped == []
     for row in rows:
         assert isinstance(row["question"], str) and row["question"]
         assert row["golds"] and all(isinstance(g, str) and g for g in row["golds"])
-        assert row["meta"]["kind"] == ("math" if name in E.MATH_SOURCES else "qa")
+        assert row["meta"]["kind"] == ("math" if name in D.MATH_SOURCES else "qa")
     if name == "gsm8k":
         assert rows[0]["golds"] == ["18"] and "####" in rows[0]["meta"]["solution"]
 
@@ -227,11 +240,11 @@ def test_load_verl_parquet(name):
     path = SHARED / "rl" / f"{name}.parquet"
     if name == "train_10k":  # row 5274 has ground_truth ' ': reported with file and row, skippable
         with pytest.raises(ValueError, match=r"train_10k\.parquet: row 5274: .*answer is empty"):
-            E.load_dataset(path)
-        rows = E.load_dataset(path, skip_bad=True)
+            D.load_dataset(path)
+        rows = D.load_dataset(path, skip_bad=True)
         assert len(rows.skipped) == 1 and "row 5274" in rows.skipped[0]
     else:
-        rows = E.load_dataset(path)
+        rows = D.load_dataset(path)
         assert rows.skipped == []
     assert len(rows) + len(rows.skipped) == RL_ROWS[name]
     assert all(r["question"] and r["golds"] for r in rows)
@@ -249,14 +262,14 @@ def test_load_jsonl_malformed_rows(tmp_path, capsys):
              {"question": "q8", "answer": "['x', 'y']"}, {"question": "q9", "answer": {"target": ["b", "c"]}}]
     path.write_text("\n".join(x if isinstance(x, str) else json.dumps(x) for x in lines) + "\n\n")
     with pytest.raises(ValueError, match=r"bad\.jsonl: line 2: malformed row"):
-        E.load_dataset(path)
-    rows = E.load_dataset(path, skip_bad=True)
+        D.load_dataset(path)
+    rows = D.load_dataset(path, skip_bad=True)
     assert [r["question"] for r in rows] == ["q1", "q4", "q8", "q9"]
     assert [r["golds"] for r in rows] == [["a"], ["7"], ["x", "y"], ["b", "c"]]
     assert [s.split(": ")[1] for s in rows.skipped] == ["line 2", "line 3", "line 5", "line 6", "line 7"]
     assert "skipped 5 malformed row(s)" in capsys.readouterr().err
     with pytest.raises(FileNotFoundError):
-        E.load_dataset(tmp_path / "missing.jsonl")
+        D.load_dataset(tmp_path / "missing.jsonl")
 
 
 def test_load_parquet_literal_strings(tmp_path):
@@ -271,8 +284,8 @@ def test_load_parquet_literal_strings(tmp_path):
     }
     pq.write_table(pa.table(records), tmp_path / "lit.parquet")
     with pytest.raises(ValueError, match=r"lit\.parquet: row 2"):
-        E.load_dataset(tmp_path / "lit.parquet")
-    rows = E.load_dataset(tmp_path / "lit.parquet", skip_bad=True)
+        D.load_dataset(tmp_path / "lit.parquet")
+    rows = D.load_dataset(tmp_path / "lit.parquet", skip_bad=True)
     assert [(r["question"], r["golds"]) for r in rows] == [("from prompt", ["x", "y"]), ("q2", ["z"])]
     assert len(rows.skipped) == 2 and "row 3" in rows.skipped[1]
 
@@ -289,14 +302,13 @@ def _build_qa():
 
 
 def test_qa_set_answers_are_in_search_results():
-    import tools
     build_qa = _build_qa()
-    train, test = E.load_dataset(ROOT / "data" / "qa_train.jsonl"), E.load_dataset(ROOT / "data" / "qa_test.jsonl")
+    train, test = D.load_dataset(ROOT / "data" / "qa_train.jsonl"), D.load_dataset(ROOT / "data" / "qa_test.jsonl")
     assert len(train) == 200 and len(test) == 50
     assert not {r["question"] for r in train} & {r["question"] for r in test}
     rows = list(train) + list(test)
     assert all(1 <= len(r["golds"][0].split()) <= 4 for r in rows)
-    results = tools.make_search("bm25").search([r["meta"]["query"] for r in rows])
+    results = search_mod.make_search("bm25").search([r["meta"]["query"] for r in rows])
     missing = [r["question"] for r, res in zip(rows, results) if not build_qa.answer_in_results(r["golds"][0], res, 10)]
     assert missing == []
 
@@ -418,12 +430,11 @@ def _check_outputs(out_dir, name, summary, n):
     for key in ("em", "f1", "reward"):
         assert saved[key] == pytest.approx(sum(s[key] for s in samples) / len(samples))
     for r in records:                                                           # stored text re-scores the same
-        assert all(E.deep_research_reward(s["text"], r["golds"]) == s["reward"] for s in r["samples"])
+        assert all(reward.deep_research_reward(s["text"], r["golds"]) == s["reward"] for s in r["samples"])
     return records, saved
 
 
 def test_evaluate_scripted_policy(tokenizer, tmp_path):
-    import tools
     rows = [{"question": "Capital of France?", "golds": ["Paris"], "meta": {"kind": "qa"}},
             {"question": "What is 2+2?", "golds": ["4"], "meta": {"kind": "math"}},
             {"question": "Largest planet?", "golds": ["Jupiter"], "meta": {"kind": "qa"}}]
@@ -445,7 +456,6 @@ def test_evaluate_scripted_policy(tokenizer, tmp_path):
 
 
 def test_evaluate_with_judge(tokenizer, tmp_path, judge_server):
-    import tools
     url, seen = judge_server
     rows = [{"question": "Capital of France?", "golds": ["Paris"], "meta": {"kind": "qa"}}]
     script = {"Capital of France?": ["Paris", "Lyon"]}
@@ -456,11 +466,10 @@ def test_evaluate_with_judge(tokenizer, tmp_path, judge_server):
 
 def test_evaluate_tiny_random_model(tokenizer, tmp_path):
     """Real rollout code, real tools (embedded BM25), a 2-layer random Llama: the pipeline end to end."""
-    import tools
     model = make_tiny_model(tokenizer)                                          # tests/conftest.py
-    rows = E.load_dataset(ROOT / "data" / "qa_test.jsonl")[:5]
+    rows = D.load_dataset(ROOT / "data" / "qa_test.jsonl")[:5]
     # top_p=1.0: the top-p sort over a 49k vocabulary dominates this test's time on a small CPU
-    summary = E.evaluate(model, tokenizer, rows, tools.Tools(tools.make_search("bm25")), n=2, top_p=1.0,
+    summary = E.evaluate(model, tokenizer, rows, tools.Tools(search_mod.make_search("bm25")), n=2, top_p=1.0,
                          max_response_tokens=24, batch_size=10, out_dir=tmp_path, name="qa_test", progress=False)
     records, saved = _check_outputs(tmp_path, "qa_test", summary, 2)
     assert [r["question"] for r in records] == [r["question"] for r in rows]

@@ -36,7 +36,7 @@ class SearchFirst(generation.TransformersGenerator):
 
 
 def test_metrics_equal_the_recorded_run(setup, monkeypatch):  # noqa: F811 -- the fixture
-    monkeypatch.setattr(train.evaluation, "deep_research_reward", fake_reward)
+    monkeypatch.setattr(train.reward, "deep_research_reward", fake_reward)
     monkeypatch.setattr(generation, "TransformersGenerator", SearchFirst)
     run = Path(train.main(flags(setup, "golden", cold_start="true", cold_start_questions=2, cold_start_steps=2,
                                 cold_start_batch=2, kl_coef=0.05, seed=3, k=4, max_response_tokens=100,

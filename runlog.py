@@ -1,0 +1,181 @@
+"""A run's directory and logs: the run folder, one line per step, metrics.jsonl, samples.jsonl, curves.png.
+
+Paper: Dong et al., "Agentic Entropy-Balanced Policy Optimization", arXiv:2510.14545. No equation lives here; the
+metrics are the paper's quantities (reward, accuracy, token entropy, clipped fractions, tool calls, branching) as
+the README defines them. Every rank contributes sums; one all-reduce turns them into means over all ranks, and rank 0
+writes.
+
+Deviations from the paper / official code: None.
+"""
+from __future__ import annotations
+
+import dataclasses
+import datetime
+import json
+from pathlib import Path
+
+import checkpoint
+import config
+import parallel
+
+# ---------------------------------------------------------------------------------------------------------------------
+# The run directory
+
+
+def open_run(cfg, world: int, master: bool) -> tuple[Path, list[Path], dict]:
+    """(run directory, its checkpoints, run info). A new run gets <out_dir>/<run_name or model-date-time>;
+    --resume takes --run_name, or the run with the newest checkpoint. Rank 0 writes config.yaml and run_info.json."""
+    out = Path(cfg.out_dir)
+    if cfg.resume and not cfg.run_name:
+        runs = sorted((p for p in out.glob("*") if checkpoint.checkpoint_dirs(p)),
+                      key=lambda p: checkpoint.checkpoint_dirs(p)[-1].stat().st_mtime)
+        if not runs:
+            raise FileNotFoundError(f"--resume: no run with a checkpoint under {out}/")
+        run_dir = runs[-1]
+    else:
+        name = cfg.run_name or f"{Path(cfg.model).name}-{datetime.datetime.now():%Y%m%d-%H%M%S}"
+        run_dir = out / name
+    ckpts = checkpoint.checkpoint_dirs(run_dir)
+    if cfg.resume and not ckpts:
+        raise FileNotFoundError(f"--resume: no checkpoint in {run_dir}/checkpoints")
+    if not cfg.resume and ckpts:
+        raise FileExistsError(f"{run_dir} already has checkpoints: pass --resume true or another --run_name")
+    info = config.run_info(world)
+    if master:
+        run_dir.mkdir(parents=True, exist_ok=True)
+        print(config.config_yaml(cfg), flush=True)
+        (run_dir / "config.yaml").write_text(config.config_yaml(cfg))
+        (run_dir / "run_info.json").write_text(json.dumps(info, indent=2))
+    parallel.barrier()
+    return run_dir, ckpts, info
+
+
+def trim_logs(run_dir: Path, step: int) -> None:
+    """On resume: drop the lines metrics.jsonl and samples.jsonl got after the checkpoint of `step`."""
+    for name in ("metrics.jsonl", "samples.jsonl"):
+        path = run_dir / name
+        if path.exists():
+            kept = [line for line in path.read_text().splitlines() if json.loads(line)["step"] <= step]
+            path.write_text("".join(line + "\n" for line in kept))
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# One line per step on rank 0, metrics.jsonl, samples.jsonl, optional TensorBoard / W&B, a PNG at the end
+
+
+LINE = [("reward", "reward", "{:.3f}"), ("acc", "acc", "{:.2f}"), ("entropy", "entropy", "{:.2f}"),
+        ("clip_hi", "clip_hi", "{:.3f}"), ("clip_lo", "clip_lo", "{:.3f}"), ("preserved", "preserved", "{:.3f}"),
+        ("m", "m", "{:.1f}"), ("branches", "branches", "{:.1f}"), ("tool_calls", "tool_calls", "{:.1f}"),
+        ("resp_len", "resp_len", "{:.0f}")]
+
+
+def step_metrics(step, rows, trajectories, scores, rewards, adv, tree, stats, std_h, sums, grad_norms, cfg) -> dict:
+    """This rank's sums -> one all-reduce -> means over all trajectories / questions / scored tokens."""
+    local = {f"loss/{key}": v for key, v in sums.items()}
+    local.update({"n_traj": len(trajectories), "reward": float(rewards.sum()), "acc": sum(s["em"] for s in scores),
+                  "f1": sum(s["f1"] for s in scores), "format_ok": sum(s["format_valid"] for s in scores),
+                  "h_count": float(stats[0]), "h_sum": float(stats[1]),
+                  "tool_calls": sum(len(t.tool_calls) for t in trajectories),
+                  "resp_len": sum(len(t.response_ids) for t in trajectories),
+                  "seq_len": sum(len(t.prompt_ids) + len(t.response_ids) for t in trajectories),
+                  "gen_len": sum(sum(t.loss_mask) for t in trajectories),
+                  "truncated": sum(t.truncated for t in trajectories), "adv_nonzero": float((adv != 0).sum()),
+                  "m": tree["m"] * len(rows), "branches": tree["branches_per_tree"] * len(rows),
+                  "top_chain": tree["branch_top_chain_share"] * tree["trees_with_branches"],
+                  "trees_branched": tree["trees_with_branches"],
+                  "questions": len(rows)})
+    local.update({key: float(v) for key, v in tree.items() if key.startswith("tools/")})
+    g = parallel.reduce_metrics(local)
+    n, n_tok = g["n_traj"], max(1.0, g["loss/n_tokens"])
+    m = {"step": step, "trajectories": n}
+    m.update({key: g[key] / n for key in ("reward", "acc", "f1", "format_ok", "tool_calls", "resp_len", "seq_len",
+                                          "gen_len", "truncated", "adv_nonzero")})
+    m.update({"m": g["m"] / g["questions"], "branches": g["branches"] / g["questions"],
+              "branch_top_chain": g["top_chain"] / g["trees_branched"] if g["trees_branched"] else 0.0,
+              "entropy": g["h_sum"] / max(1.0, g["h_count"]), "entropy_std": std_h, "n_valid_tokens": g["h_count"],
+              "clip_hi": g["loss/clip_upper"] / n_tok, "clip_lo": g["loss/clip_lower"] / n_tok,
+              "clip_dual": g["loss/clip_dual"] / n_tok, "preserved": g["loss/sg_kept"] / n_tok,
+              "approx_kl": g["loss/approx_kl"] / n_tok, "ratio": g["loss/ratio"] / n_tok,
+              "kl_ref": g["loss/kl_ref"] / n_tok, "pg_loss": g["loss/pg_loss"] / len(grad_norms),
+              "grad_norm": sum(grad_norms) / len(grad_norms)})
+    m.update({key: v for key, v in g.items() if key.startswith("tools/")})
+    return m
+
+
+def eval_line(summary: dict) -> str:
+    return (f"Pass@1 {summary['pass@1']:.3f} | EM {summary['em']:.3f} | F1 {summary['f1']:.3f} | "
+            f"reward {summary['reward']:.3f} | format ok {summary['format_valid']:.2f} | "
+            f"tool calls {summary['tool_calls']:.2f} | {summary['wall_s']:.0f}s")
+
+
+def saved_eval(run_dir: Path, name: str) -> dict | None:
+    """The summary an earlier part of a resumed run wrote for evaluation `name`, if any."""
+    path = run_dir / "eval" / f"{name}_summary.json"
+    return json.loads(path.read_text()) if path.exists() else None
+
+
+def format_line(step: int, steps: int, m: dict) -> str:
+    parts = [f"step {step}/{steps}"] + [f"{label} {fmt.format(m[key])}" for label, key, fmt in LINE]
+    return " | ".join(parts) + f" | rollout {m['time/rollout']:.1f}s old_logp {m['time/old_logp']:.1f}s " \
+                               f"update {m['time/update']:.1f}s"
+
+
+def plot_curves(metrics_path: Path, out_png: Path, evals: dict) -> None:
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    rows = [json.loads(line) for line in metrics_path.read_text().splitlines() if line.strip()]
+    if not rows:
+        return
+    keys = [("reward", "reward"), ("acc", "accuracy (EM)"), ("entropy", "token entropy"),
+            ("clip_hi", "upper-clipped fraction"), ("tool_calls", "tool calls / trajectory"),
+            ("resp_len", "response tokens")]
+    fig, axes = plt.subplots(2, 3, figsize=(12, 6.5))
+    for ax, (key, title) in zip(axes.flat, keys):
+        ax.plot([r["step"] for r in rows], [r[key] for r in rows], marker=".")
+        ax.set_title(title)
+        ax.set_xlabel("step")
+        ax.grid(alpha=0.3)
+    if evals:
+        fig.suptitle("held-out Pass@1: " + ", ".join(f"{k} {100 * v:.1f}%" for k, v in evals.items()))
+    fig.tight_layout()
+    fig.savefig(out_png, dpi=100)
+    plt.close(fig)
+
+
+class Trackers:
+    """TensorBoard (<run>/tb) and Weights & Biases, each only when switched on (rank 0)."""
+
+    def __init__(self, cfg, run_dir: Path, master: bool):
+        self.writers = []
+        if master and cfg.tensorboard:
+            from torch.utils.tensorboard import SummaryWriter
+            self.writers.append(SummaryWriter(str(run_dir / "tb")))
+        if master and cfg.wandb:
+            import wandb
+            self.writers.append(wandb.init(project=cfg.wandb_project, name=run_dir.name,
+                                           config=dataclasses.asdict(cfg), resume="allow"))
+
+    def log(self, m: dict, step: int) -> None:
+        for writer in self.writers:              # a TensorBoard SummaryWriter or a W&B run
+            if hasattr(writer, "add_scalar"):
+                for key, v in m.items():
+                    writer.add_scalar(key, v, step)
+            else:
+                writer.log(m, step=step)
+
+    def close(self) -> None:
+        for writer in self.writers:
+            (getattr(writer, "close", None) or getattr(writer, "finish"))()
+
+
+def write_step(run_dir: Path, m: dict, rows, trajectories, scores, rewards, n_samples: int) -> None:
+    """Append the step's metrics to metrics.jsonl and its first n_samples trajectories (full text) to
+    samples.jsonl."""
+    with open(run_dir / "metrics.jsonl", "a") as f:
+        f.write(json.dumps(m) + "\n")
+    with open(run_dir / "samples.jsonl", "a") as f:
+        for t, s, r in list(zip(trajectories, scores, rewards.tolist()))[:n_samples]:
+            f.write(json.dumps({"step": m["step"], "question": rows[t.group_id]["question"],
+                                "golds": rows[t.group_id]["golds"], "traj_id": t.traj_id, "parent": t.parent,
+                                "reward": r, "em": s["em"], "text": t.text}, ensure_ascii=False) + "\n")
