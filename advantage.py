@@ -17,8 +17,9 @@ Deviations from the paper / official code:
    in the released runs.
 2. std of the batch entropy is the sample (Bessel-corrected) std, like the outcome std; with fewer
    than two tokens or zero spread every z is 0.
-3. A group whose rewards are all equal (including a group of one) gets exactly 0, not a rounding
-   residue divided by 1e-6.
+3. A group whose rewards are all equal gets exactly 0, not a rounding residue divided by 1e-6; a group of one
+   also gets 0 (SPEC §3a: nothing to compare with), where the official code takes the std of one element as 1
+   and gives A = R / (1 + 1e-6).
 """
 import torch
 

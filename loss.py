@@ -18,6 +18,8 @@ Deviations from the paper / official code:
 3. Token entropy is over the full vocabulary, in float32, computed chunk by chunk from the hidden
    states (`logprobs_and_entropy`) so no (T, V) tensor exists for the whole sequence; verl
    materialises the full logits.
+4. The optional KL term (off by default, as in the paper) is verl's `low_var_kl`: the k3 estimate clamped to
+   [-10, 10], as in the official code.
 """
 import torch
 
@@ -167,7 +169,7 @@ def policy_loss(logp, old_logp, advantages, mask, n_valid, eps_low=0.2, eps_high
 
     Eq.: r = exp(logp - old_logp),  upper = (1+eps_high)·r/sg(r)  (sg_clip) or 1+eps_high,
          J = min(r·Ã, clip(r, 1-eps_low, upper)·Ã);  J = max(J, clip_c·Ã) where Ã < 0,
-         loss = -Σ J·mask / n_valid  (+ kl_coef·Σ k3·mask / n_valid,  k3 = e^(ref-logp) - (ref-logp) - 1).
+         loss = -Σ J·mask / n_valid  (+ kl_coef·Σ k3·mask / n_valid,  k3 = clamp(e^(ref-logp) - (ref-logp) - 1, -10, 10)).
     logp: (B, T) current-policy log-probs (carry gradient); old_logp: (B, T) behaviour-policy
     log-probs; advantages: (B, T) per-token Ã; mask: (B, T), 1 = token sampled by the policy
     (counts in the loss), 0 = prompt/tool output/padding; n_valid: number of mask-1 tokens of the
@@ -214,7 +216,7 @@ def policy_loss(logp, old_logp, advantages, mask, n_valid, eps_low=0.2, eps_high
     if ref_logp is not None:
         check_finite("ref_logp", ref_logp)
         d = torch.where(valid, (ref_logp.float() - logp.float()).clamp(-20.0, 20.0), 0.0)
-        k3 = torch.exp(d) - d - 1.0                                          # KL(π_θ‖π_ref), k3
+        k3 = (torch.exp(d) - d - 1.0).clamp(-10.0, 10.0)                     # KL(π_θ‖π_ref), k3 (low_var_kl)
         kl_ref = torch.where(valid, k3, 0.0).sum()
         if kl_coef:
             kl_loss = kl_coef * kl_ref / n_valid

@@ -6,19 +6,27 @@ independent global samples (m) and how many come from branching the tree after t
 segment entropy rose, with a penalty that stops one chain from taking every branch.
 
 Deviations from the paper / official code:
-1. The pre-monitor trajectory is kept as one of the m global samples; the official code discards it
-   and pays an extra rollout per question.
-2. m = ceil(k*sigmoid(beta*(h_root - h_tool))) clipped to [1, k] (SPEC); the official code uses
+1. Pre-monitoring reuses one trajectory and keeps it as one of the m global samples. The official code runs two
+   probes per question and keeps neither: a generation of at most 50 tokens for H_root, then a whole trajectory
+   for H_tool, so it pays more than one extra rollout per question.
+2. H_tool is the mean entropy of the pre-monitor's segments that follow a tool result (its first segment
+   excluded), and H_tool = H_root when it called no tool; the official code averages all segments of its second
+   probe, the first included.
+3. m = ceil(k*sigmoid(beta*(h_root - h_tool))) clipped to [1, k] (SPEC); the official code uses
    floor(.) + 1. `dynamic_budget=False` gives m = k // 2, what both official launch scripts ran.
-3. The consecutive-branch count l is kept per path (a branch inherits its parent's count) and every
-   call starts from fresh state; the official code keeps l per question and never resets its
-   first-segment entropy cache between training steps.
-4. Groups are completed with fresh global samples, never by duplicating a finished trajectory.
-5. With dynamic_budget=False the pre-monitor is skipped (m does not depend on it), so the m global
+4. The consecutive-branch count l is kept per path (a branch inherits its parent's count, a tool step without a
+   branch resets it) and every call starts from fresh state. The official code keeps l per question, adds one
+   whenever the question gained any trajectory in a round (fresh completion samples included), resets it only in
+   rounds where some question gained one, and never resets its first-segment entropy cache between steps.
+5. A branch measures ΔH against its path's first segment (it inherits its parent's reference); an official branch
+   takes its own first post-fork segment as reference, so its first decision has ΔH = 0.
+6. Groups are completed with fresh global samples, never by duplicating a finished trajectory.
+7. With dynamic_budget=False the pre-monitor is skipped (m does not depend on it), so the m global
    samples start together, as in ARPO.
-6. m is only known once the pre-monitor has finished, so the branching decisions at its tool steps are
+8. m is only known once the pre-monitor has finished, so the branching decisions at its tool steps are
    made then, in order, from its recorded segment entropies (same rule, same fork points). Without
    this a small m would leave nothing to branch from and the budget would go to fresh samples.
+9. H_seg's top-10 and normaliser: see generation.py (deviations 1-2).
 """
 from __future__ import annotations
 

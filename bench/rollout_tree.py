@@ -25,9 +25,10 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 import coldstart  # noqa: E402
-import eval as E  # noqa: E402
+import dataset  # noqa: E402
 import generation  # noqa: E402
 import policy  # noqa: E402
+import reward  # noqa: E402
 import rollout  # noqa: E402
 import search as search_mod  # noqa: E402
 import tools  # noqa: E402
@@ -68,8 +69,8 @@ def main():
         torch.set_num_threads(args.threads)
 
     model, tokenizer = load_policy(args.model)
-    rows = E.load_dataset(args.data)[:args.questions]
-    prompts = [E.build_prompt(tokenizer, r["question"]) for r in rows]
+    rows = dataset.load_dataset(args.data)[:args.questions]
+    prompts = [tools.build_prompt(tokenizer, r["question"]) for r in rows]
     runner = tools.Tools(search_mod.make_search("bm25", topk=args.search_topk))
     gen = generation.TransformersGenerator(model, tokenizer, temperature=args.temperature)
     variants = {
@@ -83,7 +84,7 @@ def main():
         trajs, stats = rollout.tree_rollout(prompts, gen, runner, tokenizer, k=args.k, seed=args.seed,
                                             max_response_tokens=args.max_response_tokens, **kw)
         wall = time.perf_counter() - t0
-        rewards = [E.deep_research_reward(t.text, rows[t.group_id]["golds"]) for t in trajs]
+        rewards = [reward.deep_research_reward(t.text, rows[t.group_id]["golds"]) for t in trajs]
         results[name] = dict(
             wall_s=round(wall, 1), s_per_traj=round(wall / len(trajs), 2),
             generated_tokens_per_traj=round(stats["generated_tokens_per_traj"], 1),

@@ -8,12 +8,12 @@ size, sequence lengths and reward, a single-turn task without tools; wall time p
 Both sides, matched:
 - model: a 2-layer Llama (hidden 64) with random weights and the SmolLM2 tokenizer (`--model tiny`, default), or
   the embedded SmolLM2-135M-Instruct (`--model embedded`); fp32, the same threads;
-- prompts: the first training questions of data/qa_train.jsonl through eval.build_prompt (the same token ids);
+- prompts: the first training questions of data/qa_train.jsonl through tools.build_prompt (the same token ids);
 - group size k = 8, 2 questions per step = 16 completions, all in one forward/backward (ours: micro_batch_size=16;
   TRL: per_device_train_batch_size=16) and one optimiser step per step (AdamW, lr 1e-6, grad clip 1.0);
 - sequence lengths: 128 completion tokens at temperature 1, top-p 1, no top-k; the random model never stops
   early, so both sides generate exactly 128 tokens per completion (the report prints the mean lengths);
-- reward: eval.deep_research_reward on both sides; no KL term (both defaults); no gradient checkpointing
+- reward: reward.deep_research_reward on both sides; no KL term (both defaults); no gradient checkpointing
   (TRL's default turns it on: pass --trl_gradient_checkpointing to measure that too).
 Ours runs train.py's loop (`train.main`) in the single-turn mode such a task uses: entropy_branching=False (no tool
 calls, so nothing to branch on), AEPO's loss and advantage switches on. It always does one extra no-grad pass
@@ -90,20 +90,22 @@ def run_trl(model: Path, steps: int, out: Path, gradient_checkpointing: bool) ->
     from datasets import Dataset
     from transformers import AutoModelForCausalLM, AutoTokenizer, TrainerCallback
     from trl import GRPOConfig, GRPOTrainer
-    import eval as evaluation
+    import dataset
+    import reward as reward_mod
+    import tools
 
     tok = AutoTokenizer.from_pretrained(model)
-    rows = evaluation.load_dataset("data/qa_train.jsonl")
+    rows = dataset.load_dataset("data/qa_train.jsonl")
     prompts = []
     for r in rows[:steps * QUESTIONS]:                 # the same token ids as ours (TRL tokenizes the text)
-        text = tok.decode(evaluation.build_prompt(tok, r["question"]))
-        if tok(text)["input_ids"] != evaluation.build_prompt(tok, r["question"]):
+        text = tok.decode(tools.build_prompt(tok, r["question"]))
+        if tok(text)["input_ids"] != tools.build_prompt(tok, r["question"]):
             raise RuntimeError(f"prompt text does not re-tokenize to the same ids: {text[:80]!r}")
         prompts.append({"prompt": text, "golds": r["golds"]})
     data = Dataset.from_list(prompts)
 
     def reward(completions, golds, **_):
-        return [evaluation.deep_research_reward(c, g) for c, g in zip(completions, golds)]
+        return [reward_mod.deep_research_reward(c, g) for c, g in zip(completions, golds)]
 
     times, gen_times, lengths = [], [], []
 

@@ -263,6 +263,20 @@ def test_kl_to_reference_k3_value_and_gradient():
     assert loss0.item() == 0 and m0["kl_ref"].item() == pytest.approx(k3.item(), rel=1e-6)
 
 
+def test_kl_k3_is_clamped_at_10_like_the_official_low_var_kl():
+    """A token whose reference is far more likely (ref - logp = 5: k3 = e^5 - 6 = 142) counts 10, with no gradient;
+    its neighbour below the clamp keeps value and gradient."""
+    logp = torch.tensor([[-6.0, -1.0]], requires_grad=True)
+    ref = torch.tensor([[-1.0, -1.5]])
+    mask = torch.ones(1, 2)
+    loss, m = L.policy_loss(logp, logp.detach(), torch.zeros(1, 2), mask, 2, ref_logp=ref, kl_coef=1.0)
+    small = math.exp(-0.5) + 0.5 - 1
+    assert m["kl_ref"].item() == pytest.approx(10.0 + small, rel=1e-6)
+    loss.backward()
+    assert logp.grad[0, 0].item() == 0.0
+    assert logp.grad[0, 1].item() == pytest.approx((1 - math.exp(-0.5)) / 2, rel=1e-6)
+
+
 @pytest.mark.parametrize("name", ["logp", "old_logp", "advantages", "mask", "ref_logp"])
 def test_non_finite_inputs_raise_naming_tensor_and_count(name):
     args = {k: torch.zeros(2, 3) for k in ("logp", "old_logp", "advantages", "ref_logp")}

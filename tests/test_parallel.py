@@ -133,6 +133,7 @@ def test_evaluation_split_over_ranks_equals_one_process(tokenizer, tmp_path):
     one = evaluation.evaluate(policy_mod.load_lm(str(tmp_path / "m"), "cpu"), tokenizer, _eval_rows(), EchoTools(),
                               n=2, temperature=1.0, max_response_tokens=10, batch_size=4, out_dir=tmp_path / "one",
                               name="split", progress=False)
+    (tmp_path / "two").mkdir()                   # each rank writes its summary there (rank 0 its results too)
     spawn(_eval_worker, str(tmp_path / "m"), str(tmp_path / "two"))
     lines = lambda d: [json.loads(x) for x in (d / "split_results.jsonl").read_text().splitlines()]   # noqa: E731
     a, b = lines(tmp_path / "one"), lines(tmp_path / "two")
