@@ -70,100 +70,6 @@ from policy import (full_named_parameters, load_lm, load_policy, load_tokenizer,
                     tensorize, unwrap)
 
 # ---------------------------------------------------------------------------------------------------------------------
-# The step's data: whole questions per rank, mini-batches of whole questions, micro-batches for memory
-
-
-def step_questions(rows: list[dict], step: int, cfg) -> list[dict]:
-    """The step's global batch: positions step·Q .. step·Q+Q−1 of a sequence of seeded per-epoch permutations."""
-    out = []
-    for pos in range(step * cfg.questions_per_step, (step + 1) * cfg.questions_per_step):
-        epoch, i = divmod(pos, len(rows))
-        perm = list(range(len(rows)))
-        random.Random(cfg.seed * 1_000_003 + epoch).shuffle(perm)
-        out.append(rows[perm[i]])
-    return out
-
-
-def micro_batches(trajectories, adv: torch.Tensor, n_minibatches: int, cfg, pad_id: int, device):
-    """Split this rank's trajectories (ordered by question) into n_minibatches mini-batches of whole questions, each
-    into micro-batches of <= micro_batch_size trajectories. Returns a list (per mini-batch) of lists of dicts."""
-    per_mini = len(trajectories) // n_minibatches
-    out = []
-    for j in range(n_minibatches):
-        chunk = list(range(j * per_mini, (j + 1) * per_mini))
-        mbs = []
-        for s in range(0, len(chunk), cfg.micro_batch_size):
-            idx = chunk[s:s + cfg.micro_batch_size]
-            mb = tensorize([(trajectories[i].prompt_ids, trajectories[i].response_ids, trajectories[i].loss_mask)
-                            for i in idx], pad_id, device)
-            mb["adv"] = adv[idx].to(device)                                  # (b,) outcome advantage A_j
-            mbs.append(mb)
-        out.append(mbs)
-    return out
-
-
-# ---------------------------------------------------------------------------------------------------------------------
-# The old-policy pass (SPEC §3b) and one optimiser mini-batch (SPEC §4)
-
-
-@torch.no_grad()
-def old_policy_pass(policy, ref, batches: list[list[dict]], cfg, amp) -> tuple[torch.Tensor, float]:
-    """Fill every micro-batch with old_logp and entropy (π_old at the rollout temperature), ref_logp (with a
-    reference), and adv_tok = Ã (SPEC §3b) z-scored with entropy statistics over all ranks. Returns the local
-    [count, ΣH, ΣH²] and the global std of H."""
-    unwrap(policy).eval()
-    stats = torch.zeros(3, dtype=torch.float64)
-    flat = [mb for mbs in batches for mb in mbs]
-    with amp():
-        for mb in flat:
-            mb["old_logp"], mb["entropy"] = policy(mb["input_ids"], mb["attention_mask"], mb["mask"],
-                                                   cfg.temperature, cfg.logp_chunk_size)
-            if ref is not None:
-                mb["ref_logp"], _ = ref(mb["input_ids"], mb["attention_mask"], mb["mask"], cfg.temperature,
-                                        cfg.logp_chunk_size)
-            stats += advantage.entropy_stats(mb["entropy"], mb["mask"]).cpu()
-    mean_h, std_h = advantage.mean_std(parallel.all_reduce_sum(stats))                  # over all ranks
-    for mb in flat:
-        if cfg.entropy_advantage:
-            mb["adv_tok"] = advantage.entropy_weighted_advantages(mb["adv"], mb["entropy"], mb["mask"],
-                                                                  mean_h, std_h, cfg.alpha)
-        else:
-            mb["adv_tok"] = mb["adv"][:, None] * mb["mask"]
-    return stats, std_h
-
-
-def accumulate_gradients(policy, mbs: list[dict], cfg, world: int, amp, where: str) -> dict:
-    """Backward of loss.policy_loss over the micro-batches of one mini-batch. Each micro-batch dict holds input_ids,
-    attention_mask, mask, old_logp, adv_tok (Ã, (b, L-1)) and optionally ref_logp. Returns summed loss metrics."""
-    n_valid = parallel.all_reduce_sum(sum(mb["mask"].sum() for mb in mbs).double()).item()   # N_valid over ranks
-    sums: dict[str, float] = {}
-    for i, mb in enumerate(mbs):
-        with no_grad_sync(policy, last=i == len(mbs) - 1):
-            with amp():
-                logp, _ = policy(mb["input_ids"], mb["attention_mask"], mb["mask"], cfg.temperature,
-                                 cfg.logp_chunk_size)
-            try:                                     # non-finite inputs raise in loss.py: add where it happened
-                loss_value, metrics = loss.policy_loss(
-                    logp, mb["old_logp"], mb["adv_tok"], mb["mask"], n_valid, eps_low=cfg.eps_low,
-                    eps_high=cfg.eps_high, clip_c=cfg.clip_c, sg_clip=cfg.sg_clip, ref_logp=mb.get("ref_logp"),
-                    kl_coef=cfg.kl_coef)
-            except ValueError as err:
-                raise ValueError(f"{where}, micro-batch {i}: {err}") from err
-            if not torch.isfinite(loss_value):
-                raise FloatingPointError(f"non-finite loss {loss_value.item()} at {where}, micro-batch {i}")
-            (loss_value * world).backward()          # DDP / FSDP2 average gradients over ranks; the loss is a sum
-        for key, v in metrics.items():
-            sums[key] = sums.get(key, 0.0) + float(v)
-    return sums
-
-
-def seed_all(seed: int) -> None:
-    random.seed(seed)
-    np.random.seed(seed)
-    torch.manual_seed(seed)
-
-
-# ---------------------------------------------------------------------------------------------------------------------
 # The training run
 
 
@@ -365,6 +271,100 @@ def train(cfg, rank: int, world: int, device: torch.device) -> dict:
     trackers.close()
     tool_runner.close()
     return {"run_dir": str(run_dir), "last": last, "evals": evals, "steps": steps}
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# The step's data: whole questions per rank, mini-batches of whole questions, micro-batches for memory
+
+
+def step_questions(rows: list[dict], step: int, cfg) -> list[dict]:
+    """The step's global batch: positions step·Q .. step·Q+Q−1 of a sequence of seeded per-epoch permutations."""
+    out = []
+    for pos in range(step * cfg.questions_per_step, (step + 1) * cfg.questions_per_step):
+        epoch, i = divmod(pos, len(rows))
+        perm = list(range(len(rows)))
+        random.Random(cfg.seed * 1_000_003 + epoch).shuffle(perm)
+        out.append(rows[perm[i]])
+    return out
+
+
+def micro_batches(trajectories, adv: torch.Tensor, n_minibatches: int, cfg, pad_id: int, device):
+    """Split this rank's trajectories (ordered by question) into n_minibatches mini-batches of whole questions, each
+    into micro-batches of <= micro_batch_size trajectories. Returns a list (per mini-batch) of lists of dicts."""
+    per_mini = len(trajectories) // n_minibatches
+    out = []
+    for j in range(n_minibatches):
+        chunk = list(range(j * per_mini, (j + 1) * per_mini))
+        mbs = []
+        for s in range(0, len(chunk), cfg.micro_batch_size):
+            idx = chunk[s:s + cfg.micro_batch_size]
+            mb = tensorize([(trajectories[i].prompt_ids, trajectories[i].response_ids, trajectories[i].loss_mask)
+                            for i in idx], pad_id, device)
+            mb["adv"] = adv[idx].to(device)                                  # (b,) outcome advantage A_j
+            mbs.append(mb)
+        out.append(mbs)
+    return out
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# The old-policy pass (SPEC §3b) and one optimiser mini-batch (SPEC §4)
+
+
+@torch.no_grad()
+def old_policy_pass(policy, ref, batches: list[list[dict]], cfg, amp) -> tuple[torch.Tensor, float]:
+    """Fill every micro-batch with old_logp and entropy (π_old at the rollout temperature), ref_logp (with a
+    reference), and adv_tok = Ã (SPEC §3b) z-scored with entropy statistics over all ranks. Returns the local
+    [count, ΣH, ΣH²] and the global std of H."""
+    unwrap(policy).eval()
+    stats = torch.zeros(3, dtype=torch.float64)
+    flat = [mb for mbs in batches for mb in mbs]
+    with amp():
+        for mb in flat:
+            mb["old_logp"], mb["entropy"] = policy(mb["input_ids"], mb["attention_mask"], mb["mask"],
+                                                   cfg.temperature, cfg.logp_chunk_size)
+            if ref is not None:
+                mb["ref_logp"], _ = ref(mb["input_ids"], mb["attention_mask"], mb["mask"], cfg.temperature,
+                                        cfg.logp_chunk_size)
+            stats += advantage.entropy_stats(mb["entropy"], mb["mask"]).cpu()
+    mean_h, std_h = advantage.mean_std(parallel.all_reduce_sum(stats))                  # over all ranks
+    for mb in flat:
+        if cfg.entropy_advantage:
+            mb["adv_tok"] = advantage.entropy_weighted_advantages(mb["adv"], mb["entropy"], mb["mask"],
+                                                                  mean_h, std_h, cfg.alpha)
+        else:
+            mb["adv_tok"] = mb["adv"][:, None] * mb["mask"]
+    return stats, std_h
+
+
+def accumulate_gradients(policy, mbs: list[dict], cfg, world: int, amp, where: str) -> dict:
+    """Backward of loss.policy_loss over the micro-batches of one mini-batch. Each micro-batch dict holds input_ids,
+    attention_mask, mask, old_logp, adv_tok (Ã, (b, L-1)) and optionally ref_logp. Returns summed loss metrics."""
+    n_valid = parallel.all_reduce_sum(sum(mb["mask"].sum() for mb in mbs).double()).item()   # N_valid over ranks
+    sums: dict[str, float] = {}
+    for i, mb in enumerate(mbs):
+        with no_grad_sync(policy, last=i == len(mbs) - 1):
+            with amp():
+                logp, _ = policy(mb["input_ids"], mb["attention_mask"], mb["mask"], cfg.temperature,
+                                 cfg.logp_chunk_size)
+            try:                                     # non-finite inputs raise in loss.py: add where it happened
+                loss_value, metrics = loss.policy_loss(
+                    logp, mb["old_logp"], mb["adv_tok"], mb["mask"], n_valid, eps_low=cfg.eps_low,
+                    eps_high=cfg.eps_high, clip_c=cfg.clip_c, sg_clip=cfg.sg_clip, ref_logp=mb.get("ref_logp"),
+                    kl_coef=cfg.kl_coef)
+            except ValueError as err:
+                raise ValueError(f"{where}, micro-batch {i}: {err}") from err
+            if not torch.isfinite(loss_value):
+                raise FloatingPointError(f"non-finite loss {loss_value.item()} at {where}, micro-batch {i}")
+            (loss_value * world).backward()          # DDP / FSDP2 average gradients over ranks; the loss is a sum
+        for key, v in metrics.items():
+            sums[key] = sums.get(key, 0.0) + float(v)
+    return sums
+
+
+def seed_all(seed: int) -> None:
+    random.seed(seed)
+    np.random.seed(seed)
+    torch.manual_seed(seed)
 
 
 if __name__ == "__main__":
