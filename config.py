@@ -17,6 +17,7 @@ import copy
 import dataclasses
 import datetime
 import importlib.metadata
+import os
 import subprocess
 import sys
 import typing
@@ -48,6 +49,9 @@ class Config:
     search: str = arg("bm25", "search backend for search.make_search: bm25 (embedded Wikipedia), replay, http, web")
     search_kw: dict = arg({"topk": 1}, "keyword arguments for search.make_search (official: 10 snippets) [embedded]")
     python_timeout_s: float = arg(10.0, "python tool timeout per call, seconds")
+    python_isolation: str = arg("auto", "python tool sandbox: auto (every isolation layer this machine has, logged "
+                                        "at start) or strict (refuse to start unless the PID namespace, network "
+                                        "namespace and Landlock are all active)")
     max_tool_calls: int = arg(6, "tool calls per trajectory (official 6)")
     # supervised cold start (optional; see deviation 3)
     cold_start: bool = arg(True, "supervised cold start on tool-format demonstrations before RL [embedded]")
@@ -101,7 +105,10 @@ class Config:
     # run, logging, checkpoints
     out_dir: str = arg("runs", "parent directory of run directories")
     run_name: str = arg("", "run directory name ('' = <model>-<date-time>; with --resume, '' = latest run)")
-    resume: bool = arg(False, "continue the run from its latest checkpoint")
+    resume: bool = arg(False, "continue the run from its latest checkpoint (its settings must match, except length, "
+                              "evaluation, logging and output ones)")
+    allow_config_change: bool = arg(False, "with --resume: accept settings that differ from the run's (listed in "
+                                           "the run's config_history.yaml)")
     save_every: int = arg(8, "checkpoint every N steps (the last step is always saved) [embedded]")
     keep_checkpoints: int = arg(2, "checkpoints kept (oldest deleted)")
     save_trainer_state: bool = arg(True, "checkpoints also hold the sharded float32 model and AdamW state (12 B per "
@@ -115,48 +122,116 @@ class Config:
                              "~/.cache/aepo)")
 
 
-def build_parser():
+class UserError(ValueError):
+    """A mistake in the command, the config or the inputs. The command line prints `error: <message>` (one line, no
+    traceback) and exits with code 2; a bug keeps its traceback."""
+    exit_code = 2
+
+
+class RunFailure(UserError):
+    """The run cannot go on for an operational reason (disk full, a backend down): one line, exit code 1."""
+    exit_code = 1
+
+
+def build_parser(cls=None, prog: str = "train.py", description: str = "AEPO training (arXiv:2510.14545)"):
+    """A parser with one flag per field of the dataclass `cls` (default Config), its help from the field's
+    metadata; `--config FILE.yaml` fills any of them, and boolean flags also take their bare form (`--resume`)."""
     from jsonargparse import ActionConfigFile, ArgumentParser
-    parser = ArgumentParser(prog="train.py", description="AEPO training (arXiv:2510.14545)")
+    cls = cls or Config
+    parser = ArgumentParser(prog=prog, description=description, exit_on_error=False)
     parser.add_argument("--config", action=ActionConfigFile, help="YAML file of flags (later flags override it)")
-    types = typing.get_type_hints(Config)
-    for f in dataclasses.fields(Config):
+    types = typing.get_type_hints(cls)
+    for f in dataclasses.fields(cls):
         default = f.default_factory() if f.default_factory is not dataclasses.MISSING else f.default
-        parser.add_argument(f"--{f.name}", type=types[f.name], default=default, help=f.metadata["help"])
+        bare = {"nargs": "?", "const": True} if types[f.name] is bool else {}
+        parser.add_argument(f"--{f.name}", type=types[f.name], default=default, help=f.metadata["help"], **bare)
     return parser
 
 
+def parse_args(parser, argv, prog: str) -> dict:
+    """The parser's values as a dict; a malformed command line becomes a UserError naming the flag."""
+    from jsonargparse import ArgumentError
+    try:
+        return parser.parse_args(argv).as_dict()
+    except ArgumentError as err:
+        message = " ".join(str(err).split())
+        raise UserError(f"{message} (python {prog} --help lists every flag)") from None
+
+
 def parse_config(argv=None) -> Config:
-    """Config from flags / YAML; unknown flags or keys exit with an error. Sizes are checked here, before compute."""
-    ns = build_parser().parse_args(argv).as_dict()
+    """Config from flags / YAML. Unknown flags or keys and inconsistent sizes are UserErrors, before any compute."""
+    ns = parse_args(build_parser(), argv, "train.py")
     cfg = Config(**{f.name: ns[f.name] for f in dataclasses.fields(Config)})
     checks = [
         (cfg.questions_per_step % cfg.mini_batch_size == 0,
-         f"questions_per_step ({cfg.questions_per_step}) must be a multiple of mini_batch_size "
+         f"--questions_per_step ({cfg.questions_per_step}) must be a multiple of --mini_batch_size "
          f"({cfg.mini_batch_size})"),
         (cfg.k >= 1 and cfg.mini_batch_size >= 1 and cfg.micro_batch_size >= 1 and cfg.ppo_epochs >= 1,
-         "k, mini_batch_size, micro_batch_size and ppo_epochs must be >= 1"),
-        (cfg.backend in ("transformers", "vllm"), f"backend must be transformers or vllm, got {cfg.backend!r}"),
-        (cfg.parallel in ("ddp", "fsdp"), f"parallel must be ddp or fsdp, got {cfg.parallel!r}"),
-        (cfg.device in ("auto", "cpu", "cuda"), f"device must be auto, cpu or cuda, got {cfg.device!r}"),
-        (cfg.steps > 0 or cfg.epochs > 0, "give steps > 0 or epochs > 0"),
+         "--k, --mini_batch_size, --micro_batch_size and --ppo_epochs must be >= 1"),
+        (cfg.backend in ("transformers", "vllm"), f"--backend must be transformers or vllm, got {cfg.backend!r}"),
+        (cfg.parallel in ("ddp", "fsdp"), f"--parallel must be ddp or fsdp, got {cfg.parallel!r}"),
+        (cfg.device in ("auto", "cpu", "cuda"), f"--device must be auto, cpu or cuda, got {cfg.device!r}"),
+        (cfg.python_isolation in ("auto", "strict"), f"--python_isolation must be auto or strict, got "
+                                                     f"{cfg.python_isolation!r}"),
+        (cfg.steps > 0 or cfg.epochs > 0, "give --steps > 0 or --epochs > 0"),
     ]
     for ok, message in checks:
         if not ok:
-            raise ValueError(f"bad config: {message}")
+            raise UserError(message)
     return cfg
 
 
-def check(cfg: Config, world: int) -> None:
-    """Checks that need the world size or the file system, before anything is created: every rank takes the same
-    number of whole questions (and so does every optimiser mini-batch), and the data files exist."""
-    if cfg.questions_per_step % world or cfg.mini_batch_size % world:
-        raise ValueError(f"questions_per_step ({cfg.questions_per_step}) and mini_batch_size ({cfg.mini_batch_size}) "
-                         f"must be multiples of the number of processes ({world})")
+def fit_world(cfg: Config, world: int) -> tuple[Config, str]:
+    """Every rank takes the same number of whole questions, and so does every optimiser mini-batch. Left at their
+    defaults, questions_per_step and mini_batch_size grow with the number of processes (each process keeps the
+    one-process share); set explicitly, they must already fit. Returns the config and a note ('' if unchanged)."""
+    if cfg.questions_per_step % world == 0 and cfg.mini_batch_size % world == 0:
+        return cfg, ""
+    default = Config()
+    if (cfg.questions_per_step, cfg.mini_batch_size) == (default.questions_per_step, default.mini_batch_size):
+        fitted = dataclasses.replace(cfg, questions_per_step=cfg.questions_per_step * world,
+                                     mini_batch_size=cfg.mini_batch_size * world)
+        return fitted, (f"{world} processes: --questions_per_step {cfg.questions_per_step} -> "
+                        f"{fitted.questions_per_step} and --mini_batch_size {cfg.mini_batch_size} -> "
+                        f"{fitted.mini_batch_size} (each process keeps the one-process share; set both to override)")
+    up = lambda n: -(-n // world) * world                                   # noqa: E731 -- next multiple
+    raise UserError(f"with {world} processes --questions_per_step ({cfg.questions_per_step}) and --mini_batch_size "
+                    f"({cfg.mini_batch_size}) must be multiples of {world}: e.g. --questions_per_step "
+                    f"{up(cfg.questions_per_step)} --mini_batch_size {up(cfg.mini_batch_size)}")
+
+
+def check_files(cfg: Config) -> None:
+    """The data files exist (their rows are checked when they are read, still before the run folder exists)."""
     for path, what in ((cfg.train_data, "train_data"), (cfg.eval_data, "eval_data"),
                        (cfg.cold_start_data, "cold_start_data")):
         if path and not Path(path).is_file():
-            raise FileNotFoundError(f"{what}: file not found: {path}")
+            raise UserError(f"--{what} {path}: file not found")
+
+
+def run_cli(main, argv=None) -> int:
+    """Run a command's main(argv): a UserError becomes one line on stderr (rank 0 only) and its exit code."""
+    try:
+        main(argv)
+    except UserError as err:
+        if os.environ.get("RANK", "0") == "0":
+            print(f"error: {err}", file=sys.stderr)
+        return err.exit_code
+    return 0
+
+
+# settings a resumed run may change: length, evaluation, logging, output, and how (not what) it computes
+RESUMABLE = {"steps", "epochs", "eval_data", "eval_limit", "eval_n", "eval_every", "eval_before", "eval_temperature",
+             "eval_top_p", "log_samples", "tensorboard", "wandb", "wandb_project", "out_dir", "run_name", "resume",
+             "save_every", "keep_checkpoints", "save_trainer_state", "device", "dist_timeout_min", "cache_dir",
+             "micro_batch_size", "gen_batch_size", "logp_chunk_size", "gradient_checkpointing", "parallel",
+             "backend", "vllm_gpu_memory_utilization", "allow_config_change"}
+
+
+def config_changes(saved: dict, cfg: Config) -> list[str]:
+    """`name: saved -> now` for every setting outside RESUMABLE that differs from the run's saved config."""
+    now = dataclasses.asdict(cfg)
+    return [f"{key}: {saved.get(key)!r} -> {now[key]!r}" for key in now
+            if key not in RESUMABLE and saved.get(key, now[key]) != now[key]]
 
 
 def config_yaml(cfg: Config) -> str:

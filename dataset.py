@@ -18,6 +18,7 @@ import sys
 from pathlib import Path
 
 import tools
+from config import UserError
 
 
 MATH_SOURCES = {"aime24", "aime25", "math500", "gsm8k", "math", "amc23"}
@@ -100,29 +101,32 @@ def load_dataset(path, skip_bad: bool = False) -> Dataset:
     (`question` | `Question` | `problem`; `answer` a string, number or list of aliases; gsm8k
     solutions are cut at '####') or a verl parquet file (extra_info.question,
     reward_model.ground_truth: string, list or {'target': …}). meta["kind"] is "math" or "qa".
-    A malformed row raises ValueError naming file and line (row); skip_bad=True skips it, warns, and
+    A malformed row raises a UserError (a ValueError) naming file and line (row); skip_bad=True skips it, warns, and
     records the message in the returned list's `.skipped`."""
     path = Path(path)
     if not path.is_file():
-        raise FileNotFoundError(f"dataset file not found: {path}")
+        raise UserError(f"dataset file not found: {path}")
     rows, skipped = Dataset(), []
-    if path.suffix == ".parquet":
-        import pyarrow.parquet as pq
-        records = [(f"row {i}", lambda r=r: _parquet_row(r, path.stem)) for i, r in
-                   enumerate(pq.read_table(path).to_pylist())]
-    elif path.suffix in (".jsonl", ".json"):
-        lines = path.read_text(encoding="utf-8").splitlines()
-        records = [(f"line {i + 1}", lambda raw=raw: _jsonl_row(raw, path.stem))
-                   for i, raw in enumerate(lines) if raw.strip()]
-    else:
-        raise ValueError(f"{path}: unknown dataset format (expected .jsonl or .parquet)")
+    if path.suffix not in (".parquet", ".jsonl", ".json"):
+        raise UserError(f"{path}: unknown dataset format (expected .jsonl or .parquet)")
+    try:
+        if path.suffix == ".parquet":
+            import pyarrow.parquet as pq
+            records = [(f"row {i}", lambda r=r: _parquet_row(r, path.stem)) for i, r in
+                       enumerate(pq.read_table(path).to_pylist())]
+        else:
+            lines = path.read_text(encoding="utf-8").splitlines()
+            records = [(f"line {i + 1}", lambda raw=raw: _jsonl_row(raw, path.stem))
+                       for i, raw in enumerate(lines) if raw.strip()]
+    except (OSError, UnicodeDecodeError, ValueError) as err:     # pyarrow's ArrowInvalid is a ValueError
+        raise UserError(f"{path}: cannot be read as {path.suffix[1:]}: {' '.join(str(err).split())[:200]}") from None
     for where, parse in records:
         try:
             rows.append(parse())
         except (ValueError, SyntaxError, TypeError, AttributeError, KeyError) as err:
             message = f"{path}: {where}: malformed row: {err}"
             if not skip_bad:
-                raise ValueError(message + " (pass skip_bad=True / --skip_bad to skip such rows)") from err
+                raise UserError(message + " (add --skip_bad to skip such rows with a warning)") from None
             skipped.append(message)
             print(f"warning: skipping {message}", file=sys.stderr)
     if skipped:
@@ -136,7 +140,7 @@ def load_questions(path: str, tokenizer, max_prompt_tokens: int, what: str, skip
     dropped with a warning. `what` names the file's role in messages (e.g. "train_data")."""
     rows = load_dataset(path, skip_bad=skip_bad)
     if not rows:
-        raise ValueError(f"{what} {path}: no questions")
+        raise UserError(f"--{what} {path}: no questions in it")
     kept = [r for r in rows if len(tools.build_prompt(tokenizer, r["question"])) <= max_prompt_tokens]
     if len(kept) < len(rows):
         print(f"warning: {what} {path}: dropped {len(rows) - len(kept)} question(s) whose prompt is longer than "

@@ -21,17 +21,16 @@ from __future__ import annotations
 import json
 import math
 import os
-import re
+import sys
 import time
-import urllib.error
-import urllib.request
 from collections import Counter
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Union
 
+from config import UserError, arg
 from dataset import load_dataset
-from reward import as_list, math_equal, score_response
+from reward import Judge, math_equal, score_response
 from tools import build_prompt
 
 # --------------------------------------------------------------------------------------------------
@@ -46,74 +45,6 @@ def pass_at_k(n: int, c: int, k: int) -> float:
     if n - c < k:
         return 1.0
     return 1.0 - math.comb(n - c, k) / math.comb(n, k)
-
-
-# --------------------------------------------------------------------------------------------------
-# Optional LLM judge (any OpenAI-compatible chat endpoint)
-
-JUDGE_PROMPT = ("Question: {question}\nGold answer(s): {golds}\nPredicted answer: {prediction}\n\n"
-                "Does the predicted answer mean the same as a gold answer? Reply with one word: "
-                "Correct or Incorrect.")
-
-
-class Judge:
-    """Asks an OpenAI-compatible /chat/completions endpoint whether a prediction matches the gold
-    answers. Verdicts are cached by (question, prediction, golds), optionally persisted to JSON."""
-
-    def __init__(self, url: str, model: str, api_key: str = "", cache_path=None, timeout_s: float = 60.0):
-        if not url or not model:
-            raise ValueError("the LLM judge needs a URL and a model (--judge_url/--judge_model or "
-                             "AEPO_JUDGE_URL/AEPO_JUDGE_MODEL)")
-        self.url = url if url.rstrip("/").endswith("/chat/completions") else url.rstrip("/") + "/chat/completions"
-        self.model, self.api_key, self.timeout_s = model, api_key, timeout_s
-        self.cache_path = Path(cache_path) if cache_path else None
-        self.cache: dict[tuple, bool] = {}
-        self.requests = 0
-        if self.cache_path and self.cache_path.exists():
-            for e in json.loads(self.cache_path.read_text()):
-                self.cache[(e["question"], e["prediction"], tuple(e["golds"]))] = e["verdict"]
-
-    @classmethod
-    def from_env(cls, url=None, model=None, api_key=None, cache_path=None) -> "Judge":
-        return cls(url or os.environ.get("AEPO_JUDGE_URL", ""), model or os.environ.get("AEPO_JUDGE_MODEL", ""),
-                   api_key or os.environ.get("AEPO_JUDGE_API_KEY", ""), cache_path)
-
-    def __call__(self, question: str, prediction: str, golds) -> bool:
-        key = (question, prediction, tuple(as_list(golds)))
-        if key not in self.cache:
-            self.cache[key] = self._ask(*key)
-            if self.cache_path:
-                entries = [{"question": q, "prediction": p, "golds": list(g), "verdict": v}
-                           for (q, p, g), v in self.cache.items()]
-                self.cache_path.write_text(json.dumps(entries, ensure_ascii=False, indent=0))
-        return self.cache[key]
-
-    def _ask(self, question: str, prediction: str, golds: tuple) -> bool:
-        body = {"model": self.model, "temperature": 0.0, "max_tokens": 8, "messages": [
-            {"role": "user", "content": JUDGE_PROMPT.format(question=question, golds=" | ".join(golds),
-                                                             prediction=prediction)}]}
-        headers = {"Content-Type": "application/json"}
-        if self.api_key:
-            headers["Authorization"] = f"Bearer {self.api_key}"
-        request = urllib.request.Request(self.url, json.dumps(body).encode(), headers, method="POST")
-        self.requests += 1
-        try:
-            with urllib.request.urlopen(request, timeout=self.timeout_s) as response:
-                reply = json.loads(response.read())
-        except urllib.error.HTTPError as err:
-            raise RuntimeError(f"LLM judge at {self.url} answered HTTP {err.code}: {err.read()[:200]!r}") from err
-        except (urllib.error.URLError, TimeoutError, ConnectionError) as err:
-            raise RuntimeError(f"LLM judge at {self.url} is unreachable: {err}") from err
-        try:
-            text = reply["choices"][0]["message"]["content"]
-        except (KeyError, IndexError, TypeError) as err:
-            raise RuntimeError(f"LLM judge at {self.url} sent no choices[0].message.content: {reply!r:.200}") from err
-        word = (re.findall(r"[a-z]+", text.lower()) or [""])[0]
-        if word in ("correct", "yes"):
-            return True
-        if word in ("incorrect", "no"):
-            return False
-        raise RuntimeError(f"LLM judge verdict not understood (expected Correct/Incorrect): {text!r:.200}")
 
 
 # --------------------------------------------------------------------------------------------------
@@ -263,27 +194,68 @@ def markdown_table(summaries: list[dict]) -> str:
 
 @dataclass
 class EvalConfig:
-    model: str = ""                     # local model directory or hub id (transformers format)
-    data: Union[str, list[str]] = "data/qa_test.jsonl"  # dataset file(s), .jsonl/.parquet; several: --data '[a,b]'
-    n: int = 5                          # samples per question (Pass@k for every k <= n)
-    temperature: float = 0.6            # sampling temperature (SPEC §6)
-    top_p: float = 0.95                 # nucleus sampling (SPEC §6)
-    max_response_tokens: int = 4096     # response budget per trajectory (policy tokens + tool results)
-    max_tool_calls: int = 6             # tool calls per trajectory (official)
-    batch_size: int = 64                # trajectories generated together
-    limit: int = 0                      # evaluate only the first `limit` questions of each file (0 = all)
-    skip_bad: bool = False              # skip malformed dataset rows instead of stopping
-    search: str = "bm25"                # search backend for search.make_search (bm25 = embedded Wikipedia)
-    search_kw: dict = field(default_factory=dict)  # extra keyword arguments for search.make_search
-    judge: bool = False                 # correctness by an LLM judge instead of EM / math_equal
-    judge_url: str = ""                 # OpenAI-compatible base URL (default $AEPO_JUDGE_URL)
-    judge_model: str = ""               # judge model name (default $AEPO_JUDGE_MODEL)
-    judge_api_key: str = ""             # API key (default $AEPO_JUDGE_API_KEY)
-    judge_cache: str = ""               # JSON file of cached verdicts (default <out_dir>/judge_cache.json)
-    device: str = "cuda"                # torch device (falls back to cpu when CUDA is unavailable)
-    dtype: str = "auto"                 # model dtype: auto | float32 | bfloat16 | float16
-    seed: int = 0                       # rollout seed
-    out_dir: str = ""                   # output directory (default runs/eval/<time>)
+    run: str = arg("", "a training run folder (runs/<name>): evaluate its latest checkpoint (or --step) with the data, "
+                       "tools, search, token budget and sampling it trained with; the flags below override them")
+    step: int = arg(0, "with --run: the checkpoint of this step (0 = the latest)")
+    model: str = arg("", "a model directory (e.g. runs/<name>/checkpoints/step_000016) or hub id, evaluated with "
+                         "the defaults below unless flags change them")
+    data: Union[str, list[str]] = arg("data/qa_test.jsonl", "dataset file(s), .jsonl or verl .parquet; several: "
+                                                            "--data '[a.jsonl, b.jsonl]'")
+    limit: int = arg(0, "evaluate only the first N questions of each file (0 = all)")
+    n: int = arg(5, "samples per question (Pass@k for every k <= n; SPEC §6: 5)")
+    temperature: float = arg(0.6, "sampling temperature (SPEC §6)")
+    top_p: float = arg(0.95, "nucleus sampling (SPEC §6)")
+    max_response_tokens: int = arg(4096, "response budget per trajectory: policy tokens + tool results")
+    max_tool_calls: int = arg(6, "tool calls per trajectory (official 6)")
+    batch_size: int = arg(64, "trajectories generated together (batch_size // n questions per rollout call)")
+    skip_bad: bool = arg(False, "skip malformed dataset rows (with a warning) instead of stopping")
+    search: str = arg("bm25", "search backend for search.make_search: bm25 (embedded Wikipedia), replay, http, web")
+    search_kw: dict = arg({}, "keyword arguments for search.make_search (default: 10 snippets, as the official code)")
+    python_timeout_s: float = arg(10.0, "python tool timeout per call, seconds")
+    python_isolation: str = arg("auto", "python tool sandbox: auto (every layer this machine has) or strict (refuse "
+                                        "to start unless the PID namespace, network namespace and Landlock are "
+                                        "all active)")
+    judge: bool = arg(False, "correctness by an OpenAI-compatible LLM judge instead of EM / math_equal")
+    judge_url: str = arg("", "the judge's base URL (default $AEPO_JUDGE_URL)")
+    judge_model: str = arg("", "the judge's model name (default $AEPO_JUDGE_MODEL)")
+    judge_api_key: str = arg("", "the judge's API key (default $AEPO_JUDGE_API_KEY)")
+    judge_cache: str = arg("", "JSON file of cached verdicts (default <out_dir>/judge_cache.json)")
+    device: str = arg("cuda", "torch device (cpu when CUDA is unavailable)")
+    dtype: str = arg("auto", "model dtype: auto / float32 / bfloat16 / float16")
+    seed: int = arg(0, "rollout seed")
+    out_dir: str = arg("", "output directory (default: <run>/eval/<checkpoint>-<time> with --run, else "
+                           "runs/eval/<time>)")
+
+
+FROM_RUN = {"data": "eval_data", "limit": "eval_limit", "n": "eval_n", "temperature": "eval_temperature",
+            "top_p": "eval_top_p", "max_response_tokens": "max_response_tokens", "max_tool_calls": "max_tool_calls",
+            "batch_size": "gen_batch_size", "skip_bad": "skip_bad", "search": "search", "search_kw": "search_kw",
+            "python_timeout_s": "python_timeout_s", "python_isolation": "python_isolation", "seed": "seed"}     # eval.py flag <- the run's config.yaml key
+
+
+def run_settings(run_dir: Path) -> dict:
+    """The eval.py flags a training run implies (its config.yaml, newest start), as parser defaults."""
+    import runlog
+    saved = runlog.saved_config(run_dir)
+    if not saved:
+        raise UserError(f"--run {run_dir}: no config.yaml there (not a training run folder)")
+    out = {flag: saved[key] for flag, key in FROM_RUN.items() if key in saved}
+    if not out.get("data"):
+        out.pop("data", None)
+    if saved.get("search") == "bm25" and saved.get("cache_dir"):
+        out["search_kw"] = {"cache": saved["cache_dir"], **saved.get("search_kw", {})}
+    return out
+
+
+def run_checkpoint(run_dir: Path, step: int) -> Path:
+    import checkpoint
+    ckpts = checkpoint.checkpoint_dirs(run_dir)
+    if step:
+        ckpts = [c for c in ckpts if c.name == f"step_{step:06d}"]
+    if not ckpts:
+        have = ", ".join(c.name for c in checkpoint.checkpoint_dirs(run_dir)) or "none"
+        raise UserError(f"--run {run_dir}: no checkpoint" + (f" of step {step}" if step else "") + f" (have: {have})")
+    return ckpts[-1]
 
 
 def load_model(path_or_id: str, device: str = "cpu", dtype: str = "auto"):
@@ -291,42 +263,80 @@ def load_model(path_or_id: str, device: str = "cpu", dtype: str = "auto"):
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
     offline = os.environ.get("HF_HUB_OFFLINE", "0").lower() in ("1", "true", "yes")
-    if not Path(path_or_id).exists() and offline:
-        raise FileNotFoundError(f"--model {path_or_id!r} is not a local path and the hub is offline "
-                                "(HF_HUB_OFFLINE=1): pass a local model directory")
+    path = Path(path_or_id)
+    if path.is_dir() and not (path / "config.json").is_file():
+        raise UserError(f"--model {path_or_id}: no config.json there, so not a transformers model directory (a run's "
+                        "models are in runs/<name>/checkpoints/step_NNNNNN; or use --run runs/<name>)")
+    if not path.exists() and (offline or path_or_id.startswith((".", "/", "~"))):
+        raise UserError(f"--model {path_or_id}: not a local model directory"
+                        + (" and the hub is offline (HF_HUB_OFFLINE=1)" if offline else ""))
     try:
         tokenizer = AutoTokenizer.from_pretrained(path_or_id)
         model = AutoModelForCausalLM.from_pretrained(
             path_or_id, dtype=dtype if dtype == "auto" else getattr(torch, dtype))
     except OSError as err:
-        raise FileNotFoundError(f"could not load --model {path_or_id!r} (not a local model directory, "
-                                f"and the hub lookup failed): {err}") from err
+        raise UserError(f"--model {path_or_id}: could not be loaded ({' '.join(str(err).split())[:200]})") from None
     if device.startswith("cuda") and not torch.cuda.is_available():
         device = "cpu"
     return model.to(device).eval(), tokenizer
 
 
+def _training_note(model: str, cfg: EvalConfig) -> str:
+    """When --model is a checkpoint of a training run evaluated without --run: the settings that differ."""
+    run_dir = Path(model).resolve().parent.parent
+    if Path(model).resolve().parent.name != "checkpoints" or not (run_dir / "config.yaml").exists():
+        return ""
+    implied = run_settings(run_dir)
+    differ = [f"{flag} {implied[flag]!r} (here {getattr(cfg, flag)!r})" for flag in implied
+              if implied[flag] != getattr(cfg, flag)]
+    return (f"note: {model} is a checkpoint of {run_dir}, which evaluated with " + ", ".join(differ) +
+            f"; add --run {run_dir} to evaluate it the way its training did") if differ else ""
+
+
 def main(argv=None) -> list[dict]:
-    from jsonargparse import ActionConfigFile, ArgumentParser
+    import config
+    import sandbox
     import search as search_mod
     import tools as tools_mod
-    parser = ArgumentParser(description="Evaluate a tool-using policy (AEPO, arXiv:2510.14545)")
-    parser.add_argument("--config", action=ActionConfigFile)
-    parser.add_class_arguments(EvalConfig)
-    cfg = EvalConfig(**{k: v for k, v in parser.parse_args(argv).as_dict().items() if k != "config"})
+    parser = config.build_parser(EvalConfig, prog="eval.py",
+                                 description="Evaluate a tool-using policy (AEPO, arXiv:2510.14545): Pass@k, EM, F1")
+    args = config.parse_args(parser, argv, "eval.py")
+    source = "the defaults and flags"
+    if args["run"]:
+        parser.set_defaults(**run_settings(Path(args["run"])))        # the run's settings; flags still override
+        args = config.parse_args(parser, argv, "eval.py")
+        args["model"] = args["model"] or str(run_checkpoint(Path(args["run"]), args["step"]))
+        source = f"the settings of {args['run']} and the flags"
+    cfg = EvalConfig(**{k: v for k, v in args.items() if k != "config"})
     if not cfg.model:
-        parser.error("--model is required")
-    out = Path(cfg.out_dir or f"runs/eval/{time.strftime('%Y%m%d-%H%M%S')}")
-    out.mkdir(parents=True, exist_ok=True)
-    print(json.dumps(asdict(cfg), indent=2))
-    (out / "config.json").write_text(json.dumps(asdict(cfg), indent=2))
+        raise UserError("give --run runs/<name> (a training run) or --model PATH (python eval.py --help)")
+    stamp = time.strftime("%Y%m%d-%H%M%S")
+    out = Path(cfg.out_dir) if cfg.out_dir else \
+        Path(cfg.run, "eval", f"{Path(cfg.model).name}-{stamp}") if cfg.run else Path("runs", "eval", stamp)
+    print(f"evaluating {cfg.model} with {source}: data {cfg.data}, limit {cfg.limit}, n {cfg.n}, temperature "
+          f"{cfg.temperature}, top_p {cfg.top_p}, max_response_tokens {cfg.max_response_tokens}, max_tool_calls "
+          f"{cfg.max_tool_calls}, search {cfg.search} {cfg.search_kw}", flush=True)
+    if not cfg.run and (note := _training_note(cfg.model, cfg)):
+        print(note, flush=True)
+    for path in [cfg.data] if isinstance(cfg.data, str) else cfg.data:   # every input checked before any output
+        if not Path(path).is_file():
+            raise UserError(f"--data {path}: file not found")
+    datasets = [(path, load_dataset(path, skip_bad=cfg.skip_bad)) for path in
+                ([cfg.data] if isinstance(cfg.data, str) else cfg.data)]
     judge = Judge.from_env(cfg.judge_url, cfg.judge_model, cfg.judge_api_key,
                            cfg.judge_cache or out / "judge_cache.json") if cfg.judge else None
     model, tokenizer = load_model(cfg.model, cfg.device, cfg.dtype)
-    tool_runner = tools_mod.Tools(search_mod.make_search(cfg.search, **cfg.search_kw))
+    search = search_mod.make_search(cfg.search, **cfg.search_kw)
+    search_mod.check_reachable(search)
+    try:
+        print(sandbox.describe(sandbox.require(cfg.python_isolation)), flush=True)
+    except (sandbox.IsolationError, ValueError) as err:
+        raise UserError(f"--python_isolation: {err}") from None
+    tool_runner = tools_mod.Tools(search, python_timeout_s=cfg.python_timeout_s)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "config.json").write_text(json.dumps(asdict(cfg), indent=2))
     summaries = []
-    for path in [cfg.data] if isinstance(cfg.data, str) else cfg.data:
-        rows = load_dataset(path, skip_bad=cfg.skip_bad)
+    for path, rows in datasets:
         rows = rows[:cfg.limit] if cfg.limit else rows
         summaries.append(evaluate(model, tokenizer, rows, tool_runner, n=cfg.n, temperature=cfg.temperature,
                                   top_p=cfg.top_p, max_response_tokens=cfg.max_response_tokens,
@@ -336,8 +346,10 @@ def main(argv=None) -> list[dict]:
     (out / "summary.md").write_text(table)
     (out / "summary.json").write_text(json.dumps(summaries, indent=2, ensure_ascii=False))
     print(table + f"results in {out}")
+    tool_runner.close()
     return summaries
 
 
 if __name__ == "__main__":
-    main()
+    import config as _config
+    sys.exit(_config.run_cli(main))

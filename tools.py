@@ -9,27 +9,21 @@ the rollout wraps with `format_result` and appends with loss mask 0. The search 
 Deviations from the paper / official code:
 1. Malformed calls (unclosed/nested tags, empty or oversized arguments, unknown tools, U+FFFD) become
    "Error: ..." observations the policy can read; the official code passes such text on or drops it.
-2. The python tool adds resource limits (memory, CPU, file size), a private working directory and, where the
-   machine allows, a private network namespace; the official code only runs a subprocess with a timeout.
+2. The python tool runs the code in a sandbox (sandbox.py: rlimits, a private working directory and, where the
+   machine allows, PID and network namespaces and Landlock); the official code only runs a subprocess with a timeout.
 3. Results are cached by (tool, argument) within a process, so identical python code returns the cached output
    (code that draws random numbers gives every branch the same draw).
 """
 from __future__ import annotations
 
-import functools
-import os
 import re
-import shutil
 import signal
-import subprocess
-import sys
-import tempfile
 import threading
 from collections import OrderedDict
 from concurrent.futures import ThreadPoolExecutor, TimeoutError as FutureTimeout
 from dataclasses import dataclass
-from pathlib import Path
 
+import sandbox
 from search import SearchError
 
 TOOLS = ("search", "python")
@@ -144,96 +138,46 @@ def format_result(text: str) -> str:
 # ---------------------------------------------------------------------------------------------------------------
 # Python tool
 # ---------------------------------------------------------------------------------------------------------------
-# Runs first in the child: lower the resource limits (never above the current hard limit), then exec the
-# interpreter on the program. Doing this in the child avoids subprocess's preexec_fn, unsafe with threads.
-_LAUNCHER = """import os, resource, sys
-for name, v in zip(("RLIMIT_AS", "RLIMIT_CPU", "RLIMIT_FSIZE"), map(int, sys.argv[1:4])):
-    r = getattr(resource, name); hard = resource.getrlimit(r)[1]
-    v = v if hard == resource.RLIM_INFINITY else min(v, hard)
-    resource.setrlimit(r, (v, hard if name == "RLIMIT_CPU" else v))
-os.execv(sys.argv[4], sys.argv[4:])"""
-
-
-@functools.cache
-def network_isolation_available() -> bool:
-    """Whether `unshare -rn` (new user + network namespace: no network but a down loopback) works here.
-    Detected once per process."""
-    if shutil.which("unshare") is None:
-        return False
-    try:
-        probe = subprocess.run(["unshare", "-rn", sys.executable, "-I", "-S", "-c", "pass"],
-                               capture_output=True, timeout=10)
-    except (OSError, subprocess.TimeoutExpired):
-        return False
-    return probe.returncode == 0
-
-
 def _run_python(code: str, timeout_s: float = 10.0, max_output_chars: int = 4_000, memory_mb: int = 1_024,
                 cpu_s: int | None = None, file_size_mb: int = 16, no_network: bool = True) -> tuple[str, str]:
     """run_python, also returning the status "ok" | "error" (non-zero exit) | "timeout"."""
-    tmp = Path(tempfile.mkdtemp(prefix="aepo_python_"))
-    work, out_path = tmp / "work", tmp / "output.txt"
     try:
-        work.mkdir()
-        try:
-            (work / "main.py").write_text(code, encoding="utf-8")
-        except UnicodeEncodeError as e:
-            return f"Error: python code is not valid UTF-8 ({e.reason})", "error"
-        cpu = cpu_s if cpu_s is not None else int(timeout_s) + 1
-        cmd = [sys.executable, "-I", "-S", "-c", _LAUNCHER, str(memory_mb << 20), str(cpu), str(file_size_mb << 20),
-               sys.executable, "-I", "-u", "main.py"]
-        if no_network and network_isolation_available():
-            cmd = ["unshare", "-rn"] + cmd
-        env = {"PATH": os.environ.get("PATH", "/usr/bin:/bin"), "HOME": str(work), "LANG": "C.UTF-8",
-               "OMP_NUM_THREADS": "1", "OPENBLAS_NUM_THREADS": "1", "MKL_NUM_THREADS": "1", "MPLBACKEND": "Agg"}
-        status = "ok"
-        with out_path.open("wb") as out:  # a file, not a pipe: the file-size limit bounds what we read back
-            proc = subprocess.Popen(cmd, cwd=work, env=env, stdin=subprocess.DEVNULL, stdout=out,
-                                    stderr=subprocess.STDOUT, start_new_session=True)
+        code.encode("utf-8")
+    except UnicodeEncodeError as e:
+        return f"Error: python code is not valid UTF-8 ({e.reason})", "error"
+    cpu = cpu_s if cpu_s is not None else int(timeout_s) + 1
+    result = sandbox.run(code, timeout_s, memory_mb, cpu, file_size_mb, no_network, read_bytes=4 * max_output_chars)
+    text = result.output
+    if len(text) > max_output_chars or result.size > 4 * max_output_chars:
+        text = text[:max_output_chars] + f"\n... [output truncated: {result.size} bytes in total]"
+    text = text.rstrip("\n")
+    if result.timed_out:
+        return (text + "\n" if text else "") + f"Error: timed out after {timeout_s:g} s", "timeout"
+    status = "ok"
+    if result.returncode != 0:
+        status = "error"
+        if result.returncode < 0:
             try:
-                proc.wait(timeout=timeout_s)
-            except subprocess.TimeoutExpired:
-                status = "timeout"
-            try:
-                os.killpg(proc.pid, signal.SIGKILL)  # the program and anything it spawned
-            except ProcessLookupError:
-                pass
-            proc.wait()
-        size = out_path.stat().st_size
-        with out_path.open("rb") as f:
-            text = f.read(4 * max_output_chars).decode("utf-8", errors="replace")
-        text = text.replace(str(work) + os.sep, "")  # tracebacks name "main.py", not the random directory
-        if len(text) > max_output_chars or size > 4 * max_output_chars:
-            text = text[:max_output_chars] + f"\n... [output truncated: {size} bytes in total]"
-        text = text.rstrip("\n")
-        if status == "timeout":
-            return (text + "\n" if text else "") + f"Error: timed out after {timeout_s:g} s", status
-        if proc.returncode != 0:
-            status = "error"
-            if proc.returncode < 0:
-                sig = signal.Signals(-proc.returncode).name
-                why = " (CPU time limit)" if sig == "SIGXCPU" else ""
-                text = (text + "\n" if text else "") + f"Error: killed by {sig}{why}"
-        return (text or "(no output; use print() to show a value)"), status
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)
+                sig = signal.Signals(-result.returncode).name
+            except ValueError:  # real-time signals have no name; never let the program's choice crash the round
+                sig = f"signal {-result.returncode}"
+            why = " (CPU time limit)" if sig == "SIGXCPU" else ""
+            text = (text + "\n" if text else "") + f"Error: killed by {sig}{why}"
+    return (text or "(no output; use print() to show a value)"), status
 
 
 def run_python(code: str, timeout_s: float = 10.0, max_output_chars: int = 4_000, memory_mb: int = 1_024,
                cpu_s: int | None = None, file_size_mb: int = 16, no_network: bool = True) -> str:
-    """Run `code` as a program in a fresh `sys.executable -I` subprocess; return its stdout + stderr.
+    """Run `code` as a program in a fresh `sys.executable -I` subprocess inside the sandbox; return its stdout + stderr.
 
-    What it does: a private temporary working directory (removed afterwards; HOME points there), a minimal
-    environment, a wall-clock timeout after which the whole process group is killed (SIGKILL), RLIMIT_AS =
-    memory_mb, RLIMIT_CPU = cpu_s (default timeout + 1 s), RLIMIT_FSIZE = file_size_mb per file (output is
-    captured in a file under the same limit), output cut to max_output_chars, and, where `unshare -rn` works
-    (see network_isolation_available()), a new network namespace without network access.
-
-    What it does NOT do: it is NOT a security sandbox. The program runs as the same user, can read and write
-    every file that user can (outside its directory too), can see other processes, and, where user namespaces
-    are unavailable, can use the network. Run untrusted code in a container or VM.
-    The program's failures come back as text (tracebacks, "Error: timed out after 10 s"); only failing to start
-    it at all (no temporary directory, no interpreter) raises OSError.
+    sandbox.run does the running: a private temporary working directory (removed afterwards; HOME and TMPDIR point
+    there), a minimal environment, a wall-clock timeout after which everything the program started is killed,
+    RLIMIT_AS = memory_mb, RLIMIT_CPU = cpu_s (default timeout + 1 s), RLIMIT_FSIZE = file_size_mb per file, and
+    every isolation layer this machine offers (sandbox.isolation(): PID namespace, network namespace unless
+    no_network=False, Landlock: read-only interpreter and system libraries, read-write working directory only).
+    Here the output is cut to max_output_chars and failures become text (tracebacks, "Error: timed out after 10 s",
+    "Error: killed by SIGXCPU (CPU time limit)"); only failing to start the program at all (no temporary directory,
+    no interpreter, a sandbox layer that could not be set up) raises OSError.
     """
     return _run_python(code, timeout_s, max_output_chars, memory_mb, cpu_s, file_size_mb, no_network)[0]
 

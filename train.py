@@ -47,6 +47,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import random
+import sys
 import time
 
 import numpy as np
@@ -64,6 +65,7 @@ import parallel
 import reward
 import rollout
 import runlog
+import sandbox
 import search as search_mod
 import tools
 from policy import (full_named_parameters, load_lm, load_policy, load_tokenizer, no_grad_sync, optimizer_step,
@@ -85,7 +87,6 @@ def main(argv=None) -> dict:
 def train(cfg, rank: int, world: int, device: torch.device) -> dict:
     from tqdm import tqdm
     master = rank == 0
-    config.check(cfg, world)
 
     def log(line: str) -> None:
         if master:
@@ -94,20 +95,28 @@ def train(cfg, rank: int, world: int, device: torch.device) -> dict:
     amp = (lambda: torch.autocast(device.type, dtype=torch.bfloat16)) if cfg.bf16 else contextlib.nullcontext
     seed_all(cfg.seed + rank)
 
-    # -------------------------------------------------------------------------------- run directory, tools, data
-    run_dir, ckpts, info = runlog.open_run(cfg, world, master)
-    base_path = parallel.broadcast(coldstart.resolve_model(cfg) if master or cfg.model != "embedded" else None)
+    # -------------------------------------------------------------------------------- checks, tools, data (no run yet)
+    cfg, note = config.fit_world(cfg, world)
+    if note:
+        log(note)
+    config.check_files(cfg)
+    run_dir, ckpts = runlog.plan_run(cfg)
+    base_path = parallel.on_rank0(lambda: coldstart.resolve_model(cfg))   # rank 0 converts the embedded model once
     tokenizer = load_tokenizer(base_path)
     search_kw = {"cache": cfg.cache_dir, **cfg.search_kw} if cfg.search == "bm25" and cfg.cache_dir else cfg.search_kw
     search = search_mod.make_search(cfg.search, **search_kw)
+    search_mod.check_reachable(search)
+    log(sandbox.describe(sandbox_check(cfg.python_isolation)))      # every rank runs its own python calls
     tool_runner = tools.Tools(search, python_timeout_s=cfg.python_timeout_s)
     train_rows = dataset.load_questions(cfg.train_data, tokenizer, cfg.max_prompt_tokens, "train_data", cfg.skip_bad)
     eval_rows = dataset.load_questions(cfg.eval_data, tokenizer, cfg.max_prompt_tokens, "eval_data",
                                        cfg.skip_bad)[:cfg.eval_limit or None] if cfg.eval_data else []
     demos, train_rows = coldstart.demonstrations(cfg, train_rows, search)
     if len(train_rows) < cfg.questions_per_step:
-        raise ValueError(f"train_data has {len(train_rows)} usable questions, fewer than questions_per_step")
+        raise config.UserError(f"--train_data has {len(train_rows)} usable questions, fewer than "
+                               f"--questions_per_step ({cfg.questions_per_step})")
     steps = cfg.steps or cfg.epochs * len(train_rows) // cfg.questions_per_step
+    info = runlog.create_run(cfg, run_dir, world, master)              # everything checked: the run folder
     log(f"{len(train_rows)} training questions, {len(eval_rows)} held-out, {len(demos)} demonstrations; "
         f"{steps} steps of {cfg.questions_per_step} questions × k={cfg.k}; {world} process(es) on {device}")
 
@@ -249,6 +258,10 @@ def train(cfg, rank: int, world: int, device: torch.device) -> dict:
             bar.set_postfix_str("")
             bar.update(1)
             log(runlog.format_line(step + 1, steps, m))
+            for tool, errors, calls in runlog.failing_tools(m):
+                backend = repr(search) if tool == "search" else "the python sandbox"
+                log(f"warning: {tool} failed on {errors} of {calls} calls this step ({backend}); last error: "
+                    f"{runlog.last_error(trajectories, tool) or 'on another rank'}")
 
         # ---- periodic evaluation and checkpoint
         if cfg.eval_every and (step + 1) % cfg.eval_every == 0 and step + 1 < steps:
@@ -361,6 +374,14 @@ def accumulate_gradients(policy, mbs: list[dict], cfg, world: int, amp, where: s
     return sums
 
 
+def sandbox_check(mode: str) -> dict:
+    """The python tool's isolation layers on this machine; in strict mode a missing layer is a UserError."""
+    try:
+        return sandbox.require(mode)
+    except (sandbox.IsolationError, ValueError) as err:
+        raise config.UserError(f"--python_isolation: {err}") from None
+
+
 def seed_all(seed: int) -> None:
     random.seed(seed)
     np.random.seed(seed)
@@ -368,4 +389,4 @@ def seed_all(seed: int) -> None:
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(config.run_cli(main))

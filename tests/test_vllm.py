@@ -105,6 +105,16 @@ def test_weight_sync_cycle(tokenizer, tiny_model_dir, one_process, tmp_path):
     assert after.h_seg == pytest.approx(fresh.generate(ctx, [6], seed=4)[0].h_seg, rel=1e-6)
 
 
+def test_each_request_samples_with_its_own_seed(tokenizer, tiny_model_dir, one_process):
+    """A branch and its parent share their context: with one seed for every request of a call they would sample the
+    same tokens. Two identical contexts in one call sample differently, and the same call again samples the same."""
+    vgen = VLLMGenerator(str(tiny_model_dir), temperature=1.0, vllm_module=fake_vllm)
+    ctx = as_ids(chat_prompt(tokenizer, "q?"))
+    first = [s.token_ids for s in vgen.generate([ctx, ctx], [6, 6], seed=3)]
+    assert first[0] != first[1]
+    assert [s.token_ids for s in vgen.generate([ctx, ctx], [6, 6], seed=3)] == first
+
+
 def test_weight_sync_errors(tokenizer, tiny_model_dir, one_process):
     vgen = VLLMGenerator(str(tiny_model_dir), vllm_module=fake_vllm)
     params = list(make_tiny_model(tokenizer, seed=5).named_parameters())
@@ -163,5 +173,5 @@ def test_vllm_backend_missing_is_a_clear_error():
     import importlib.util
     if importlib.util.find_spec("vllm") is not None:
         pytest.skip("vllm is installed here")
-    with pytest.raises(ImportError, match="requirements-vllm.txt"):
+    with pytest.raises(ValueError, match="--backend vllm needs vllm: pip install -r requirements-vllm.txt"):
         VLLMGenerator("any")

@@ -1,0 +1,171 @@
+"""A newcomer's mistakes get one clear line: every user mistake is `error: ...` on stderr with exit code 2 and no
+traceback, before the run folder exists; --resume refuses changed settings (and keeps the config history); the
+defaults fit any number of processes; eval.py evaluates a run the way it trained; a search backend that is down is
+caught at start-up and, mid-run, named in the step line; bare boolean flags work."""
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import yaml
+
+import config
+import eval as evaluation
+import generation
+import search as search_mod
+import train
+from tests._http_server import FakeServer
+from tests.test_golden_run import SearchFirst
+from tests.test_train import fake_reward, flags, setup  # noqa: F401 -- the fixture
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def cli(capsys, main, argv) -> tuple[int, str]:
+    """config.run_cli, as the command line runs it: (exit code, stderr)."""
+    code = config.run_cli(main, argv)
+    return code, capsys.readouterr().err
+
+
+def mistakes(root: Path, tmp: Path) -> dict:
+    """Each kind of mistake a user makes: flags to add, and what the one line must say."""
+    (tmp / "no_answer.jsonl").write_text(json.dumps({"question": "Q?", "answer": ["A"]}) + "\n" +
+                                         json.dumps({"question": "Q2?"}) + "\n")
+    (tmp / "empty.jsonl").write_text("")
+    (tmp / "not_json.jsonl").write_text('{"question": "Q?", "answer": "A"}\n{oops\n')
+    (tmp / "not_a_model").mkdir(exist_ok=True)
+    (tmp / "not_a_model" / "notes.txt").write_text("hello")
+    return {
+        "malformed row": (dict(train_data=tmp / "no_answer.jsonl"), "line 2: malformed row: no 'answer' field"),
+        "not JSON": (dict(train_data=tmp / "not_json.jsonl"), "line 2: malformed row"),
+        "empty file": (dict(train_data=tmp / "empty.jsonl"), "no questions in it"),
+        "missing file": (dict(eval_data=tmp / "nope.jsonl"), "--eval_data .*nope.jsonl: file not found"),
+        "not a model": (dict(model=tmp / "not_a_model"), "no config.json there, so not a transformers model"),
+        "no such model": (dict(model=tmp / "gone"), "not a local model directory"),
+        "bad sizes": (dict(questions_per_step=6, mini_batch_size=4), "must be a multiple of --mini_batch_size"),
+        "unknown flag": (dict(learning_rate=0.1), "unrecognized arguments: --learning_rate"),
+        "unknown backend": (dict(search="bing"), "--search bing: unknown search backend"),
+        "too few questions": (dict(questions_per_step=8, mini_batch_size=8), "fewer than --questions_per_step"),
+    }
+
+
+@pytest.mark.parametrize("kind", ["malformed row", "not JSON", "empty file", "missing file", "not a model",
+                                  "no such model", "bad sizes", "unknown flag", "unknown backend", "too few questions"])
+def test_user_mistakes_are_one_line_and_leave_nothing(kind, setup, tmp_path, capsys):  # noqa: F811
+    over, expected = mistakes(setup, tmp_path)[kind]
+    code, err = cli(capsys, train.main, flags(setup, f"mistake_{kind.replace(' ', '_')}", **over))
+    assert code == 2
+    lines = [line for line in err.splitlines() if line.strip()]
+    assert len(lines) == 1 and lines[0].startswith("error: "), err
+    import re
+    assert re.search(expected, lines[0]), lines[0]
+    assert not (setup / "runs" / f"mistake_{kind.replace(' ', '_')}").exists()       # no orphan run folder
+    assert "Traceback" not in err
+
+
+def test_the_command_line_itself(setup):  # noqa: F811 -- the fixture
+    """The real `python train.py` process: one line on stderr, exit code 2, no config dump on stdout."""
+    proc = subprocess.run([sys.executable, "train.py", *flags(setup, "cli", train_data=str(setup / "nope.jsonl"))],
+                          cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 2
+    assert proc.stderr.strip().splitlines() == [f"error: --train_data {setup / 'nope.jsonl'}: file not found"]
+    assert "learning" not in proc.stdout and "k: 2" not in proc.stdout
+
+
+def test_bare_boolean_flags():
+    cfg = config.parse_config(["--skip_bad", "--resume", "--sg_clip", "false", "--bf16"])
+    assert cfg.skip_bad is True and cfg.resume is True and cfg.sg_clip is False and cfg.bf16 is True
+    assert config.parse_config([]).skip_bad is False
+
+
+def test_defaults_fit_any_number_of_processes():
+    """Left at their defaults the sizes grow with the processes (each keeps the one-process share); set by the user
+    they must fit, and the error says which values would."""
+    cfg, note = config.fit_world(config.Config(), 2)
+    assert (cfg.questions_per_step, cfg.mini_batch_size) == (4, 2) and "--questions_per_step 2 -> 4" in note
+    assert config.fit_world(config.Config(), 1) == (config.Config(), "")
+    cfg, note = config.fit_world(config.Config(questions_per_step=8, mini_batch_size=4), 4)
+    assert note == "" and cfg.questions_per_step == 8
+    with pytest.raises(config.UserError, match="--questions_per_step 8 --mini_batch_size 4"):
+        config.fit_world(config.Config(questions_per_step=6, mini_batch_size=3), 4)
+
+
+def test_resume_refuses_changed_settings_and_keeps_history(setup, monkeypatch, capsys):  # noqa: F811
+    monkeypatch.setattr(train.reward, "deep_research_reward", fake_reward)
+    run = Path(train.main(flags(setup, "history", steps=1))["run_dir"])
+    first = (run / "config.yaml").read_text()
+    code, err = cli(capsys, train.main, flags(setup, "history", steps=2, resume="true", k=3, lr=0.01))
+    assert code == 2
+    assert "k: 2 -> 3" in err and "lr: 0.001 -> 0.01" in err and "--allow_config_change" in err
+    # length, evaluation and logging settings may change; the history keeps every start, config.yaml the first
+    train.main(flags(setup, "history", steps=2, resume="true", log_samples=1, eval_n=3))
+    assert (run / "config.yaml").read_text() == first
+    history = [d for d in yaml.safe_load_all((run / "config_history.yaml").read_text()) if d]
+    assert len(history) == 1 and history[0]["steps"] == 2 and history[0]["log_samples"] == 1
+    train.main(flags(setup, "history", steps=3, resume="true", k=3, allow_config_change="true"))
+    history = [d for d in yaml.safe_load_all((run / "config_history.yaml").read_text()) if d]
+    assert [d["k"] for d in history] == [2, 3]
+    rows = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in rows] == [1, 2, 3] and rows[2]["trajectories"] == 2 * 3
+
+
+def test_eval_takes_the_runs_settings(setup, monkeypatch, capsys, tmp_path):  # noqa: F811 -- the fixture
+    """eval.py --run: the run's data, search, token budget, tool limit and sampling; flags override; --model alone
+    on a checkpoint of a run says which settings differ from training's."""
+    monkeypatch.setattr(train.reward, "deep_research_reward", fake_reward)
+    run = Path(train.main(flags(setup, "evalrun", steps=1, eval_data=str(setup / "qa.jsonl"), eval_limit=2,
+                                eval_n=3, eval_temperature=0.7, max_tool_calls=2, eval_before="false"))["run_dir"])
+    capsys.readouterr()
+    evaluation.main(["--run", str(run), "--device", "cpu", "--n", "2", "--out_dir", str(tmp_path / "a")])
+    used = json.loads((tmp_path / "a" / "config.json").read_text())
+    assert used["model"] == str(run / "checkpoints" / "step_000001")
+    assert (used["data"], used["limit"], used["n"], used["temperature"]) == (str(setup / "qa.jsonl"), 2, 2, 0.7)
+    assert (used["max_response_tokens"], used["max_tool_calls"], used["search"]) == (12, 2, "replay")
+    assert used["search_kw"]["path"] == str(setup / "search.json")
+    assert "with the settings of" in capsys.readouterr().out
+    evaluation.main(["--model", str(run / "checkpoints" / "step_000001"), "--data", str(setup / "qa.jsonl"),
+                     "--limit", "1", "--n", "1", "--max_response_tokens", "8", "--device", "cpu", "--search",
+                     "replay", "--search_kw", json.dumps({"path": str(setup / "search.json")}),
+                     "--out_dir", str(tmp_path / "b")])
+    out = capsys.readouterr().out
+    assert f"add --run {run}" in out and "max_response_tokens 12 (here 8)" in out
+    code, err = cli(capsys, evaluation.main, ["--run", str(run), "--step", "7"])
+    assert code == 2 and "no checkpoint of step 7 (have: step_000001)" in err
+    code, err = cli(capsys, evaluation.main, ["--model", str(setup)])
+    assert code == 2 and "no config.json there" in err
+
+
+def test_eval_help_explains_every_flag():
+    proc = subprocess.run([sys.executable, "eval.py", "--help"], cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0
+    for field in evaluation.EvalConfig.__dataclass_fields__.values():
+        first_words = " ".join(field.metadata["help"].split()[:3])
+        assert f"--{field.name}" in proc.stdout and first_words in " ".join(proc.stdout.split()), field.name
+
+
+def test_search_backend_down_at_start(setup, tmp_path, capsys):  # noqa: F811 -- the fixture
+    import socket
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]                                          # closed again: nobody listens
+    url = f"http://127.0.0.1:{port}/retrieve"
+    code, err = cli(capsys, train.main, flags(setup, "down", search="http", search_kw=json.dumps({"url": url})))
+    assert code == 1 and err.startswith("error: search backend HTTPSearch(url=") and "unreachable" in err
+    assert not (setup / "runs" / "down").exists()
+
+
+def test_search_backend_failing_mid_run_is_named(setup, monkeypatch, capsys):  # noqa: F811 -- the fixture
+    """The backend answers the start-up check, then fails every call: the step line says `search errors n/n` and a
+    warning names the backend and its last error."""
+    monkeypatch.setattr(train.reward, "deep_research_reward", fake_reward)
+    monkeypatch.setattr(generation, "TransformersGenerator", SearchFirst)
+    with FakeServer() as srv:
+        kw = json.dumps({"url": srv.url("/first_only"), "retries": 0})
+        train.main(flags(setup, "failing", steps=1, search="http", search_kw=kw, max_response_tokens=120))
+    out = capsys.readouterr().out
+    line = next(x for x in out.splitlines() if x.startswith("step 1/1"))
+    assert "search errors 4/4" in line
+    warning = next(x for x in out.splitlines() if x.startswith("warning: search failed on 4 of 4 calls"))
+    assert "HTTPSearch(url=" in warning and "HTTP 500" in warning
+    assert search_mod.HTTPSearch(srv.url("/x")).retries == 3                # the check left the backend as it was

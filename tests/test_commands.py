@@ -1,0 +1,156 @@
+"""Every command the README and the module docstrings give runs as written, in a quick form: flags that shorten
+training and evaluation are added, the command's own arguments are never changed. Commands run in a scratch copy of
+the repository made of links (so `runs/` lands in a temporary folder), with the real embedded model and search.
+Commands that need a GPU or several nodes cannot run on a CPU: those that name missing data must fail with one
+clear line, and every benchmark script must answer --help. A command added to the docs without a case here fails
+test_every_documented_command_is_covered."""
+import ast
+import json
+import os
+import re
+import shlex
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+import train
+from tests.test_train import fake_reward, flags, setup  # noqa: F401 -- the fixture
+
+ROOT = Path(__file__).resolve().parents[1]
+QUICK = {"--steps": "1", "--eval_limit": "1", "--eval_n": "1", "--eval_before": "false", "--cold_start_steps": "1",
+         "--cold_start_batch": "2", "--k": "2", "--max_response_tokens": "64"}
+LEAN = ["--save_trainer_state", "false"]                  # runs nobody resumes: write only the exported model
+TRAIN_ON_CPU = ["python train.py --steps 1 --eval_limit 2 --eval_n 1", "python train.py",
+                "python train.py --resume true", "torchrun --nproc_per_node=2 train.py"]
+EVAL_ON_CPU = ["python eval.py --run runs/<name>", "python eval.py --run runs/<name> --limit 2 --n 1",
+               "python eval.py --run runs/<name> --step 8 --n 5", "python eval.py --model PATH --data data/qa_test.jsonl --n 5",
+               "python eval.py --model PATH --data '[data/qa_test.jsonl, ../shared/data/benchmarks/bamboogle.jsonl]' "
+               "--out_dir runs/eval/x",
+               "python eval.py --model PATH --data '[data/qa_test.jsonl, ../shared/data/benchmarks/bamboogle.jsonl]'"]
+MISSING_DATA = ["python train.py --config configs/aepo_qwen3_14b.yaml --backend vllm --bf16 true",
+                "python train.py --config configs/aepo_qwen3_14b.yaml --config configs/grpo.yaml --k 8"]
+NOT_ON_CPU = ["torchrun --nproc_per_node=8 train.py --config configs/aepo_qwen3_14b.yaml --parallel fsdp --backend vllm "
+              "--bf16 true", "torchrun --nproc_per_node=8 train.py --config configs/aepo_qwen3_14b.yaml --parallel fsdp",
+              "torchrun --nnodes=2"]                     # 8 GPUs / several nodes
+HELP = ["python train.py --help", "python eval.py --help"]
+
+
+def documented_commands() -> list[str]:
+    """The `python ...` / `torchrun ...` lines of README.md's code blocks and of every module docstring."""
+    texts = [line[4:] for line in (ROOT / "README.md").read_text().splitlines() if line.startswith("    ")]
+    for path in list(ROOT.glob("*.py")) + list(ROOT.glob("bench/*.py")):
+        doc = ast.get_docstring(ast.parse(path.read_text())) or ""
+        texts += [line.strip() for line in doc.splitlines()]
+    out = []
+    for line in texts:
+        line = line.split("  #")[0].strip().rstrip("\\").strip()
+        if re.match(r"(python|torchrun) ", line) and not line.startswith("python3 -m venv"):
+            out.append(line)
+    return sorted(set(out))
+
+
+def test_every_documented_command_is_covered():
+    covered = TRAIN_ON_CPU + EVAL_ON_CPU + MISSING_DATA + HELP
+    for command in documented_commands():
+        if command.startswith("python bench/"):
+            continue                                          # test_benchmark_scripts_answer_help
+        assert command in covered or any(command.startswith(c) for c in NOT_ON_CPU), f"not tested: {command}"
+
+
+@pytest.fixture(scope="module")
+def scratch(tmp_path_factory):
+    """A copy of the repository made of links, beside a link to ../shared: commands write runs/ in there."""
+    root = tmp_path_factory.mktemp("clone")
+    repo = root / "repo"
+    repo.mkdir()
+    for item in ROOT.iterdir():
+        if item.name not in ("runs", ".git", ".venv", "__pycache__"):
+            (repo / item.name).symlink_to(item)
+    if (ROOT.parent / "shared").exists():
+        (root / "shared").symlink_to(ROOT.parent / "shared")
+    return repo
+
+
+def run(command: str, repo: Path, extra=(), timeout=900) -> subprocess.CompletedProcess:
+    argv = shlex.split(command)
+    program = [sys.executable] if argv[0] == "python" else [str(Path(sys.executable).parent / argv[0])]
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false"}
+    return subprocess.run(program + argv[1:] + list(extra), cwd=repo, capture_output=True, text=True,
+                          timeout=timeout, env=env)
+
+
+def quick(command: str, **over) -> list[str]:
+    """The quick-form flags this command does not already give."""
+    values = {**QUICK, **{f"--{k}": str(v) for k, v in over.items()}}
+    return [x for flag, value in values.items() if f" {flag} " not in f" {command} " for x in (flag, value)]
+
+
+def test_training_commands_run_as_written(scratch):
+    """The trial (which is also the main job's quick form: `python train.py` plus the quick flags), its resume, and
+    two processes: each ends with a checkpoint and its metrics."""
+    assert quick(TRAIN_ON_CPU[1])[:6] == ["--steps", "1", "--eval_limit", "1", "--eval_n", "1"]   # = the trial's
+    runs = scratch / "runs"
+    for command, extra in [(TRAIN_ON_CPU[0], quick(TRAIN_ON_CPU[0])), (TRAIN_ON_CPU[2], quick(TRAIN_ON_CPU[2], steps=2))]:
+        proc = run(command, scratch, extra)
+        assert proc.returncode == 0, f"{command}: {proc.stderr[-3000:]}"
+    made = sorted(runs.iterdir())
+    assert len(made) == 1                                      # the trial, resumed in place
+    resumed = [json.loads(x) for x in (made[0] / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in resumed] == [1, 2] and (made[0] / "config_history.yaml").exists()
+    assert (made[0] / "eval" / "after_summary.json").exists()
+    proc = run(TRAIN_ON_CPU[3], scratch, quick(TRAIN_ON_CPU[3]) + LEAN + ["--out_dir", "runs2"])
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    two = next((scratch / "runs2").iterdir())
+    row = json.loads((two / "metrics.jsonl").read_text())
+    assert row["trajectories"] == 4 * 2                        # questions_per_step grew to 2 per process x k=2
+    assert "2 processes: --questions_per_step 2 -> 4" in proc.stdout + proc.stderr
+
+
+@pytest.fixture(scope="module")
+def tiny_run(setup, scratch):  # noqa: F811 -- the fixture
+    """A tiny-model run with checkpoints at steps 4 and 8, in the scratch copy's runs/."""
+    train.reward.deep_research_reward, real = fake_reward, train.reward.deep_research_reward
+    try:
+        out = train.main(flags(setup, "tiny", steps=8, save_every=4, eval_data=str(ROOT / "data" / "qa_test.jsonl"),
+                               eval_limit=3, eval_n=2, search="bm25", search_kw="{topk: 1}",
+                               out_dir=str(scratch / "runs"), eval_before="false"))
+    finally:
+        train.reward.deep_research_reward = real
+    return Path(out["run_dir"])
+
+
+def test_evaluation_commands_run_as_written(scratch, tiny_run):
+    checkpoint = tiny_run / "checkpoints" / "step_000008"
+    for command in EVAL_ON_CPU:
+        if "../shared" in command and not (scratch.parent / "shared").exists():
+            continue
+        concrete = command.replace("runs/<name>", str(tiny_run)).replace("PATH", str(checkpoint))
+        extra = [] if "--run" in command else ["--limit", "1", "--max_response_tokens", "24"]
+        proc = run(concrete, scratch, extra + ["--device", "cpu"], timeout=600)
+        assert proc.returncode == 0, f"{command}: {proc.stderr[-3000:]}"
+        assert "| Pass@1 |" in proc.stdout or "Pass@1" in proc.stdout, command
+    assert (scratch / "runs" / "eval" / "x" / "summary.md").exists()
+    assert any(p.name.startswith("step_000008-") for p in (tiny_run / "eval").iterdir())
+
+
+@pytest.mark.parametrize("command", MISSING_DATA)
+def test_gpu_configs_say_what_is_missing(command, scratch):
+    """The official configs read data/rl/*.parquet, which users download: one line says which file."""
+    proc = run(command, scratch, timeout=300)
+    assert proc.returncode == 2
+    assert proc.stderr.strip().splitlines() == ["error: --train_data data/rl/hard_search_1k.parquet: file not found"]
+
+
+@pytest.mark.parametrize("command", HELP)
+def test_help(command, scratch):
+    proc = run(command, scratch, timeout=300)
+    assert proc.returncode == 0 and "--model" in proc.stdout and "--seed" in proc.stdout
+
+
+@pytest.mark.parametrize("script", sorted({c.split()[1] for c in documented_commands() if c.startswith("python bench/")}))
+def test_benchmark_scripts_answer_help(script, scratch):
+    """Benchmarks take minutes to hours (bench/README.md gives each one's time): here they only have to start."""
+    proc = run(f"python {script} --help", scratch, timeout=300)
+    assert proc.returncode == 0 and "usage" in proc.stdout.lower(), proc.stderr[-2000:]

@@ -1,0 +1,430 @@
+"""The training loop (train.py) on a tiny random Llama: each option and rule checked where the loop runs it.
+
+Every test here fails if its path were skipped or wrong: the real deep-research reward scored against each question's
+own golds, one optimiser step moving log-probs the way the advantages say, activation checkpointing recomputing in
+backward, the ablation switches and the learning-rate warm-up reaching the update, periodic evaluation, prompts over
+max_prompt_tokens dropped, demonstrations read from --cold_start_data, checkpoint pruning and the log trimming of a
+resume after a crash, DDP on two processes, the data order, and the vLLM per-step cycle. The helpers (`setup`,
+`flags`, `fake_reward`) come from tests/test_train.py; each run is 2 steps of 2 questions × k = 2."""
+import json
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+import advantage
+import checkpoint
+import coldstart
+import config
+import generation
+import loss
+import policy as policy_mod
+import tools
+import train
+from rollout import Segment
+from tests.conftest import make_tiny_model
+from tests.test_parallel import spawn
+from tests.test_train import QA, fake_reward, flags, hand_made_trajectories, setup, weights  # noqa: F401 -- fixture
+
+GOLD = dict(QA)
+
+
+def rows_of(run: Path, name: str) -> list[dict]:
+    return [json.loads(line) for line in (run / name).read_text().splitlines()]
+
+
+class Spy:
+    """Records what the loop hands to the algorithm; every wrapper calls the real function.
+
+    losses: (sg_clip, advantages (b, T), mask (b, T)) per loss.policy_loss call; groups: (rewards, group ids, A) per
+    advantage.group_advantages call; lrs: the learning rate at each optimiser step; backwards: backward passes;
+    recomputed: decoder-layer MLP forwards run inside a backward pass (activation checkpointing)."""
+
+    def __init__(self, monkeypatch):
+        self.losses, self.groups, self.lrs = [], [], []
+        self.backwards = self.recomputed = 0
+        self.in_backward = False
+        real_loss, real_adv = loss.policy_loss, advantage.group_advantages
+        real_step, real_load, real_backward = train.optimizer_step, train.load_policy, torch.Tensor.backward
+
+        def policy_loss(logp, old_logp, advantages, mask, n_valid, **kw):
+            self.losses.append((kw["sg_clip"], advantages.detach().clone(), mask.clone()))
+            return real_loss(logp, old_logp, advantages, mask, n_valid, **kw)
+
+        def group_advantages(rewards, group_ids):
+            out = real_adv(rewards, group_ids)
+            self.groups.append((rewards.tolist(), group_ids.tolist(), out.tolist()))
+            return out
+
+        def optimizer_step(policy, optimizer, grad_clip):
+            self.lrs.append(optimizer.param_groups[0]["lr"])
+            return real_step(policy, optimizer, grad_clip)
+
+        def load_policy(*args, **kw):
+            policy = real_load(*args, **kw)
+            for layer in policy_mod.unwrap(policy).lm.model.layers:
+                layer.mlp.register_forward_pre_hook(self._count)
+            return policy
+
+        def backward(tensor, *args, **kw):
+            self.backwards += 1
+            self.in_backward = True
+            try:
+                return real_backward(tensor, *args, **kw)
+            finally:
+                self.in_backward = False
+
+        monkeypatch.setattr(loss, "policy_loss", policy_loss)
+        monkeypatch.setattr(advantage, "group_advantages", group_advantages)
+        monkeypatch.setattr(train, "optimizer_step", optimizer_step)
+        monkeypatch.setattr(train, "load_policy", load_policy)
+        monkeypatch.setattr(torch.Tensor, "backward", backward)
+
+    def _count(self, module, args):
+        self.recomputed += self.in_backward
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# The basic promise of RL: one optimiser step follows the advantages (SPEC §3a, §4)
+
+
+def batch_with_advantages(tokenizer, cfg):
+    """2 questions × 2 hand-made trajectories with rewards (1, 0) and (0, 1): A = +1/√2 for trajectories 0 and 3,
+    −1/√2 for 1 and 2; old-policy pass done. Returns (policy, batches, A)."""
+    policy = policy_mod.Policy(make_tiny_model(tokenizer, seed=4))
+    trajectories, _ = hand_made_trajectories(n_questions=2, k=2, seed=1)
+    adv = advantage.group_advantages(torch.tensor([1.0, 0.0, 0.0, 1.0]), torch.tensor([0, 0, 1, 1]))
+    assert adv.tolist() == pytest.approx([2 ** -0.5, -2 ** -0.5, -2 ** -0.5, 2 ** -0.5], rel=1e-5)
+    batches = train.micro_batches(trajectories, adv, 1, cfg, 0, "cpu")
+    train.old_policy_pass(policy, None, batches, cfg, train.contextlib.nullcontext)
+    return policy, batches, adv
+
+
+def sequence_logprobs(policy, mb) -> torch.Tensor:
+    """Σ log π over each trajectory's policy tokens, from the plain model's full softmax (not Policy.forward)."""
+    with torch.no_grad():
+        logits = policy.lm(input_ids=mb["input_ids"], attention_mask=mb["attention_mask"]).logits[:, :-1].float()
+        logp = torch.log_softmax(logits, -1).gather(-1, mb["input_ids"][:, 1:, None]).squeeze(-1)
+    return (logp * mb["mask"]).sum(1)
+
+
+def test_one_step_raises_positive_and_lowers_negative_trajectories(tokenizer):
+    """One AdamW step of the loop's update (accumulate_gradients, optimizer_step) on a batch with known advantages:
+    the log-probability of each positive-advantage trajectory rises, of each negative one falls (by 0.56-0.82 nats
+    here), measured with the plain model's full softmax."""
+    cfg = config.Config(micro_batch_size=4, entropy_advantage=False, lr=1e-3)
+    policy, batches, adv = batch_with_advantages(tokenizer, cfg)
+    before = sequence_logprobs(policy, batches[0][0])
+    optimizer = torch.optim.AdamW(policy.parameters(), lr=cfg.lr, weight_decay=cfg.weight_decay)
+    train.accumulate_gradients(policy, batches[0], cfg, 1, train.contextlib.nullcontext, "test")
+    policy_mod.optimizer_step(policy, optimizer, cfg.grad_clip)
+    change = sequence_logprobs(policy, batches[0][0]) - before
+    assert (change[adv > 0] > 0).all() and (change[adv < 0] < 0).all(), change
+
+
+def test_sg_clip_keeps_the_gradient_of_tokens_past_the_upper_bound(tokenizer):
+    """SPEC §4: positive-advantage tokens whose ratio is past 1 + ε_h (here r = e) keep a gradient of weight 1 + ε_h
+    with sg_clip: exactly 1.2 × the gradient of −Σ Ã·log π / N, computed from the model's full softmax; standard
+    PPO clipping (sg_clip=False) leaves them none."""
+    cfg = config.Config(micro_batch_size=4, entropy_advantage=False)
+    policy, batches, adv = batch_with_advantages(tokenizer, cfg)
+    mb = batches[0][0]
+    positive = (adv > 0).float()[:, None] * mb["mask"]
+    mb["mask"] = positive                                         # keep only the positive trajectories' tokens
+    mb["adv_tok"] = mb["adv_tok"] * positive
+    mb["old_logp"] = mb["old_logp"] - 1.0 * positive               # r = e > 1 + ε_h at every kept token
+    n_valid = positive.sum()
+    grads = {}
+    for sg_clip in (True, False):
+        policy.zero_grad(set_to_none=True)
+        metrics = train.accumulate_gradients(policy, [mb], config.Config(sg_clip=sg_clip), 1,
+                                             train.contextlib.nullcontext, "test")
+        assert metrics["clip_upper"] == n_valid.item()
+        grads[sg_clip] = {name: (p.grad if p.grad is not None else torch.zeros_like(p)).clone()
+                          for name, p in policy.named_parameters()}
+    policy.zero_grad(set_to_none=True)
+    logits = policy.lm(input_ids=mb["input_ids"], attention_mask=mb["attention_mask"]).logits[:, :-1].float()
+    logp = torch.log_softmax(logits, -1).gather(-1, mb["input_ids"][:, 1:, None]).squeeze(-1)
+    (-(1.2 * mb["adv_tok"] * logp * positive).sum() / n_valid).backward()
+    for name, p in policy.named_parameters():
+        assert torch.count_nonzero(grads[False][name]) == 0, name
+        torch.testing.assert_close(grads[True][name], p.grad, atol=1e-6, rtol=1e-4, msg=name)
+    assert any(torch.count_nonzero(g) for g in grads[True].values())
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# The real reward inside the loop (SPEC §5 -> §3a)
+
+
+class AnswerAtOnce(generation.TransformersGenerator):
+    """Answers in one well-formed segment: the question's gold answer for even contexts of a call, "Atlantis" for odd
+    ones. With entropy_branching=False a round's contexts are (q0 t0, q0 t1, q1 t0, q1 t1), so in every group the
+    first trajectory is right (F1 1) and the second wrong (F1 0)."""
+
+    def generate(self, contexts, max_new_tokens, seed):
+        out = []
+        for i, context in enumerate(contexts):
+            prompt = self.tokenizer.decode(context)
+            question = next(q for q in GOLD if q in prompt)
+            answer = GOLD[question] if i % 2 == 0 else "Atlantis"
+            text = f"<think> I know this one. </think>\n<answer> \\boxed{{{answer}}} </answer>"
+            ids = self.tokenizer.encode(text, add_special_tokens=False)
+            out.append(Segment(ids, "answer", 0.5, text))
+        return out
+
+
+def test_real_reward_scores_each_question_against_its_own_golds(setup, monkeypatch):  # noqa: F811 -- the fixture
+    """The loop's reward -> advantage path with the real reward.deep_research_reward (nothing patched): a right
+    answer scores 1 and a wrong one 0 against the golds of the trajectory's own question, so every group's rewards
+    are (1, 0) and its advantages ±1/√2 (mean 1/2, sample std 1/√2). Scoring against another question's golds
+    would give 0 everywhere."""
+    spy = Spy(monkeypatch)
+    monkeypatch.setattr(generation, "TransformersGenerator", AnswerAtOnce)
+    run = Path(train.main(flags(setup, "real_reward", entropy_branching="false", max_response_tokens=64,
+                                log_samples=4))["run_dir"])
+    assert len(spy.groups) == 2                                    # one call per step
+    for rewards, groups, adv in spy.groups:
+        assert rewards == [1.0, 0.0, 1.0, 0.0] and groups == [0, 0, 1, 1]
+        assert adv == pytest.approx([2 ** -0.5, -2 ** -0.5] * 2, rel=1e-5)
+    samples = rows_of(run, "samples.jsonl")
+    assert len(samples) == 2 * 4
+    for s in samples:
+        assert s["golds"] == [GOLD[s["question"]]]
+        assert s["reward"] == (1.0 if f"\\boxed{{{GOLD[s['question']]}}}" in s["text"] else 0.0)
+    for m in rows_of(run, "metrics.jsonl"):
+        assert (m["reward"], m["acc"], m["format_ok"]) == (0.5, 0.5, 1.0)
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# Switches, warm-up, activation checkpointing
+
+
+def test_aepo_switches_and_activation_checkpointing_in_the_loop(setup, monkeypatch):  # noqa: F811 -- the fixture
+    """Defaults (AEPO) with --gradient_checkpointing: the loss gets sg_clip=True and entropy-weighted advantages
+    (they vary along a trajectory, SPEC §3b), and each of the 4 backward passes (2 steps × 2 mini-batches of one
+    micro-batch) recomputes both decoder layers: 8 MLP forwards inside backward."""
+    monkeypatch.setattr(train.reward, "deep_research_reward", fake_reward)
+    spy = Spy(monkeypatch)
+    train.main(flags(setup, "checkpointed", gradient_checkpointing="true"))
+    assert spy.backwards == 4 and spy.recomputed == 2 * 4
+    assert len(spy.losses) == 4 and all(sg_clip for sg_clip, _, _ in spy.losses)
+    rows = [a[i][m[i] > 0] for _, a, m in spy.losses for i in range(len(a))]
+    assert any(row.abs().sum() > 0 for row in rows)
+    assert all(len(set(row.tolist())) > 1 for row in rows if row.abs().sum() > 0)
+
+
+def test_gradient_checkpointing_gives_the_same_gradient(tokenizer, tmp_path):
+    """load_policy(..., gradient_checkpointing=True) in train mode recomputes in backward and changes no gradient."""
+    make_tiny_model(tokenizer, seed=2).save_pretrained(tmp_path / "m")
+    trajectories, rewards = hand_made_trajectories(n_questions=2, k=2)
+    adv = advantage.group_advantages(rewards, torch.tensor([t.group_id for t in trajectories]))
+    cfg = config.Config(micro_batch_size=2)
+    grads, recomputed = [], []
+    for checkpointing in (False, True):
+        policy = policy_mod.load_policy(str(tmp_path / "m"), 1, torch.device("cpu"),
+                                        gradient_checkpointing=checkpointing)
+        calls = []
+        policy.lm.model.layers[0].mlp.register_forward_pre_hook(lambda module, args, calls=calls: calls.append(1))
+        batches = train.micro_batches(trajectories, adv, 1, cfg, 0, "cpu")
+        train.old_policy_pass(policy, None, batches, cfg, train.contextlib.nullcontext)
+        calls.clear()
+        policy.lm.train()
+        train.accumulate_gradients(policy, batches[0], cfg, 1, train.contextlib.nullcontext, "test")
+        recomputed.append(len(calls))
+        grads.append({name: p.grad.clone() for name, p in policy.named_parameters()})
+    assert recomputed == [2, 4]                                   # 2 micro-batches; twice each when recomputing
+    for name, g in grads[0].items():
+        torch.testing.assert_close(grads[1][name], g, atol=1e-6, rtol=1e-5, msg=name)
+
+
+def test_ablation_switches_and_warmup_in_the_loop(setup, monkeypatch):  # noqa: F811 -- the fixture
+    """--sg_clip false and --entropy_advantage false reach the update: the loss gets sg_clip=False and advantages
+    equal to the group advantage A_j at every policy token (Ã = A); with --ppo_epochs 2 and a large learning rate the
+    second pass clips, and no clipped gradient is kept (preserved = 0). Warm-up over 4 optimiser steps: the
+    optimiser steps at lr·1/4, 2/4, 3/4, then lr."""
+    monkeypatch.setattr(train.reward, "deep_research_reward", fake_reward)
+    spy = Spy(monkeypatch)
+    lr = 0.05
+    run = Path(train.main(flags(setup, "ablations", sg_clip="false", entropy_advantage="false", warmup_steps=4,
+                                ppo_epochs=2, lr=lr))["run_dir"])
+    assert spy.lrs == pytest.approx([lr / 4, lr / 2, 3 * lr / 4, lr, lr, lr, lr, lr], rel=1e-12)
+    assert len(spy.losses) == 8 and not any(sg_clip for sg_clip, _, _ in spy.losses)
+    per_step = [adv for _, _, adv in spy.groups]
+    for n, (_, a, m) in enumerate(spy.losses):                   # 2 steps × 2 epochs × 2 mini-batches of 1 question
+        step, mini = n // 4, n % 2
+        expected = torch.tensor(per_step[step][2 * mini:2 * mini + 2])[:, None] * m
+        torch.testing.assert_close(a, expected, atol=0, rtol=0)
+    metrics = rows_of(run, "metrics.jsonl")
+    assert sum(m["clip_hi"] + m["clip_lo"] for m in metrics) > 0 and all(m["preserved"] == 0 for m in metrics)
+    assert [m["lr"] for m in metrics] == pytest.approx([lr, lr])
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# Data: prompts over max_prompt_tokens, demonstrations from a file, the order of questions
+
+
+def test_long_prompts_dropped_and_demonstrations_from_file(setup, monkeypatch, tokenizer, tmp_path):  # noqa: F811
+    """--max_prompt_tokens keeps only the questions whose prompt fits (here the two shortest), so RL never sees the
+    others; --cold_start_data: the cold start trains on that file's demonstrations, and no training question is
+    set aside for demonstrations."""
+    lengths = sorted((len(tools.build_prompt(tokenizer, q)), q) for q, _ in QA)
+    assert lengths[1][0] < lengths[2][0]
+    kept = {q for _, q in lengths[:2]}
+    demos = [{"messages": [{"role": "user", "content": q},
+                           {"role": "assistant", "content": "<think> look </think>\n<search> " + q + " </search>"},
+                           {"role": "tool", "content": f"Page 1: the answer is {a}."},
+                           {"role": "assistant", "content": f"<answer> \\boxed{{{a}}} </answer>"}]}
+             for q, a in QA if q not in kept][:2]
+    demo_file = tmp_path / "demos.jsonl"
+    demo_file.write_text("".join(json.dumps(d) + "\n" for d in demos))
+    seen, real_cold_start = [], coldstart.cold_start
+
+    def cold_start(policy, demonstrations, *args, **kw):
+        seen.append(demonstrations)
+        return real_cold_start(policy, demonstrations, *args, **kw)
+    monkeypatch.setattr(coldstart, "cold_start", cold_start)
+    monkeypatch.setattr(train.reward, "deep_research_reward", fake_reward)
+    run = Path(train.main(flags(setup, "short_prompts", max_prompt_tokens=lengths[1][0], cold_start="true",
+                                cold_start_data=str(demo_file), cold_start_steps=1, cold_start_batch=2,
+                                log_samples=4))["run_dir"])
+    assert seen == [demos]
+    samples = rows_of(run, "samples.jsonl")
+    assert {s["question"] for s in samples} == kept and len(samples) == 2 * 4
+
+
+def test_each_question_once_per_epoch():
+    """train.step_questions: the steps of an epoch cover every question exactly once (also when the epoch does not
+    divide into whole steps), epochs are reshuffled, and the order depends on the seed."""
+    rows = [{"question": f"q{i}"} for i in range(5)]
+    cfg = config.Config(questions_per_step=2, seed=1)
+    order = [r["question"] for step in range(10) for r in train.step_questions(rows, step, cfg)]   # 4 epochs
+    epochs = [order[i:i + 5] for i in range(0, 20, 5)]
+    assert all(sorted(e) == [f"q{i}" for i in range(5)] for e in epochs)
+    assert len({tuple(e) for e in epochs}) > 1
+    other = [r["question"] for step in range(3) for r in train.step_questions(rows, step, config.Config(
+        questions_per_step=2, seed=2))]
+    assert other != order[:6]
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# Checkpoints: pruning; a crash after a step was logged, then a resume that trims the logs
+
+
+class Crash(Exception):
+    pass
+
+
+def test_crash_then_resume_trims_logs_and_prunes_checkpoints(setup, monkeypatch):  # noqa: F811 -- the fixture
+    """Step 2 is logged, then its checkpoint fails: the resume from step 1 drops step 2's lines from metrics.jsonl
+    and samples.jsonl before redoing it, and logs the same numbers again. --keep_checkpoints 1: once step 2 is saved,
+    step 1's checkpoint is deleted."""
+    monkeypatch.setattr(train.reward, "deep_research_reward", fake_reward)
+    real_save = checkpoint.save
+
+    def save(run_dir, step, *args, **kw):
+        if step == 2:
+            raise Crash("the machine went away")
+        return real_save(run_dir, step, *args, **kw)
+    monkeypatch.setattr(checkpoint, "save", save)
+    with pytest.raises(Crash):
+        train.main(flags(setup, "crashed", keep_checkpoints=1))
+    run = setup / "runs" / "crashed"
+    crashed = rows_of(run, "metrics.jsonl")
+    assert [m["step"] for m in crashed] == [1, 2]
+    assert [p.name for p in checkpoint.checkpoint_dirs(run)] == ["step_000001"]
+    monkeypatch.setattr(checkpoint, "save", real_save)
+    train.main(flags(setup, "crashed", keep_checkpoints=1, resume="true"))
+    resumed = rows_of(run, "metrics.jsonl")
+    assert [m["step"] for m in resumed] == [1, 2]
+    assert [s["step"] for s in rows_of(run, "samples.jsonl")] == [1, 1, 2, 2]
+    for key in ("reward", "pg_loss", "grad_norm", "entropy", "resp_len"):
+        assert resumed[1][key] == pytest.approx(crashed[1][key], rel=1e-6, abs=1e-9), key
+    assert [p.name for p in checkpoint.checkpoint_dirs(run)] == ["step_000002"]
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# DDP on two processes
+
+
+def _ddp_worker(rank, world, argv, model_dir, out):
+    from transformers import AutoTokenizer
+    tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    train.reward.deep_research_reward = fake_reward
+    record = {"questions": [], "params": []}
+    real_rollout, real_step = train.rollout.tree_rollout, train.optimizer_step
+
+    def tree_rollout(prompts, *args, **kw):
+        record["questions"].append([next(q for q in GOLD if q in tokenizer.decode(p)) for p in prompts])
+        return real_rollout(prompts, *args, **kw)
+
+    def optimizer_step(policy, optimizer, grad_clip):
+        norm = real_step(policy, optimizer, grad_clip)
+        record["params"].append({name: p.detach().double().sum().item()
+                                 for name, p in policy_mod.unwrap(policy).lm.named_parameters()})
+        return norm
+    train.rollout.tree_rollout, train.optimizer_step = tree_rollout, optimizer_step
+    train.main(argv)
+    Path(f"{out}.{rank}").write_text(json.dumps(record))
+
+
+def test_ddp_two_processes(setup, tmp_path):  # noqa: F811 -- the fixture
+    """--parallel ddp on 2 gloo ranks, 2 steps, 2 micro-batches per rank (the first without gradient sync): each
+    rank rolls out its own question (4 different ones over the 2 steps: one epoch's worth, no repeats), and after
+    every optimiser step both replicas hold identical weights, which the update did change; the checkpoint holds
+    them."""
+    out = tmp_path / "record"
+    spawn(_ddp_worker, flags(setup, "ddp", parallel="ddp", mini_batch_size=2, micro_batch_size=1),
+          str(setup / "tiny"), str(out))
+    ranks = [json.loads(Path(f"{out}.{r}").read_text()) for r in (0, 1)]
+    assert [[len(q) for q in r["questions"]] for r in ranks] == [[1, 1], [1, 1]]
+    assert len({q for r in ranks for qs in r["questions"] for q in qs}) == 4
+    assert len(ranks[0]["params"]) == 2 and ranks[0]["params"] == ranks[1]["params"]
+    assert ranks[0]["params"][0] != ranks[0]["params"][1]
+    run = setup / "runs" / "ddp"
+    assert [m["trajectories"] for m in rows_of(run, "metrics.jsonl")] == [4, 4]
+    saved = weights(run / "checkpoints" / "step_000002")
+    for name, total in ranks[0]["params"][-1].items():
+        assert saved[name].double().sum().item() == total, name
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# vLLM per step: rollout -> sleep -> wake weights -> every weight -> wake KV cache -> reset; evaluation settings
+
+
+def test_vllm_cycle_with_periodic_evaluation(setup, monkeypatch, tokenizer):  # noqa: F811 -- the fixture
+    """The vLLM backend (tests/fake_vllm.py) with --eval_every 1: per step the rollout samples at the rollout
+    temperature and top-p, the engine sleeps, wakes its weights, takes every parameter (one load each), wakes its
+    KV cache and resets its prefix cache; the evaluation after step 1 samples at the evaluation temperature and
+    top-p and step 2 goes back to the rollout's. Every request of a call has its own seed."""
+    from tests import fake_vllm
+    monkeypatch.setattr(train.reward, "deep_research_reward", fake_reward)
+    monkeypatch.setitem(sys.modules, "vllm", fake_vllm)
+    monkeypatch.delenv("VLLM_ENABLE_V1_MULTIPROCESSING", raising=False)
+    seeds, real_generate = [], fake_vllm.LLM.generate
+
+    def generate(self, prompts, params, use_tqdm=True):
+        self.events.append(f"sample:T={params[0].temperature:g}:top_p={params[0].top_p:g}")
+        seeds.append([p.seed for p in params])
+        return real_generate(self, prompts, params, use_tqdm)
+    monkeypatch.setattr(fake_vllm.LLM, "generate", generate)
+    run = Path(train.main(flags(setup, "vllm_eval", backend="vllm", eval_data=str(setup / "qa.jsonl"), eval_limit=1,
+                                eval_n=1, eval_every=1, eval_before="false", temperature=0.8, top_p=0.9,
+                                eval_temperature=0.6, eval_top_p=0.95))["run_dir"])
+    llm = fake_vllm.LLM.instances[-1]
+    calls = []                                   # the engine's calls in order, repeats collapsed (weight loads counted)
+    for event in llm.events:
+        if event.startswith("generate:"):
+            continue
+        if calls and calls[-1][0] == event:
+            calls[-1][1] += 1
+        else:
+            calls.append([event, 1])
+    calls = [event if n == 1 or event.startswith("sample") else (event, n) for event, n in calls]
+    n_params = len(list(make_tiny_model(tokenizer).named_parameters()))
+    rollout_at, eval_at = "sample:T=0.8:top_p=0.9", "sample:T=0.6:top_p=0.95"
+    sync = ["sleep2", "wake_up:weights", ("load_weights:1", n_params), "wake_up:kv_cache", "reset_prefix_cache"]
+    assert calls == [rollout_at] + sync + [eval_at, rollout_at] + sync + [eval_at]
+    assert all(len(set(s)) == len(s) for s in seeds) and any(len(s) > 1 for s in seeds)
+    assert (run / "eval" / "step1_summary.json").exists() and not (run / "eval" / "step2_summary.json").exists()
+    assert (run / "eval" / "after_summary.json").exists()
