@@ -219,6 +219,16 @@ def run_cli(main, argv=None) -> int:
     return 0
 
 
+def python_isolation(mode: str) -> str:
+    """One line naming the python tool's isolation layers on this machine (sandbox.py); in strict mode a missing
+    layer is a UserError."""
+    import sandbox
+    try:
+        return sandbox.describe(sandbox.require(mode))
+    except (sandbox.IsolationError, ValueError) as err:
+        raise UserError(f"--python_isolation: {err}") from None
+
+
 # settings a resumed run may change: length, evaluation, logging, output, and how (not what) it computes
 RESUMABLE = {"steps", "epochs", "eval_data", "eval_limit", "eval_n", "eval_every", "eval_before", "eval_temperature",
              "eval_top_p", "log_samples", "tensorboard", "wandb", "wandb_project", "out_dir", "run_name", "resume",

@@ -122,7 +122,7 @@ def load_dataset(path, skip_bad: bool = False) -> Dataset:
         raise UserError(f"{path}: cannot be read as {path.suffix[1:]}: {' '.join(str(err).split())[:200]}") from None
     for where, parse in records:
         try:
-            rows.append(parse())
+            rows.append({**parse(), "id": f"{path.stem}:{where.split()[-1]}"})    # e.g. qa_train:17 (line 17)
         except (ValueError, SyntaxError, TypeError, AttributeError, KeyError) as err:
             message = f"{path}: {where}: malformed row: {err}"
             if not skip_bad:

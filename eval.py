@@ -82,14 +82,15 @@ def evaluate(model, tokenizer, rows: list[dict], tools, *, n: int = 5, temperatu
     for key in saved:                            # evaluation settings on the generator, then back
         setattr(generator, key, sampling[key])
     try:
-        records, tree = _sample_and_score(generator, tokenizer, rows, tools, n, max(1, batch_size // n), judge,
+        records, shapes, tree = _sample_and_score(generator, tokenizer, rows, tools, n, max(1, batch_size // n), judge,
                                           max_tool_calls, max_response_tokens, seed, name, progress, rank, world)
     finally:
         for key, value in saved.items():
             setattr(generator, key, value)
-    gathered = parallel.gather((records, dict(tree)))
-    records = sorted((rec for recs, _ in gathered for rec in recs), key=lambda rec: rec["index"])
-    tree = sum((Counter(counts) for _, counts in gathered), Counter())
+    gathered = parallel.gather((records, shapes, dict(tree)))
+    records = sorted((rec for recs, _, _ in gathered for rec in recs), key=lambda rec: rec["index"])
+    shapes = [shape for _, part, _ in gathered for shape in part]
+    tree = sum((Counter(counts) for _, _, counts in gathered), Counter())
     summary = summarize(records, n, name)
     summary.update(wall_s=round(time.time() - started, 1), tool_counts=dict(tree),
                    settings={"n": n, "temperature": temperature, "top_p": top_p, "seed": seed,
@@ -103,17 +104,19 @@ def evaluate(model, tokenizer, rows: list[dict], tools, *, n: int = 5, temperatu
             for rec in records:
                 f.write(json.dumps(rec, ensure_ascii=False) + "\n")
         (out / f"{name}_summary.json").write_text(json.dumps(summary, indent=2, ensure_ascii=False))
+        (out / f"{name}_trees.jsonl").write_text("".join(json.dumps(s, ensure_ascii=False) + "\n" for s in shapes))
         (out / f"{name}_summary.md").write_text(markdown_table([summary]))
     return summary
 
 
 def _sample_and_score(generator, tokenizer, rows, tools, n, per_call, judge, max_tool_calls, max_response_tokens,
-                      seed, name, progress, rank, world) -> tuple[list[dict], Counter]:
-    """This rank's chunks of `per_call` questions: n rollouts each, scored. Returns per-question records and tool
-    counts."""
+                      seed, name, progress, rank, world) -> tuple[list[dict], list[dict], Counter]:
+    """This rank's chunks of `per_call` questions: n rollouts each, scored. Returns per-question records, tree
+    records (trees.py) and tool counts."""
     import rollout
     from tqdm import tqdm
-    records, tree = [], Counter()
+    import trees
+    records, shapes, tree = [], [], Counter()
     mine = list(range(0, len(rows), per_call))[rank::world]
     bar = tqdm(total=sum(len(rows[s:s + per_call]) for s in mine) * n, desc=f"eval {name}", unit="traj",
                disable=not progress)
@@ -131,6 +134,8 @@ def _sample_and_score(generator, tokenizer, rows, tools, n, per_call, judge, max
             max_response_tokens=max_response_tokens, seed=seed + start, progress=tick)
         bar.update(len(trajectories) - done[0])
         tree.update({key: v for key, v in stats.items() if key.startswith("tools/")})
+        rewards = [score_response(t.text, chunk[t.group_id]["golds"])["reward"] for t in trajectories]
+        shapes += trees.records(name, chunk, trajectories, stats["m_per_question"], rewards)
         for g, row in enumerate(chunk):
             criterion, samples = _criterion(row, judge), []
             for t in (t for t in trajectories if t.group_id == g):
@@ -153,7 +158,7 @@ def _sample_and_score(generator, tokenizer, rows, tools, n, per_call, judge, max
                             "pass@k": {str(k): pass_at_k(n, c, k) for k in range(1, n + 1)},
                             "samples": samples})
     bar.close()
-    return records, tree
+    return records, shapes, tree
 
 
 def summarize(records: list[dict], n: int, name: str) -> dict:
@@ -227,10 +232,11 @@ class EvalConfig:
                            "runs/eval/<time>)")
 
 
+# eval.py flag <- the run's config.yaml key
 FROM_RUN = {"data": "eval_data", "limit": "eval_limit", "n": "eval_n", "temperature": "eval_temperature",
             "top_p": "eval_top_p", "max_response_tokens": "max_response_tokens", "max_tool_calls": "max_tool_calls",
             "batch_size": "gen_batch_size", "skip_bad": "skip_bad", "search": "search", "search_kw": "search_kw",
-            "python_timeout_s": "python_timeout_s", "python_isolation": "python_isolation", "seed": "seed"}     # eval.py flag <- the run's config.yaml key
+            "python_timeout_s": "python_timeout_s", "python_isolation": "python_isolation", "seed": "seed"}
 
 
 def run_settings(run_dir: Path) -> dict:
@@ -295,7 +301,6 @@ def _training_note(model: str, cfg: EvalConfig) -> str:
 
 def main(argv=None) -> list[dict]:
     import config
-    import sandbox
     import search as search_mod
     import tools as tools_mod
     parser = config.build_parser(EvalConfig, prog="eval.py",
@@ -328,10 +333,7 @@ def main(argv=None) -> list[dict]:
     model, tokenizer = load_model(cfg.model, cfg.device, cfg.dtype)
     search = search_mod.make_search(cfg.search, **cfg.search_kw)
     search_mod.check_reachable(search)
-    try:
-        print(sandbox.describe(sandbox.require(cfg.python_isolation)), flush=True)
-    except (sandbox.IsolationError, ValueError) as err:
-        raise UserError(f"--python_isolation: {err}") from None
+    print(config.python_isolation(cfg.python_isolation), flush=True)
     tool_runner = tools_mod.Tools(search, python_timeout_s=cfg.python_timeout_s)
     out.mkdir(parents=True, exist_ok=True)
     (out / "config.json").write_text(json.dumps(asdict(cfg), indent=2))

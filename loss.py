@@ -169,7 +169,8 @@ def policy_loss(logp, old_logp, advantages, mask, n_valid, eps_low=0.2, eps_high
 
     Eq.: r = exp(logp - old_logp),  upper = (1+eps_high)·r/sg(r)  (sg_clip) or 1+eps_high,
          J = min(r·Ã, clip(r, 1-eps_low, upper)·Ã);  J = max(J, clip_c·Ã) where Ã < 0,
-         loss = -Σ J·mask / n_valid  (+ kl_coef·Σ k3·mask / n_valid,  k3 = clamp(e^(ref-logp) - (ref-logp) - 1, -10, 10)).
+         loss = -Σ J·mask / n_valid  (+ kl_coef·Σ k3·mask / n_valid),
+         k3 = clamp(e^(ref-logp) - (ref-logp) - 1, -10, 10)  (verl's low_var_kl).
     logp: (B, T) current-policy log-probs (carry gradient); old_logp: (B, T) behaviour-policy
     log-probs; advantages: (B, T) per-token Ã; mask: (B, T), 1 = token sampled by the policy
     (counts in the loss), 0 = prompt/tool output/padding; n_valid: number of mask-1 tokens of the

@@ -92,7 +92,8 @@ def params_on_meta():
 def shard(policy: Policy, bf16: bool) -> Policy:
     """FSDP2: every decoder layer its own shard group, the rest (embeddings, final norm, LM head) in the root."""
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
-    mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) if bf16 else MixedPrecisionPolicy()
+    mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) if bf16 \
+        else MixedPrecisionPolicy()
     lm = policy.lm
     block_names = set(getattr(lm, "_no_split_modules", None) or [])
     blocks = [m for m in lm.modules() if type(m).__name__ in block_names]

@@ -77,8 +77,8 @@ def create_run(cfg, run_dir: Path, world: int, master: bool) -> dict:
 
 
 def trim_logs(run_dir: Path, step: int) -> None:
-    """On resume: drop the lines metrics.jsonl and samples.jsonl got after the checkpoint of `step`."""
-    for name in ("metrics.jsonl", "samples.jsonl"):
+    """On resume: drop the lines metrics.jsonl, samples.jsonl and trees.jsonl got after the checkpoint of `step`."""
+    for name in ("metrics.jsonl", "samples.jsonl", "trees.jsonl"):
         path = run_dir / name
         if path.exists():
             kept = [line for line in path.read_text().splitlines() if json.loads(line)["step"] <= step]

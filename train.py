@@ -65,9 +65,9 @@ import parallel
 import reward
 import rollout
 import runlog
-import sandbox
 import search as search_mod
 import tools
+import trees
 from policy import (full_named_parameters, load_lm, load_policy, load_tokenizer, no_grad_sync, optimizer_step,
                     tensorize, unwrap)
 
@@ -106,7 +106,7 @@ def train(cfg, rank: int, world: int, device: torch.device) -> dict:
     search_kw = {"cache": cfg.cache_dir, **cfg.search_kw} if cfg.search == "bm25" and cfg.cache_dir else cfg.search_kw
     search = search_mod.make_search(cfg.search, **search_kw)
     search_mod.check_reachable(search)
-    log(sandbox.describe(sandbox_check(cfg.python_isolation)))      # every rank runs its own python calls
+    log(config.python_isolation(cfg.python_isolation))                # every rank runs its own python calls
     tool_runner = tools.Tools(search, python_timeout_s=cfg.python_timeout_s)
     train_rows = dataset.load_questions(cfg.train_data, tokenizer, cfg.max_prompt_tokens, "train_data", cfg.skip_bad)
     eval_rows = dataset.load_questions(cfg.eval_data, tokenizer, cfg.max_prompt_tokens, "eval_data",
@@ -252,8 +252,10 @@ def train(cfg, rank: int, world: int, device: torch.device) -> dict:
                   "time/step": time.time() - t0,
                   "update_tokens_per_s": m["n_valid_tokens"] * cfg.ppo_epochs / max(t_update, 1e-9)})
         last = m
+        step_trees = parallel.gather(trees.records(step + 1, rows, trajectories, tree["m_per_question"], rewards))
         if master:
             runlog.write_step(run_dir, m, rows, trajectories, scores, rewards, cfg.log_samples)
+            trees.append(run_dir / "trees.jsonl", [rec for recs in step_trees for rec in recs])
             trackers.log(m, step + 1)
             bar.set_postfix_str("")
             bar.update(1)
@@ -280,6 +282,7 @@ def train(cfg, rank: int, world: int, device: torch.device) -> dict:
         evals["after"] = after["pass@1"]
     if master and (run_dir / "metrics.jsonl").exists():
         runlog.plot_curves(run_dir / "metrics.jsonl", run_dir / "curves.png", evals)
+        trees.draw(trees.load(run_dir / "trees.jsonl"), run_dir / "trees.png", f"{run_dir.name}: the last step's trees")
         log(f"run directory: {run_dir}")
     trackers.close()
     tool_runner.close()
@@ -372,14 +375,6 @@ def accumulate_gradients(policy, mbs: list[dict], cfg, world: int, amp, where: s
         for key, v in metrics.items():
             sums[key] = sums.get(key, 0.0) + float(v)
     return sums
-
-
-def sandbox_check(mode: str) -> dict:
-    """The python tool's isolation layers on this machine; in strict mode a missing layer is a UserError."""
-    try:
-        return sandbox.require(mode)
-    except (sandbox.IsolationError, ValueError) as err:
-        raise config.UserError(f"--python_isolation: {err}") from None
 
 
 def seed_all(seed: int) -> None:

@@ -25,7 +25,8 @@ LEAN = ["--save_trainer_state", "false"]                  # runs nobody resumes:
 TRAIN_ON_CPU = ["python train.py --steps 1 --eval_limit 2 --eval_n 1", "python train.py",
                 "python train.py --resume true", "torchrun --nproc_per_node=2 train.py"]
 EVAL_ON_CPU = ["python eval.py --run runs/<name>", "python eval.py --run runs/<name> --limit 2 --n 1",
-               "python eval.py --run runs/<name> --step 8 --n 5", "python eval.py --model PATH --data data/qa_test.jsonl --n 5",
+               "python eval.py --run runs/<name> --step 8 --n 5",
+               "python eval.py --model PATH --data data/qa_test.jsonl --n 5",
                "python eval.py --model PATH --data '[data/qa_test.jsonl, ../shared/data/benchmarks/bamboogle.jsonl]' "
                "--out_dir runs/eval/x",
                "python eval.py --model PATH --data '[data/qa_test.jsonl, ../shared/data/benchmarks/bamboogle.jsonl]'"]
@@ -35,6 +36,8 @@ NOT_ON_CPU = ["torchrun --nproc_per_node=8 train.py --config configs/aepo_qwen3_
               "--bf16 true", "torchrun --nproc_per_node=8 train.py --config configs/aepo_qwen3_14b.yaml --parallel fsdp",
               "torchrun --nnodes=2"]                     # 8 GPUs / several nodes
 HELP = ["python train.py --help", "python eval.py --help"]
+TREES = ["python trees.py runs/<name>", "python trees.py runs/<name> --step 3 --out t.png",
+         "python trees.py runs/<name> --eval after"]
 
 
 def documented_commands() -> list[str]:
@@ -52,7 +55,7 @@ def documented_commands() -> list[str]:
 
 
 def test_every_documented_command_is_covered():
-    covered = TRAIN_ON_CPU + EVAL_ON_CPU + MISSING_DATA + HELP
+    covered = TRAIN_ON_CPU + EVAL_ON_CPU + MISSING_DATA + HELP + TREES
     for command in documented_commands():
         if command.startswith("python bench/"):
             continue                                          # test_benchmark_scripts_answer_help
@@ -133,6 +136,12 @@ def test_evaluation_commands_run_as_written(scratch, tiny_run):
         assert "| Pass@1 |" in proc.stdout or "Pass@1" in proc.stdout, command
     assert (scratch / "runs" / "eval" / "x" / "summary.md").exists()
     assert any(p.name.startswith("step_000008-") for p in (tiny_run / "eval").iterdir())
+
+
+def test_tree_drawing_commands_run_as_written(scratch, tiny_run):
+    for command, png in zip(TREES, [tiny_run / "trees_step_8.png", scratch / "t.png", tiny_run / "trees_after.png"]):
+        proc = run(command.replace("runs/<name>", str(tiny_run)), scratch, timeout=300)
+        assert proc.returncode == 0 and png.stat().st_size > 10_000, f"{command}: {proc.stderr[-2000:]}"
 
 
 @pytest.mark.parametrize("command", MISSING_DATA)

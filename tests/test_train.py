@@ -370,7 +370,7 @@ def test_two_steps_then_resume_is_exact(setup, monkeypatch, tokenizer):
     after = weights(run / "checkpoints" / "step_000002")
     assert any(not torch.equal(after[k], initial[k]) for k in after if k in initial)   # parameters changed
     for name in ("config.yaml", "run_info.json", "samples.jsonl", "curves.png", "eval/before_summary.json",
-                 "eval/after_summary.json"):
+                 "eval/after_summary.json", "trees.jsonl", "trees.png", "eval/after_trees.jsonl"):
         assert (run / name).exists(), name
     cs = list((setup / "cache" / "cold_start").iterdir())
     assert len(cs) == 1 and (cs[0] / "config.json").exists()      # cold start cached for the next run
