@@ -7,9 +7,10 @@ tokens, through `loss.logprobs_and_entropy` (chunked, float32), so data-parallel
 
 Placement: one process holds the whole model; DDP replicates it; FSDP2 (`fully_shard` per decoder layer, the rest in
 the root group) shards parameters, gradients and optimiser state. A sharded model is built on the meta device and
-filled from rank 0's copy of the checkpoint (`broadcast_from_rank0`), so no rank but 0 ever holds the full model
-and no rank holds it in float32. Parameters stay float32 (the optimiser's master weights); `--bf16` computes in
-bfloat16 (FSDP2 mixed precision, autocast elsewhere).
+filled from rank 0's copy of the checkpoint (`broadcast_from_rank0`), read in the checkpoint's own dtype (bfloat16
+for released models), so no rank but 0 ever holds the full model. Parameters stay float32 (the optimiser's master
+weights); `--bf16` computes in bfloat16 (FSDP2 mixed precision, autocast elsewhere). Also here: the inputs' layout
+(`tensorize`: padded ids and the loss mask), the tokenizer and the optimiser step (gradient-norm clip over shards).
 
 Deviations from the paper / official code:
 1. Under FSDP2 gradient accumulation reduce-scatters every micro-batch (only DDP skips the sync until the last):

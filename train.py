@@ -16,7 +16,7 @@ same rollouts (loss.py).
     python train.py --help                             # every flag, with its meaning
 
 Multi-node: run the same command on every node (NODE_RANK 0..nnodes-1); out_dir must be on a filesystem all nodes
-share (rank 0 writes checkpoints, every rank reads them on --resume).
+share (every rank writes its shard of each checkpoint, and reads it back on --resume).
 
 One code path for 1..N processes: each rank rolls out its own share of the step's questions (all k trajectories of
 a question stay on one rank), and the only cross-rank quantities are sums: the valid-token count of each optimiser
