@@ -25,6 +25,7 @@ import torch
 
 import config
 import parallel
+import search
 import tools
 from policy import no_grad_sync, optimizer_step, tensorize, unwrap
 
@@ -38,7 +39,7 @@ EMBEDDED_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
 def cache_root(cfg) -> Path:
     """The cache of converted models, cold starts and the BM25 index: --cache_dir, else $AEPO_CACHE, else
     ~/.cache/aepo."""
-    return Path(cfg.cache_dir or os.environ.get("AEPO_CACHE") or Path.home() / ".cache" / "aepo")
+    return search.cache_dir(cfg.cache_dir)
 
 
 def embedded_gguf() -> Path:

@@ -134,12 +134,11 @@ def _sample_and_score(generator, tokenizer, rows, tools, n, per_call, judge, max
             max_response_tokens=max_response_tokens, seed=seed + start, progress=tick)
         bar.update(len(trajectories) - done[0])
         tree.update({key: v for key, v in stats.items() if key.startswith("tools/")})
-        rewards = [score_response(t.text, chunk[t.group_id]["golds"])["reward"] for t in trajectories]
-        shapes += trees.records(name, chunk, trajectories, stats["m_per_question"], rewards)
+        scored = [score_response(t.text, chunk[t.group_id]["golds"]) for t in trajectories]
+        shapes += trees.records(name, chunk, trajectories, stats["m_per_question"], [s["reward"] for s in scored])
         for g, row in enumerate(chunk):
             criterion, samples = _criterion(row, judge), []
-            for t in (t for t in trajectories if t.group_id == g):
-                s = score_response(t.text, row["golds"])
+            for t, s in ((t, s) for t, s in zip(trajectories, scored) if t.group_id == g):
                 if s["prediction"] is None:
                     correct = False
                 elif criterion == "judge":
@@ -323,11 +322,8 @@ def main(argv=None) -> list[dict]:
           f"{cfg.max_tool_calls}, search {cfg.search} {cfg.search_kw}", flush=True)
     if not cfg.run and (note := _training_note(cfg.model, cfg)):
         print(note, flush=True)
-    for path in [cfg.data] if isinstance(cfg.data, str) else cfg.data:   # every input checked before any output
-        if not Path(path).is_file():
-            raise UserError(f"--data {path}: file not found")
-    datasets = [(path, load_dataset(path, skip_bad=cfg.skip_bad)) for path in
-                ([cfg.data] if isinstance(cfg.data, str) else cfg.data)]
+    datasets = [(path, load_dataset(path, skip_bad=cfg.skip_bad))          # every input checked before any output
+                for path in ([cfg.data] if isinstance(cfg.data, str) else cfg.data)]
     judge = Judge.from_env(cfg.judge_url, cfg.judge_model, cfg.judge_api_key,
                            cfg.judge_cache or out / "judge_cache.json") if cfg.judge else None
     model, tokenizer = load_model(cfg.model, cfg.device, cfg.dtype)
