@@ -242,12 +242,16 @@ def test_ablation_switches_and_warmup_in_the_loop(setup, monkeypatch):  # noqa: 
     """--sg_clip false and --entropy_advantage false reach the update: the loss gets sg_clip=False and advantages
     equal to the group advantage A_j at every policy token (Ã = A); with --ppo_epochs 2 and a large learning rate the
     second pass clips, and no clipped gradient is kept (preserved = 0). Warm-up over 4 optimiser steps: the
-    optimiser steps at lr·1/4, 2/4, 3/4, then lr."""
+    optimiser steps at lr·1/4, 2/4, 3/4, then lr. --dynamic_budget false (ARPO) reaches the rollout: no pre-monitor
+    in any tree and m = k // 2 for every question."""
     monkeypatch.setattr(train.reward, "deep_research_reward", fake_reward)
     spy = Spy(monkeypatch)
     lr = 0.05
     run = Path(train.main(flags(setup, "ablations", sg_clip="false", entropy_advantage="false", warmup_steps=4,
-                                ppo_epochs=2, lr=lr))["run_dir"])
+                                ppo_epochs=2, lr=lr, dynamic_budget="false"))["run_dir"])
+    tree_records = rows_of(run, "trees.jsonl")
+    assert len(tree_records) == 2 * 2 and all(rec["m"] == 2 // 2 for rec in tree_records)
+    assert {t["kind"] for rec in tree_records for t in rec["trajectories"]} <= {"global", "branch", "completion"}
     assert spy.lrs == pytest.approx([lr / 4, lr / 2, 3 * lr / 4, lr, lr, lr, lr, lr], rel=1e-12)
     assert len(spy.losses) == 8 and not any(sg_clip for sg_clip, _, _ in spy.losses)
     per_step = [adv for _, _, adv in spy.groups]
@@ -316,9 +320,11 @@ class Crash(Exception):
 
 
 def test_crash_then_resume_trims_logs_and_prunes_checkpoints(setup, monkeypatch):  # noqa: F811 -- the fixture
-    """Step 2 is logged, then its checkpoint fails: the resume from step 1 drops step 2's lines from metrics.jsonl
-    and samples.jsonl before redoing it, and logs the same numbers again. --keep_checkpoints 1: once step 2 is saved,
-    step 1's checkpoint is deleted."""
+    """Step 2 is logged, then its checkpoint fails: the resume from step 1 drops step 2's lines from metrics.jsonl,
+    samples.jsonl and trees.jsonl before redoing it, and logs the same numbers again. The learning-rate warm-up
+    (--warmup_steps 8, 2 optimiser steps per step) goes on where it stopped: step 2 ends at lr·4/8 in both runs, not
+    at lr·2/8 as a restarted warm-up would. --keep_checkpoints 1: once step 2 is saved, step 1's checkpoint is
+    deleted."""
     monkeypatch.setattr(train.reward, "deep_research_reward", fake_reward)
     real_save = checkpoint.save
 
@@ -327,17 +333,21 @@ def test_crash_then_resume_trims_logs_and_prunes_checkpoints(setup, monkeypatch)
             raise Crash("the machine went away")
         return real_save(run_dir, step, *args, **kw)
     monkeypatch.setattr(checkpoint, "save", save)
+    lr = 1e-3
     with pytest.raises(Crash):
-        train.main(flags(setup, "crashed", keep_checkpoints=1))
+        train.main(flags(setup, "crashed", keep_checkpoints=1, warmup_steps=8, lr=lr))
     run = setup / "runs" / "crashed"
     crashed = rows_of(run, "metrics.jsonl")
     assert [m["step"] for m in crashed] == [1, 2]
+    assert [r["step"] for r in rows_of(run, "trees.jsonl")] == [1, 1, 2, 2]          # one record per question
     assert [p.name for p in checkpoint.checkpoint_dirs(run)] == ["step_000001"]
     monkeypatch.setattr(checkpoint, "save", real_save)
-    train.main(flags(setup, "crashed", keep_checkpoints=1, resume="true"))
+    train.main(flags(setup, "crashed", keep_checkpoints=1, warmup_steps=8, lr=lr, resume="true"))
     resumed = rows_of(run, "metrics.jsonl")
     assert [m["step"] for m in resumed] == [1, 2]
     assert [s["step"] for s in rows_of(run, "samples.jsonl")] == [1, 1, 2, 2]
+    assert [r["step"] for r in rows_of(run, "trees.jsonl")] == [1, 1, 2, 2]
+    assert [m["lr"] for m in crashed] == [m["lr"] for m in resumed] == pytest.approx([lr * 2 / 8, lr * 4 / 8])
     for key in ("reward", "pg_loss", "grad_norm", "entropy", "resp_len"):
         assert resumed[1][key] == pytest.approx(crashed[1][key], rel=1e-6, abs=1e-9), key
     assert [p.name for p in checkpoint.checkpoint_dirs(run)] == ["step_000002"]
