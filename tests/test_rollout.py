@@ -305,12 +305,18 @@ def test_same_seed_same_tree_other_seed_other_tree():
 
 
 def test_tool_call_limit_and_token_budget():
+    """A policy that would call a tool 50 times: exactly max_tool_calls = 3 calls of each trajectory reach the tool
+    runner, every later call gets the limit notice instead; a response budget ends every trajectory."""
     gen = ScriptedGenerator(n_tools=50, entropy=lambda s: 1.0)
-    trajs, stats = run(n_q=1, k=2, gen=gen, entropy_branching=False, max_tool_calls=3,
-                       max_response_tokens=100_000)
-    t = trajs[0]
-    assert "tool-call limit (3) reached" in t.text
-    assert stats["tool_limit_hits"] > 0
+    runner = EchoTools()
+    trajs, stats = tree_rollout(prompts(1), gen, runner, TOK, k=2, seed=0, entropy_branching=False, max_tool_calls=3,
+                                max_response_tokens=100_000)
+    executed = [c for calls in runner.rounds for c in calls if isinstance(c, tools.ToolCall)]
+    assert len(executed) == 2 * 3
+    for t in trajs:
+        assert [tool for tool, _ in t.tool_calls] == ["search"] * 3 + ["error"] * 47
+        assert t.text.count("doc about") == 3 and t.text.count("tool-call limit (3) reached") == 47
+    assert stats["tool_limit_hits"] == 2 * 47
     trajs, stats = run(n_q=1, k=2, gen=gen, entropy_branching=False, max_response_tokens=300)
     assert all(t.truncated and t.finish_reason == "length" and len(t.response_ids) <= 300 for t in trajs)
     assert stats["truncated_frac"] == 1.0

@@ -1,6 +1,7 @@
 """trees.py and bench/branch_concentration.py: a step's tree records round-trip (every trajectory of every question,
-valid parents, exactly k each, the spans and entropies of the segments), a run writes all ranks' questions and the
-last step's drawing, the renderer draws a k = 16 tree, and the simulation's numbers are exact for a fixed seed."""
+each branch's direct parent, branches of branches included, exactly k each, the spans and entropies of the segments),
+a run writes all ranks' questions and the last step's drawing, the renderer draws a k = 16 tree, and the simulation's
+numbers are exact for a fixed seed."""
 import json
 import sys
 from pathlib import Path
@@ -35,7 +36,8 @@ def test_records_round_trip(k16, tmp_path):
     trees.append(tmp_path / "trees.jsonl", recs)
     back = trees.load(tmp_path / "trees.jsonl")
     assert back == json.loads(json.dumps(recs))
-    assert sum(t.parent is not None for t in trajs) > 0                    # the fixture has branches
+    by_id = {(t.group_id, t.traj_id): t for t in trajs}
+    assert any(t.parent is not None and by_id[t.group_id, t.parent].parent is not None for t in trajs)  # nested
     for rec, m in zip(back, stats["m_per_question"]):
         ids = [t["id"] for t in rec["trajectories"]]
         assert rec["k"] == 16 and sorted(ids) == list(range(16)) and rec["m"] == m
@@ -49,6 +51,7 @@ def test_records_round_trip(k16, tmp_path):
         assert rec["h_seg"] == pytest.approx(t.seg_entropies, abs=1e-4)
         assert rec["tools"] == [[tool, arg[:60]] for tool, arg in t.tool_calls]
         assert (rec["fork"], rec["length"], rec["finish"]) == (t.fork_offset, len(t.response_ids), t.finish_reason)
+        assert (rec["parent"], rec["kind"], rec["round"], rec["l"]) == (t.parent, t.kind, t.round, t.l)  # direct parent
 
 
 def test_a_run_records_every_ranks_questions_and_draws_the_last_step(setup):  # noqa: F811 -- the fixture
