@@ -360,13 +360,17 @@ def test_crash_then_resume_trims_logs_and_prunes_checkpoints(setup, monkeypatch)
 def _ddp_worker(rank, world, argv, model_dir, out):
     from transformers import AutoTokenizer
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
-    train.reward.deep_research_reward = fake_reward
-    record = {"questions": [], "params": []}
-    real_rollout, real_step = train.rollout.tree_rollout, train.optimizer_step
+    generation.TransformersGenerator = AnswerAtOnce             # the real reward: right, then wrong, per question
+    record = {"questions": [], "params": [], "rewards": []}
+    real_rollout, real_step, real_adv = train.rollout.tree_rollout, train.optimizer_step, advantage.group_advantages
 
     def tree_rollout(prompts, *args, **kw):
         record["questions"].append([next(q for q in GOLD if q in tokenizer.decode(p)) for p in prompts])
         return real_rollout(prompts, *args, **kw)
+
+    def group_advantages(rewards, group_ids):
+        record["rewards"].append(rewards.tolist())
+        return real_adv(rewards, group_ids)
 
     def optimizer_step(policy, optimizer, grad_clip):
         norm = real_step(policy, optimizer, grad_clip)
@@ -374,25 +378,28 @@ def _ddp_worker(rank, world, argv, model_dir, out):
                                  for name, p in policy_mod.unwrap(policy).lm.named_parameters()})
         return norm
     train.rollout.tree_rollout, train.optimizer_step = tree_rollout, optimizer_step
+    advantage.group_advantages = group_advantages
     train.main(argv)
     Path(f"{out}.{rank}").write_text(json.dumps(record))
 
 
 def test_ddp_two_processes(setup, tmp_path):  # noqa: F811 -- the fixture
     """--parallel ddp on 2 gloo ranks, 2 steps, 2 micro-batches per rank (the first without gradient sync): each
-    rank rolls out its own question (4 different ones over the 2 steps: one epoch's worth, no repeats), and after
-    every optimiser step both replicas hold identical weights, which the update did change; the checkpoint holds
-    them."""
+    rank rolls out its own question (4 different ones over the 2 steps: one epoch's worth, no repeats) and scores it
+    with the real reward against that question's golds (AnswerAtOnce: rewards (1, 0) on every rank; against another
+    rank's question they would be (0, 0)); after every optimiser step both replicas hold identical weights, which
+    the update did change; the checkpoint holds them."""
     out = tmp_path / "record"
-    spawn(_ddp_worker, flags(setup, "ddp", parallel="ddp", mini_batch_size=2, micro_batch_size=1),
-          str(setup / "tiny"), str(out))
+    spawn(_ddp_worker, flags(setup, "ddp", parallel="ddp", mini_batch_size=2, micro_batch_size=1,
+                             entropy_branching="false", max_response_tokens=64), str(setup / "tiny"), str(out))
     ranks = [json.loads(Path(f"{out}.{r}").read_text()) for r in (0, 1)]
     assert [[len(q) for q in r["questions"]] for r in ranks] == [[1, 1], [1, 1]]
     assert len({q for r in ranks for qs in r["questions"] for q in qs}) == 4
+    assert [r["rewards"] for r in ranks] == [[[1.0, 0.0], [1.0, 0.0]]] * 2
     assert len(ranks[0]["params"]) == 2 and ranks[0]["params"] == ranks[1]["params"]
     assert ranks[0]["params"][0] != ranks[0]["params"][1]
     run = setup / "runs" / "ddp"
-    assert [m["trajectories"] for m in rows_of(run, "metrics.jsonl")] == [4, 4]
+    assert [(m["trajectories"], m["reward"], m["acc"]) for m in rows_of(run, "metrics.jsonl")] == [(4, 0.5, 0.5)] * 2
     saved = weights(run / "checkpoints" / "step_000002")
     for name, total in ranks[0]["params"][-1].items():
         assert saved[name].double().sum().item() == total, name
