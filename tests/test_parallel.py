@@ -1,6 +1,7 @@
-"""Several processes (2 gloo ranks on the CPU): the sharded model loads exactly the checkpoint, an FSDP2 run resumes
-exactly from its sharded checkpoint (each rank writing its own shard), evaluation split over ranks equals one
-process's, and checkpoints survive a crash mid-write; `--save_trainer_state false` keeps only the export."""
+"""Several processes (2 gloo ranks on the CPU): the sharded model loads exactly the checkpoint (and recomputes its
+layers in backward with gradient checkpointing), an FSDP2 run resumes exactly from its sharded checkpoint (each rank
+writing its own shard), evaluation split over ranks equals one process's, and checkpoints survive a crash mid-write;
+`--save_trainer_state false` keeps only the export."""
 import json
 import os
 import re
@@ -35,6 +36,23 @@ def _entry(rank, world, port, fn, args):
 # Loading a sharded model
 
 
+def forward_backward(policy) -> dict:
+    """One forward + backward in train mode on a fixed batch: the decoder-layer MLP forwards it ran (each layer once,
+    twice when recomputed in backward), whether the LM reports activation checkpointing, the full gradients."""
+    lm = policy.lm
+    flag = lm.is_activation_checkpointing if hasattr(lm, "is_activation_checkpointing") else \
+        lm.is_gradient_checkpointing                              # transformers 5 / 4.x
+    calls = []
+    for layer in lm.model.layers:
+        layer.mlp.register_forward_pre_hook(lambda module, args: calls.append(1))
+    ids = torch.randint(100, 5000, (2, 12), generator=torch.Generator().manual_seed(0))
+    lm.train()
+    logp, _ = policy(ids, torch.ones_like(ids), torch.ones(2, 11))
+    (-logp.sum()).backward()
+    grads = {name: p.grad.full_tensor().clone() for name, p in policy.named_parameters()}
+    return {"checkpointing": flag, "mlp_forwards": len(calls), "grads": grads}
+
+
 def _load_worker(rank, world, model_dir, out):
     torch.distributed.init_process_group("gloo")
     try:
@@ -42,7 +60,11 @@ def _load_worker(rank, world, model_dir, out):
         local = {name: p.to_local().numel() for name, p in policy.named_parameters()}
         full = {name: t.clone() for name, t in policy_mod.full_named_parameters(policy)}
         buffers = {name: b.clone() for name, b in policy.lm.named_buffers()}
-        torch.save({"local": local, "full": full, "buffers": buffers}, f"{out}.{rank}")
+        plain = forward_backward(policy)
+        recomputed = forward_backward(policy_mod.load_policy(model_dir, world, torch.device("cpu"), "fsdp", rank=rank,
+                                                             gradient_checkpointing=True))
+        torch.save({"local": local, "full": full, "buffers": buffers, "plain": plain, "recomputed": recomputed},
+                   f"{out}.{rank}")
         torch.distributed.barrier()
     finally:
         torch.distributed.destroy_process_group()
@@ -50,7 +72,9 @@ def _load_worker(rank, world, model_dir, out):
 
 def test_fsdp_loading_equals_the_checkpoint(tokenizer, tmp_path):
     """A bf16 checkpoint, loaded sharded on 2 ranks: float32 parameters equal to the checkpoint's, each rank holding
-    half of each parameter, rotary buffers as a plain load computes them."""
+    half of each parameter, rotary buffers as a plain load computes them. Loaded with gradient_checkpointing=True
+    the sharded model reports activation checkpointing and really recomputes both decoder layers in backward
+    (4 MLP forwards instead of 2), with the same gradient."""
     from transformers import AutoModelForCausalLM
     model = make_tiny_model(tokenizer, seed=3).to(torch.bfloat16)
     model.save_pretrained(tmp_path / "m")
@@ -59,6 +83,12 @@ def test_fsdp_loading_equals_the_checkpoint(tokenizer, tmp_path):
     ref_params = dict(ref.named_parameters())
     for rank in (0, 1):
         got = torch.load(f"{tmp_path / 'out'}.{rank}")
+        plain, recomputed = got["plain"], got["recomputed"]
+        assert (plain["checkpointing"], recomputed["checkpointing"]) == (False, True)
+        assert (plain["mlp_forwards"], recomputed["mlp_forwards"]) == (2, 4)
+        assert any(g.abs().sum() > 0 for g in plain["grads"].values())
+        for name, g in plain["grads"].items():
+            torch.testing.assert_close(recomputed["grads"][name], g, atol=1e-6, rtol=1e-5, msg=name)
         assert set(got["full"]) == set(ref_params)
         for name, p in ref_params.items():
             assert got["full"][name].dtype == torch.float32
