@@ -1,18 +1,20 @@
 """The CUDA paths on a GPU: the chunked log-prob/entropy function (values and gradients against the direct
 reference, float32 and bfloat16), the policy under bf16 autocast, the collectives on an nccl process group, a
-checkpoint round trip of a GPU policy and its AdamW state, and transformers generation on the GPU.
+checkpoint round trip of a GPU policy, its AdamW state and the RNG states, and transformers generation on the GPU.
 
 No weights and no downloaded tokenizer: tiny Llama / Qwen3 models with random weights and a byte-level BPE trained
-offline on the project's text (bench/gpu_check.py:build_tokenizer). Skipped without CUDA;
-`AEPO_TEST_DEVICE=cpu python -m pytest tests/test_cuda.py` runs them on the CPU (gloo instead of nccl) to check
-the tests themselves.
+offline on the project's text (bench/gpu_check.py:build_tokenizer). Skipped without CUDA, except the checkpoint
+round trip's CPU case, which runs in the default suite; `AEPO_TEST_DEVICE=cpu python -m pytest tests/test_cuda.py`
+runs them all on the CPU (gloo instead of nccl) to check the tests themselves.
 """
 import math
 import os
+import random
 import socket
 import sys
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 import torch.multiprocessing as mp
@@ -28,8 +30,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "bench"))
 import gpu_check  # noqa: E402
 
 DEVICE = os.environ.get("AEPO_TEST_DEVICE", "cuda")
-pytestmark = pytest.mark.skipif(DEVICE == "cuda" and not torch.cuda.is_available(),
-                                reason="needs a CUDA GPU (AEPO_TEST_DEVICE=cpu runs these tests on the CPU)")
+needs_device = pytest.mark.skipif(DEVICE == "cuda" and not torch.cuda.is_available(),
+                                  reason="needs a CUDA GPU (AEPO_TEST_DEVICE=cpu runs these tests on the CPU)")
 QUESTIONS = ["Who wrote Hamlet?", "What is the capital of Zhejiang Province, China?", "Why?",
              "Which mountain range is in the United States, and how high is its highest peak?", "Name a river."]
 
@@ -39,16 +41,16 @@ def small_tokenizer():
     return gpu_check.build_tokenizer(vocab_size=1024)        # "</answer>" is 3 tokens at this size
 
 
-def tiny_lm(arch: str, vocab: int, seed: int = 0, **overrides):
+def tiny_lm(arch: str, vocab: int, seed: int = 0, device: str = DEVICE, **overrides):
     from transformers import LlamaConfig, LlamaForCausalLM, Qwen3Config, Qwen3ForCausalLM
     config_cls, model_cls = {"llama": (LlamaConfig, LlamaForCausalLM), "qwen3": (Qwen3Config, Qwen3ForCausalLM)}[arch]
     shape = dict(vocab_size=vocab, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
                  num_key_value_heads=2, head_dim=16, max_position_embeddings=1024, tie_word_embeddings=True)
     torch.manual_seed(seed)
-    return model_cls(config_cls(**{**shape, **overrides})).to(DEVICE).eval()
+    return model_cls(config_cls(**{**shape, **overrides})).to(device).eval()
 
 
-def batch(vocab: int, seed: int = 1):
+def batch(vocab: int, seed: int = 1, device: str = DEVICE):
     """input_ids (3, 40), attention_mask with one right-padded row (as the trainer pads), mask (3, 39)."""
     gen = torch.Generator().manual_seed(seed)
     ids = torch.randint(0, vocab, (3, 40), generator=gen)
@@ -57,13 +59,14 @@ def batch(vocab: int, seed: int = 1):
     mask = torch.zeros(3, 39)
     mask[:, 10:] = 1
     mask[1, 29:] = 0
-    return ids.to(DEVICE), attn.to(DEVICE), mask.to(DEVICE)
+    return ids.to(device), attn.to(device), mask.to(device)
 
 
 # ---------------------------------------------------------------------------------------------------------------------
 # loss.logprobs_and_entropy
 
 
+@needs_device
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_chunked_logprobs_and_entropy_match_the_direct_reference(dtype):
     torch.manual_seed(0)
@@ -113,6 +116,7 @@ def _forward_backward(policy, ids, attn, mask, bf16: bool):
     return logp.detach(), entropy.detach(), torch.cat([p.grad.flatten() for p in policy.parameters()])
 
 
+@needs_device
 @pytest.mark.parametrize("arch", ["llama", "qwen3"])
 def test_policy_under_bf16_autocast_is_float32_finite_and_close_to_float32(arch):
     vocab = 300
@@ -160,6 +164,7 @@ def _collectives_worker(rank, port, out):
     torch.save(result, out)
 
 
+@needs_device
 def test_collectives_on_a_one_rank_process_group(tmp_path):
     mp.start_processes(_collectives_worker, args=(free_port(), tmp_path / "out.pt"), nprocs=1, start_method="spawn")
     got = torch.load(tmp_path / "out.pt")
@@ -175,37 +180,60 @@ def test_collectives_on_a_one_rank_process_group(tmp_path):
 # checkpoint: save + load of a device policy and its AdamW state
 
 
-def _adamw_step(policy, optimizer, vocab):
-    ids, attn, mask = batch(vocab)
+def _adamw_step(policy, optimizer, vocab, device):
+    ids, attn, mask = batch(vocab, device=device)
     logp, _ = policy(ids, attn, mask)
     (-(logp * mask).sum() / mask.sum()).backward()
     optimizer.step()
     optimizer.zero_grad(set_to_none=True)
 
 
-def test_checkpoint_round_trip_restores_weights_adamw_state_and_rng(tmp_path, small_tokenizer):
+def rng_states(device: str) -> dict:
+    """The python, numpy and torch RNG states (and the GPU's), read with their own libraries' getters."""
+    states = {"python": random.getstate(), "numpy": np.random.get_state(), "torch": torch.get_rng_state()}
+    if device == "cuda":
+        states["cuda"] = torch.cuda.get_rng_state()
+    return states
+
+
+def assert_same_rng_states(a: dict, b: dict) -> None:
+    assert a.keys() == b.keys()
+    assert a["python"] == b["python"], "python"
+    assert a["numpy"][0] == b["numpy"][0] and all(np.array_equal(x, y) for x, y in zip(a["numpy"][1:], b["numpy"][1:]))
+    for key in ("torch", "cuda"):
+        assert key not in a or torch.equal(a[key], b[key]), key
+
+
+@pytest.mark.parametrize("device", ["cpu"] + ([pytest.param(DEVICE, marks=needs_device)] if DEVICE != "cpu" else []))
+def test_checkpoint_round_trip_restores_weights_adamw_state_and_rng(tmp_path, small_tokenizer, device):
+    """Save a policy after one AdamW step, move every RNG on, load into a fresh policy: the weights, the AdamW state
+    and the python / numpy / torch RNG states are those saved, on the device; the export equals the weights."""
     from transformers import AutoModelForCausalLM
     vocab = len(small_tokenizer)
-    policy = policy_mod.Policy(tiny_lm("qwen3", vocab, seed=0))
+    policy = policy_mod.Policy(tiny_lm("qwen3", vocab, seed=0, device=device))
     optimizer = torch.optim.AdamW(policy.parameters(), lr=1e-2)
-    _adamw_step(policy, optimizer, vocab)
+    _adamw_step(policy, optimizer, vocab, device)
+    saved_rngs = rng_states(device)
     ckpt = checkpoint.save(tmp_path / "run", 1, policy, optimizer, small_tokenizer, rank=0, keep=1,
                            config_yaml="k: 8\n", info="{}", data_position=4)
-    expected_draw = torch.rand(4, device=DEVICE)               # the first draw after the saved RNG state
+    expected_draw = torch.rand(4, device=device)               # the first draw after the saved RNG state
+    random.random()                                             # every RNG moves on before the load
+    np.random.rand()
 
-    fresh = policy_mod.Policy(tiny_lm("qwen3", vocab, seed=1))
+    fresh = policy_mod.Policy(tiny_lm("qwen3", vocab, seed=1, device=device))
     fresh_optimizer = torch.optim.AdamW(fresh.parameters(), lr=1e-2)
     assert not torch.equal(fresh.lm.model.norm.weight, policy.lm.model.norm.weight)
     assert checkpoint.load(ckpt, fresh, fresh_optimizer, rank=0) == 1
-    assert torch.equal(torch.rand(4, device=DEVICE), expected_draw)
+    assert_same_rng_states(rng_states(device), saved_rngs)
+    assert torch.equal(torch.rand(4, device=device), expected_draw)
     for (name, a), (_, b) in zip(policy.named_parameters(), fresh.named_parameters(), strict=True):
-        assert b.device.type == DEVICE and torch.equal(a, b), name
+        assert b.device.type == device and torch.equal(a, b), name
     saved, loaded = optimizer.state_dict(), fresh_optimizer.state_dict()
     assert saved["state"].keys() == loaded["state"].keys() and len(saved["state"]) == len(list(policy.parameters()))
     for index, state in saved["state"].items():
         for key in ("step", "exp_avg", "exp_avg_sq"):
             assert torch.equal(state[key].cpu(), loaded["state"][index][key].cpu()), (index, key)
-        assert loaded["state"][index]["exp_avg"].device.type == DEVICE
+        assert loaded["state"][index]["exp_avg"].device.type == device
     exported = AutoModelForCausalLM.from_pretrained(ckpt, dtype=torch.float32)
     for name, p in exported.named_parameters():
         assert torch.equal(p, dict(policy.lm.named_parameters())[name].cpu()), name
@@ -228,6 +256,7 @@ def generator_for(tokenizer, bias_to: list[int] | None = None):
     return generation.TransformersGenerator(lm, tokenizer, batch_size=3)    # 5 contexts: two generate calls
 
 
+@needs_device
 @pytest.mark.parametrize("bf16", [False, True])
 def test_transformers_generator_budgets_finish_reasons_and_seeds(small_tokenizer, bf16):
     generator = generator_for(small_tokenizer)
@@ -246,6 +275,7 @@ def test_transformers_generator_budgets_finish_reasons_and_seeds(small_tokenizer
         assert math.isfinite(segment.h_seg) and segment.h_seg > 0
 
 
+@needs_device
 def test_transformers_generator_cuts_at_the_answer_tag_and_at_eos(small_tokenizer):
     contexts = [tools.build_prompt(small_tokenizer, q) for q in QUESTIONS]
     answer_ids = small_tokenizer.encode("</answer>", add_special_tokens=False)
