@@ -2,10 +2,12 @@
 
 Every test here fails if its path were skipped or wrong: the real deep-research reward scored against each question's
 own golds, one optimiser step moving log-probs the way the advantages say, activation checkpointing recomputing in
-backward, the ablation switches and the learning-rate warm-up reaching the update, periodic evaluation, prompts over
-max_prompt_tokens dropped, demonstrations read from --cold_start_data, checkpoint pruning and the log trimming of a
-resume after a crash, DDP on two processes, the data order, and the vLLM per-step cycle. The helpers (`setup`,
-`flags`, `fake_reward`) come from tests/test_train.py; each run is 2 steps of 2 questions × k = 2."""
+backward, the ablation switches and the learning-rate warm-up reaching the update, the KL to the reference reaching
+the gradient, periodic evaluation, prompts over max_prompt_tokens dropped, demonstrations read from
+--cold_start_data, checkpoint pruning and the log trimming of a resume after a crash, DDP on two processes (each rank
+scoring its own questions), the data order, and the vLLM per-step cycle. The helpers (`setup`, `flags`,
+`fake_reward`) come from tests/test_train.py; each run is 2 steps of 2 questions × k = 2 unless a test says
+otherwise."""
 import json
 import sys
 from pathlib import Path
@@ -38,11 +40,12 @@ class Spy:
     """Records what the loop hands to the algorithm; every wrapper calls the real function.
 
     losses: (sg_clip, advantages (b, T), mask (b, T)) per loss.policy_loss call; groups: (rewards, group ids, A) per
-    advantage.group_advantages call; lrs: the learning rate at each optimiser step; backwards: backward passes;
+    advantage.group_advantages call; lrs, grads: the learning rate and the whole gradient (flattened, before
+    clipping) at each optimiser step; backwards: backward passes;
     recomputed: decoder-layer MLP forwards run inside a backward pass (activation checkpointing)."""
 
     def __init__(self, monkeypatch):
-        self.losses, self.groups, self.lrs = [], [], []
+        self.losses, self.groups, self.lrs, self.grads = [], [], [], []
         self.backwards = self.recomputed = 0
         self.in_backward = False
         real_loss, real_adv = loss.policy_loss, advantage.group_advantages
@@ -59,6 +62,7 @@ class Spy:
 
         def optimizer_step(policy, optimizer, grad_clip):
             self.lrs.append(optimizer.param_groups[0]["lr"])
+            self.grads.append(torch.cat([p.grad.flatten() for p in policy.parameters() if p.grad is not None]))
             return real_step(policy, optimizer, grad_clip)
 
         def load_policy(*args, **kw):
@@ -262,6 +266,25 @@ def test_ablation_switches_and_warmup_in_the_loop(setup, monkeypatch):  # noqa: 
     metrics = rows_of(run, "metrics.jsonl")
     assert sum(m["clip_hi"] + m["clip_lo"] for m in metrics) > 0 and all(m["preserved"] == 0 for m in metrics)
     assert [m["lr"] for m in metrics] == pytest.approx([lr, lr])
+
+
+def test_kl_coef_adds_the_reference_kl_to_the_gradient(setup, monkeypatch):  # noqa: F811 -- the fixture
+    """--kl_coef 4 against --kl_coef 0, 2 optimiser steps on the same rollout (--ppo_epochs 2, one mini-batch): the
+    first step starts at the reference (the KL k3 = e^d − d − 1 has zero gradient at d = 0), so both runs take the
+    same gradient; at the second the policy has moved away and the KL term changes the gradient by over 10 % of its
+    norm. kl_ref is logged (> 0) only with a reference."""
+    monkeypatch.setattr(train.reward, "deep_research_reward", fake_reward)
+    grads, groups, kl_ref = {}, {}, {}
+    for kl_coef in (0.0, 4.0):
+        spy = Spy(monkeypatch)
+        run = Path(train.main(flags(setup, f"kl_{kl_coef:g}", kl_coef=kl_coef, steps=1, ppo_epochs=2,
+                                    mini_batch_size=2, micro_batch_size=4))["run_dir"])
+        grads[kl_coef], groups[kl_coef] = list(spy.grads), list(spy.groups)
+        kl_ref[kl_coef] = rows_of(run, "metrics.jsonl")[0]["kl_ref"]
+    assert groups[0.0] == groups[4.0] and len(grads[0.0]) == len(grads[4.0]) == 2     # the same rollout
+    torch.testing.assert_close(grads[4.0][0], grads[0.0][0], atol=1e-7, rtol=1e-5)
+    assert (grads[4.0][1] - grads[0.0][1]).norm() > 0.1 * grads[0.0][1].norm()
+    assert kl_ref[0.0] == 0.0 and kl_ref[4.0] > 0
 
 
 # ---------------------------------------------------------------------------------------------------------------------
