@@ -19,6 +19,8 @@ import json
 import os
 import random
 import shutil
+import urllib.error
+import urllib.request
 from pathlib import Path
 
 import torch
@@ -84,23 +86,45 @@ def embedded_model_dir(cache: Path) -> Path:
 
 
 def resolve_model(cfg) -> str:
-    """A loadable model path or hub id: the embedded model (converted once), a local model directory, or a hub id
-    when the hub is reachable. A path that is not a model is a UserError naming it."""
+    """A loadable model path: the embedded model (converted once), or model_source(--model)."""
     if cfg.model == "embedded":
         return str(embedded_model_dir(cache_root(cfg)))
-    path = Path(cfg.model).expanduser()
+    return model_source(cfg.model)
+
+
+def model_source(name: str, flag: str = "--model") -> str:
+    """A local transformers model directory, or a hub id's cached snapshot, or the hub id itself when the hub answers.
+    Everything else is a UserError in one line, before any download is tried: a directory without config.json, a
+    path that does not exist, a hub id that is not cached while the hub is offline (HF_HUB_OFFLINE=1) or unreachable
+    (checked with one 5 s request instead of the hub client's retries)."""
+    path = Path(name).expanduser()
     if path.is_dir():
         if not (path / "config.json").is_file():
-            hint = " (a run's models are in runs/<name>/checkpoints/step_NNNNNN)" if (path / "checkpoints").is_dir() \
-                else ""
-            raise config.UserError(f"--model {cfg.model}: no config.json there, so not a transformers model "
-                                   f"directory{hint}")
+            hint = " (a run's models are in runs/<name>/checkpoints/step_NNNNNN, or use eval.py --run runs/<name>)" \
+                if (path / "checkpoints").is_dir() else ""
+            raise config.UserError(f"{flag} {name}: no config.json there, so not a transformers model directory{hint}")
         return str(path)
-    offline = os.environ.get("HF_HUB_OFFLINE", "0").lower() in ("1", "true", "yes")
-    if path.exists() or offline or cfg.model.startswith((".", "/", "~")):
-        raise config.UserError(f"--model {cfg.model}: not a local model directory"
-                               + (" and the hub is offline (HF_HUB_OFFLINE=1)" if offline else ""))
-    return cfg.model
+    if path.exists() or name.startswith((".", "/", "~")) or name.count("/") > 1:
+        raise config.UserError(f"{flag} {name}: not a local model directory")
+    from huggingface_hub import snapshot_download
+    try:
+        return snapshot_download(name, local_files_only=True)      # already downloaded: no network needed
+    except (OSError, ValueError):
+        pass
+    if os.environ.get("HF_HUB_OFFLINE", "0").lower() in ("1", "true", "yes"):
+        raise config.UserError(f"{flag} {name}: not a local model directory, not in the Hugging Face cache, and the hub "
+                               "is offline (HF_HUB_OFFLINE=1)")
+    endpoint = os.environ.get("HF_ENDPOINT", "https://huggingface.co")
+    try:
+        urllib.request.urlopen(endpoint, timeout=5).close()
+    except urllib.error.HTTPError:
+        pass                                     # the hub answered (with an error page): it is reachable
+    except (urllib.error.URLError, OSError) as err:
+        reason = getattr(err, "reason", err)
+        raise config.UserError(f"{flag} {name}: not a local model directory, not in the Hugging Face cache, and the hub "
+                               f"({endpoint}) is unreachable ({reason}): download the model first, or give a local "
+                               "directory") from None
+    return name
 
 
 # ---------------------------------------------------------------------------------------------------------------------

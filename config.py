@@ -17,7 +17,9 @@ import copy
 import dataclasses
 import datetime
 import importlib.metadata
+import importlib.util
 import os
+import signal
 import subprocess
 import sys
 import typing
@@ -114,8 +116,8 @@ class Config:
     save_trainer_state: bool = arg(True, "checkpoints also hold the sharded float32 model and AdamW state (12 B per "
                                          "parameter) for an exact --resume; false: only the exported model")
     log_samples: int = arg(2, "trajectories per step written to samples.jsonl (rank 0)")
-    tensorboard: bool = arg(False, "also log to TensorBoard (<run>/tb)")
-    wandb: bool = arg(False, "also log to Weights & Biases")
+    tensorboard: bool = arg(False, "also log to TensorBoard (<run>/tb; needs: pip install tensorboard)")
+    wandb: bool = arg(False, "also log to Weights & Biases (needs: pip install wandb, and wandb login)")
     wandb_project: str = arg("aepo", "Weights & Biases project")
     seed: int = arg(0, "random seed (data order, rollouts)")
     cache_dir: str = arg("", "cache for the converted model, cold starts and the BM25 index ('' = $AEPO_CACHE or "
@@ -133,12 +135,17 @@ class RunFailure(UserError):
     exit_code = 1
 
 
+class Interrupted(UserError):
+    """Ctrl-C (SIGINT) or SIGTERM: one line saying what was kept and how to continue, exit code 130."""
+    exit_code = 130
+
+
 def build_parser(cls=None, prog: str = "train.py", description: str = "AEPO training (arXiv:2510.14545)"):
     """A parser with one flag per field of the dataclass `cls` (default Config), its help from the field's
     metadata; `--config FILE.yaml` fills any of them, and boolean flags also take their bare form (`--resume`)."""
     from jsonargparse import ActionConfigFile, ArgumentParser
     cls = cls or Config
-    parser = ArgumentParser(prog=prog, description=description, exit_on_error=False)
+    parser = ArgumentParser(prog=prog, description=description, exit_on_error=False, allow_abbrev=False)
     parser.add_argument("--config", action=ActionConfigFile, help="YAML file of flags (later flags override it)")
     types = typing.get_type_hints(cls)
     for f in dataclasses.fields(cls):
@@ -158,9 +165,14 @@ def parse_args(parser, argv, prog: str) -> dict:
         raise UserError(f"{message} (python {prog} --help lists every flag)") from None
 
 
-def parse_config(argv=None) -> Config:
-    """Config from flags / YAML. Unknown flags or keys and inconsistent sizes are UserErrors, before any compute."""
-    ns = parse_args(build_parser(), argv, "train.py")
+def parse_config(argv=None, defaults: dict | None = None) -> Config:
+    """Config from flags / YAML. Unknown flags or keys and inconsistent sizes are UserErrors, before any compute.
+    defaults: settings that replace the Config defaults (a resumed run's own), still overridden by the flags."""
+    parser = build_parser()
+    if defaults:
+        fields = {f.name for f in dataclasses.fields(Config)} - {"resume", "run_name", "out_dir"}
+        parser.set_defaults(**{key: value for key, value in defaults.items() if key in fields})
+    ns = parse_args(parser, argv, "train.py")
     cfg = Config(**{f.name: ns[f.name] for f in dataclasses.fields(Config)})
     checks = [
         (cfg.questions_per_step % cfg.mini_batch_size == 0,
@@ -174,6 +186,10 @@ def parse_config(argv=None) -> Config:
         (cfg.python_isolation in ("auto", "strict"), f"--python_isolation must be auto or strict, got "
                                                      f"{cfg.python_isolation!r}"),
         (cfg.steps > 0 or cfg.epochs > 0, "give --steps > 0 or --epochs > 0"),
+        (not cfg.tensorboard or importlib.util.find_spec("tensorboard") is not None,
+         "--tensorboard needs the tensorboard package: pip install tensorboard (or leave --tensorboard false)"),
+        (not cfg.wandb or importlib.util.find_spec("wandb") is not None,
+         "--wandb needs the wandb package: pip install wandb (or leave --wandb false)"),
     ]
     for ok, message in checks:
         if not ok:
@@ -201,22 +217,83 @@ def fit_world(cfg: Config, world: int) -> tuple[Config, str]:
 
 
 def check_files(cfg: Config) -> None:
-    """The data files exist (their rows are checked when they are read, still before the run folder exists)."""
+    """The data files exist (their rows are checked when they are read, still before the run folder exists) and
+    --out_dir can be written."""
     for path, what in ((cfg.train_data, "train_data"), (cfg.eval_data, "eval_data"),
                        (cfg.cold_start_data, "cold_start_data")):
         if path and not Path(path).is_file():
             raise UserError(f"--{what} {path}: file not found")
+    check_writable(cfg.out_dir, "out_dir")
+
+
+def check_writable(directory: str, flag: str) -> None:
+    """`directory` can be created and written, creating nothing: its nearest existing ancestor must be a directory
+    that takes a file (a probe file, removed at once)."""
+    import tempfile
+    path = Path(directory).expanduser().absolute()
+    existing = next(p for p in (path, *path.parents) if p.exists())
+    if not existing.is_dir():
+        raise UserError(f"--{flag} {directory}: {existing} is a file, not a directory")
+    try:
+        with tempfile.TemporaryFile(dir=existing):
+            pass
+    except OSError as err:
+        raise UserError(f"--{flag} {directory}: cannot write in {existing} ({err.strerror or err})") from None
 
 
 def run_cli(main, argv=None) -> int:
-    """Run a command's main(argv): a UserError becomes one line on stderr (rank 0 only) and its exit code."""
+    """Run a command's main(argv) and return its exit code: a UserError becomes one line `error: ...` on stderr (rank
+    0 only); Ctrl-C or SIGTERM one line `interrupted: ...` (what was kept, how to continue; main raises Interrupted
+    with it) and code 130. A process that lost its peers (another rank stopped) says so in one line. With a process
+    group the process then ends at once (os._exit): a collective or a tool call in flight would otherwise hold it."""
+    stop = {"signal": None}
+
+    def on_signal(signum, frame):                # the first SIGINT/SIGTERM interrupts, later ones only count
+        first = stop["signal"] is None
+        stop["signal"] = signum
+        if first:
+            raise KeyboardInterrupt
+
+    previous = {sig: signal.signal(sig, on_signal) for sig in (signal.SIGINT, signal.SIGTERM)}
+    rank = os.environ.get("RANK", "0")
+    code = 0
     try:
         main(argv)
+    except Interrupted as err:
+        stop["signal"] = stop["signal"] or signal.SIGINT
+        code = _say(rank, f"interrupted: {err}", err.exit_code)
     except UserError as err:
-        if os.environ.get("RANK", "0") == "0":
-            print(f"error: {err}", file=sys.stderr)
-        return err.exit_code
-    return 0
+        code = _say(rank, f"error: {err}", err.exit_code)
+    except KeyboardInterrupt:
+        stop["signal"] = stop["signal"] or signal.SIGINT
+        code = _say(rank, "interrupted", Interrupted.exit_code)
+    except Exception as err:                     # noqa: BLE001 -- a peer's failure or a signal mid-collective
+        if stop["signal"] is None and not lost_peer(err):
+            raise                                # a bug: keep its traceback
+        code = Interrupted.exit_code if stop["signal"] else 1
+        _say("0", f"{'interrupted' if stop['signal'] else 'error'}: rank {rank} stopped because another process "
+                  f"stopped ({' '.join(str(err).split())[:120]})", code)
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
+    if code and "torch.distributed" in sys.modules and sys.modules["torch.distributed"].is_initialized():
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(code)
+    return code
+
+
+def _say(rank: str, line: str, code: int) -> int:
+    if rank == "0":
+        print(line, file=sys.stderr, flush=True)
+    return code
+
+
+def lost_peer(err: BaseException) -> bool:
+    """Whether `err` is a collective failing because another process went away (gloo / nccl wording)."""
+    text = str(err).lower()
+    return any(words in text for words in ("connection reset by peer", "connection closed by peer", "broken pipe",
+                                           "connection refused", "socket closed", "nccl communicator was aborted"))
 
 
 def python_isolation(mode: str) -> str:

@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import json
 import math
-import os
+import shutil
 import sys
 import time
 from collections import Counter
@@ -116,17 +116,21 @@ def _sample_and_score(generator, tokenizer, rows, tools, n, per_call, judge, max
     import rollout
     from tqdm import tqdm
     import trees
+    import runlog
     records, shapes, tree = [], [], Counter()
     mine = list(range(0, len(rows), per_call))[rank::world]
     bar = tqdm(total=sum(len(rows[s:s + per_call]) for s in mine) * n, desc=f"eval {name}", unit="traj",
                disable=not progress)
+    moving = runlog.RolloutProgress(bar, generator, "generation") if progress else None
     for start in mine:
         chunk = rows[start:start + per_call]
         done = [0]
 
-        def tick(_round, finished, _total, done=done):
+        def tick(rounds_done, finished, total, done=done):
             bar.update(finished - done[0])
             done[0] = finished
+            if moving:
+                moving(rounds_done, finished, total)
 
         trajectories, stats = rollout.tree_rollout(
             [build_prompt(tokenizer, r["question"]) for r in chunk], generator, tools, tokenizer, k=n,
@@ -156,6 +160,8 @@ def _sample_and_score(generator, tokenizer, rows, tools, n, per_call, judge, max
                             "meta": row["meta"], "criterion": criterion, "n": n, "num_correct": c,
                             "pass@k": {str(k): pass_at_k(n, c, k) for k in range(1, n + 1)},
                             "samples": samples})
+    if moving:
+        moving.detach()
     bar.close()
     return records, shapes, tree
 
@@ -264,26 +270,15 @@ def run_checkpoint(run_dir: Path, step: int) -> Path:
 
 
 def load_model(path_or_id: str, device: str = "cpu", dtype: str = "auto"):
-    """(model, tokenizer) from a local directory or a hub id, with a clear error when unavailable."""
+    """(model, tokenizer) from a local directory or a hub id (coldstart.model_source: a clear one-line error when
+    neither is there), on `device` (cpu when CUDA is unavailable)."""
     import torch
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-    offline = os.environ.get("HF_HUB_OFFLINE", "0").lower() in ("1", "true", "yes")
-    path = Path(path_or_id)
-    if path.is_dir() and not (path / "config.json").is_file():
-        raise UserError(f"--model {path_or_id}: no config.json there, so not a transformers model directory (a run's "
-                        "models are in runs/<name>/checkpoints/step_NNNNNN; or use --run runs/<name>)")
-    if not path.exists() and (offline or path_or_id.startswith((".", "/", "~"))):
-        raise UserError(f"--model {path_or_id}: not a local model directory"
-                        + (" and the hub is offline (HF_HUB_OFFLINE=1)" if offline else ""))
-    try:
-        tokenizer = AutoTokenizer.from_pretrained(path_or_id)
-        model = AutoModelForCausalLM.from_pretrained(
-            path_or_id, dtype=dtype if dtype == "auto" else getattr(torch, dtype))
-    except OSError as err:
-        raise UserError(f"--model {path_or_id}: could not be loaded ({' '.join(str(err).split())[:200]})") from None
+    from coldstart import model_source
+    from policy import load_lm, load_tokenizer
+    source = model_source(path_or_id)
     if device.startswith("cuda") and not torch.cuda.is_available():
         device = "cpu"
-    return model.to(device).eval(), tokenizer
+    return load_lm(source, device, dtype if dtype == "auto" else getattr(torch, dtype)), load_tokenizer(source)
 
 
 def _training_note(model: str, cfg: EvalConfig) -> str:
@@ -324,6 +319,10 @@ def main(argv=None) -> list[dict]:
         print(note, flush=True)
     datasets = [(path, load_dataset(path, skip_bad=cfg.skip_bad))          # every input checked before any output
                 for path in ([cfg.data] if isinstance(cfg.data, str) else cfg.data)]
+    for path, rows in datasets:
+        if not rows:
+            raise UserError(f"--data {path}: no questions in it")
+    config.check_writable(str(out), "out_dir")
     judge = Judge.from_env(cfg.judge_url, cfg.judge_model, cfg.judge_api_key,
                            cfg.judge_cache or out / "judge_cache.json") if cfg.judge else None
     model, tokenizer = load_model(cfg.model, cfg.device, cfg.dtype)
@@ -331,15 +330,25 @@ def main(argv=None) -> list[dict]:
     search_mod.check_reachable(search)
     print(config.python_isolation(cfg.python_isolation), flush=True)
     tool_runner = tools_mod.Tools(search, python_timeout_s=cfg.python_timeout_s)
+    new_dir = not out.exists()
     out.mkdir(parents=True, exist_ok=True)
     (out / "config.json").write_text(json.dumps(asdict(cfg), indent=2))
     summaries = []
-    for path, rows in datasets:
-        rows = rows[:cfg.limit] if cfg.limit else rows
-        summaries.append(evaluate(model, tokenizer, rows, tool_runner, n=cfg.n, temperature=cfg.temperature,
-                                  top_p=cfg.top_p, max_response_tokens=cfg.max_response_tokens,
-                                  batch_size=cfg.batch_size, out_dir=out, name=Path(path).stem, judge=judge,
-                                  max_tool_calls=cfg.max_tool_calls, seed=cfg.seed, config=asdict(cfg)))
+    try:
+        for path, rows in datasets:
+            rows = rows[:cfg.limit] if cfg.limit else rows
+            summaries.append(evaluate(model, tokenizer, rows, tool_runner, n=cfg.n, temperature=cfg.temperature,
+                                      top_p=cfg.top_p, max_response_tokens=cfg.max_response_tokens,
+                                      batch_size=cfg.batch_size, out_dir=out, name=Path(path).stem, judge=judge,
+                                      max_tool_calls=cfg.max_tool_calls, seed=cfg.seed, config=asdict(cfg)))
+    except KeyboardInterrupt:
+        tool_runner.close()
+        if summaries:
+            raise config.Interrupted(f"{len(summaries)} of {len(datasets)} data set(s) evaluated; their results are "
+                                     f"in {out}") from None
+        if new_dir:
+            shutil.rmtree(out, ignore_errors=True)
+        raise config.Interrupted("no data set was finished, so nothing was kept") from None
     table = markdown_table(summaries)
     (out / "summary.md").write_text(table)
     (out / "summary.json").write_text(json.dumps(summaries, indent=2, ensure_ascii=False))

@@ -36,12 +36,14 @@ class _TopkRecorder:
     and changes nothing. Custom processors run before temperature and top-p in `generate`, so it
     sees the model's own distribution; keeping only (B, k) per step avoids storing (B, V) logits."""
 
-    def __init__(self, k: int, n: int):
-        self.k, self.n, self.steps = k, n, []
+    def __init__(self, k: int, n: int, on_step=None):
+        self.k, self.n, self.steps, self.on_step = k, n, [], on_step
 
     def __call__(self, input_ids, scores):
         if len(self.steps) < self.n:
             self.steps.append(torch.log_softmax(scores.float(), -1).topk(self.k, -1).values.cpu())
+        if self.on_step is not None:
+            self.on_step(scores.shape[0])
         return scores
 
 
@@ -60,6 +62,7 @@ class TransformersGenerator:
             else tokenizer.eos_token_id
         self.eos_ids = set(eos if isinstance(eos, (list, tuple)) else [eos])
         self.pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else min(self.eos_ids)
+        self.on_step = None           # called after every decoding step with the rows decoded (progress bars)
 
     @torch.no_grad()
     def load_weights(self, named_tensors) -> None:
@@ -86,7 +89,7 @@ class TransformersGenerator:
             attn[i, width - len(c):] = 1
         torch.manual_seed(seed)
         sample = self.temperature > 0
-        recorder = _TopkRecorder(self.topk, self.n_entropy)
+        recorder = _TopkRecorder(self.topk, self.n_entropy, self.on_step)
         gen = self.model.generate(
             input_ids=ids.to(device), attention_mask=attn.to(device), max_new_tokens=max(max_new_tokens),
             do_sample=sample, temperature=self.temperature if sample else None,

@@ -19,10 +19,14 @@ import torch.distributed as dist
 
 def init(device: str = "auto", timeout_min: int = 120) -> tuple[int, int, torch.device]:
     """(rank, world size, device) of this process. Under torchrun (WORLD_SIZE > 1) joins the process group, nccl
-    on GPUs and gloo on CPUs, and pins rank r to cuda:LOCAL_RANK. device: auto (cuda if available) | cpu | cuda."""
+    on GPUs and gloo on CPUs, pins rank r to cuda:LOCAL_RANK and turns the libraries' progress bars off on ranks other
+    than 0. device: auto (cuda if available) | cpu | cuda."""
     use_cuda = device == "cuda" or (device == "auto" and torch.cuda.is_available())
     if int(os.environ.get("WORLD_SIZE", "1")) <= 1:
         return 0, 1, torch.device("cuda", torch.cuda.current_device()) if use_cuda else torch.device("cpu")
+    if int(os.environ.get("RANK", "0")) > 0:    # one set of library progress bars ("Loading weights"): rank 0's
+        import transformers
+        transformers.utils.logging.disable_progress_bar()
     local_rank = int(os.environ.get("LOCAL_RANK", "0"))
     if use_cuda:
         torch.cuda.set_device(local_rank)
@@ -53,9 +57,11 @@ def all_reduce_sum(t: torch.Tensor) -> torch.Tensor:
 
 
 def reduce_metrics(sums: dict[str, float]) -> dict[str, float]:
-    """Sum a dict of floats over ranks (one all-reduce, float64). Every rank must pass the same keys."""
-    keys = sorted(sums)
-    t = all_reduce_sum(torch.tensor([float(sums[key]) for key in keys], dtype=torch.float64))
+    """Sum a dict of floats over ranks (float64). A key only some ranks have (a tool nobody called on a rank has no
+    count there) counts 0 on the others: the ranks first agree on the union of their keys, so the one all-reduce has
+    the same length everywhere."""
+    keys = sorted(set().union(*gather(sorted(sums))))
+    t = all_reduce_sum(torch.tensor([float(sums.get(key, 0.0)) for key in keys], dtype=torch.float64))
     return dict(zip(keys, t.tolist()))
 
 

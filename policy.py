@@ -23,6 +23,7 @@ import contextlib
 import torch
 
 import loss
+from config import UserError
 
 
 class Policy(torch.nn.Module):
@@ -55,8 +56,8 @@ def load_tokenizer(path: str):
     from transformers import AutoTokenizer
     try:
         tokenizer = AutoTokenizer.from_pretrained(path)
-    except OSError as err:
-        raise FileNotFoundError(f"could not load the tokenizer of model {path!r}: {err}") from err
+    except OSError as err:                       # e.g. a hub id that does not exist
+        raise UserError(f"could not load the tokenizer of {path}: {' '.join(str(err).split())[:200]}") from None
     if tokenizer.pad_token_id is None:
         tokenizer.pad_token = tokenizer.eos_token
     return tokenizer
@@ -68,7 +69,7 @@ def load_lm(path: str, device, dtype=torch.float32):
     try:
         lm = AutoModelForCausalLM.from_pretrained(path, dtype=dtype)
     except OSError as err:
-        raise FileNotFoundError(f"could not load model {path!r}: {err}") from err
+        raise UserError(f"could not load the model {path}: {' '.join(str(err).split())[:200]}") from None
     return lm.to(device).eval()
 
 
@@ -125,7 +126,7 @@ def load_policy(path: str, world: int, device, parallel: str = "ddp", bf16: bool
     try:
         config = AutoConfig.from_pretrained(path)
     except OSError as err:
-        raise FileNotFoundError(f"could not load model {path!r}: {err}") from err
+        raise UserError(f"could not load the model {path}: {' '.join(str(err).split())[:200]}") from None
     with params_on_meta():
         lm = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
     if gradient_checkpointing:

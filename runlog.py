@@ -12,6 +12,8 @@ from __future__ import annotations
 import dataclasses
 import datetime
 import json
+import shutil
+import time
 from pathlib import Path
 
 import checkpoint
@@ -22,19 +24,26 @@ import parallel
 # The run directory
 
 
-def plan_run(cfg) -> tuple[Path, list[Path]]:
-    """(run directory, its checkpoints), creating nothing. A new run gets <out_dir>/<run_name or model-date-time>;
-    --resume takes --run_name, or the run with the newest checkpoint, and its settings must match the run's."""
+def resumed_run(cfg) -> Path:
+    """The run --resume continues: <out_dir>/<run_name>, or the run under out_dir with the newest checkpoint."""
     out = Path(cfg.out_dir)
-    if cfg.resume and not cfg.run_name:
-        runs = sorted((p for p in out.glob("*") if checkpoint.checkpoint_dirs(p)),
-                      key=lambda p: checkpoint.checkpoint_dirs(p)[-1].stat().st_mtime)
-        if not runs:
-            raise config.UserError(f"--resume: no run with a checkpoint under {out}/ (give --out_dir or --run_name)")
-        run_dir = runs[-1]
+    if cfg.run_name:
+        return out / cfg.run_name
+    runs = sorted((p for p in out.glob("*") if checkpoint.checkpoint_dirs(p)),
+                  key=lambda p: checkpoint.checkpoint_dirs(p)[-1].stat().st_mtime)
+    if not runs:
+        raise config.UserError(f"--resume: no run with a checkpoint under {out}/ (give --out_dir or --run_name)")
+    return runs[-1]
+
+
+def plan_run(cfg) -> tuple[Path, list[Path]]:
+    """(run directory, its checkpoints), creating nothing. A new run gets <out_dir>/<run_name or model-date-time>
+    (rank 0's clock names it for every rank); --resume takes resumed_run(cfg), whose settings must match."""
+    if cfg.resume:
+        run_dir = resumed_run(cfg)
     else:
-        name = cfg.run_name or f"{Path(cfg.model).name}-{datetime.datetime.now():%Y%m%d-%H%M%S}"
-        run_dir = out / name
+        name = cfg.run_name or parallel.broadcast(f"{Path(cfg.model).name}-{datetime.datetime.now():%Y%m%d-%H%M%S}")
+        run_dir = Path(cfg.out_dir) / name
     ckpts = checkpoint.checkpoint_dirs(run_dir)
     if cfg.resume and not ckpts:
         raise config.UserError(f"--resume: no checkpoint in {run_dir}/checkpoints")
@@ -77,12 +86,51 @@ def create_run(cfg, run_dir: Path, world: int, master: bool) -> dict:
 
 
 def trim_logs(run_dir: Path, step: int) -> None:
-    """On resume: drop the lines metrics.jsonl, samples.jsonl and trees.jsonl got after the checkpoint of `step`."""
+    """On resume: drop the lines metrics.jsonl, samples.jsonl and trees.jsonl got after the checkpoint of `step`, and
+    a last line torn by a crash or Ctrl-C mid-write."""
     for name in ("metrics.jsonl", "samples.jsonl", "trees.jsonl"):
         path = run_dir / name
         if path.exists():
-            kept = [line for line in path.read_text().splitlines() if json.loads(line)["step"] <= step]
+            kept = [line for line in path.read_text().splitlines() if _step_of(line) <= step]
             path.write_text("".join(line + "\n" for line in kept))
+
+
+def _step_of(line: str) -> float:
+    try:
+        return json.loads(line)["step"]
+    except (json.JSONDecodeError, KeyError, TypeError):
+        return float("inf")                      # a torn line: dropped
+
+
+class RunState:
+    """How far the run got, for the line a stopped run prints: the run folder, whether this start created it, the
+    steps finished and the checkpoints. A new run stopped before its first step leaves no folder."""
+
+    def __init__(self):
+        self.run_dir, self.created, self.first_step, self.steps_done, self.steps = None, False, 0, 0, 0
+
+    def stop(self, cfg, rank: int, world: int) -> str:
+        """After an interrupt or a failure: rank 0 removes the folder of a new run that finished no step. Returns
+        the one line saying what was kept and how to continue."""
+        if self.run_dir is None or not (self.run_dir.exists() or self.created):
+            return "nothing was written"
+        if self.steps_done == self.first_step:
+            if self.created and not checkpoint.checkpoint_dirs(self.run_dir):
+                if rank == 0:
+                    shutil.rmtree(self.run_dir, ignore_errors=True)
+                return f"no training step was finished, so {self.run_dir} was removed (nothing to keep)"
+            return f"no new step was finished; {self.run_dir} is as it was"
+        ckpts = checkpoint.checkpoint_dirs(self.run_dir)
+        kept = f"{self.run_dir} keeps the logs of steps 1-{self.steps_done}"
+        if not ckpts:
+            return (f"stopped after step {self.steps_done}/{self.steps}: {kept} but no checkpoint yet (--save_every "
+                    f"{cfg.save_every}), so it cannot be resumed")
+        redo = self.steps_done - int(ckpts[-1].name.split("_")[-1])
+        launch = "python train.py" if world == 1 else "your torchrun command with"
+        where = f" --out_dir {cfg.out_dir}" if cfg.out_dir != config.Config().out_dir else ""
+        return (f"stopped after step {self.steps_done}/{self.steps}: {kept} and checkpoint {ckpts[-1].name}"
+                + (f" ({redo} step(s) after it will run again)" if redo else "") +
+                f"; continue with: {launch} --resume true --run_name {self.run_dir.name}{where}")
 
 
 # ---------------------------------------------------------------------------------------------------------------------
@@ -126,6 +174,35 @@ def step_metrics(step, rows, trajectories, scores, rewards, adv, tree, stats, st
               "grad_norm": sum(grad_norms) / len(grad_norms)})
     m.update({key: v for key, v in g.items() if key.startswith("tools/")})
     return m
+
+
+class RolloutProgress:
+    """The postfix of a tqdm bar, moving while a rollout generates: the round, the trajectories finished and the
+    tokens decoded so far (with the transformers backend after every decoding step, redrawn at most twice a second).
+    An instance is tree_rollout's `progress` callback; detach() when the rollout is done."""
+
+    def __init__(self, bar, generator, what: str = "rollout"):
+        self.bar, self.generator, self.what = bar, generator, what
+        self.round, self.finished, self.tokens, self.shown = 0, "", 0, 0.0
+        if hasattr(generator, "on_step"):
+            generator.on_step = self.on_step
+
+    def __call__(self, rounds_done: int, finished: int, total: int) -> None:
+        self.round, self.finished = rounds_done, f"{finished}/{total} trajectories finished, "
+        self.show(force=True)
+
+    def on_step(self, rows: int) -> None:
+        self.tokens += rows
+        self.show()
+
+    def show(self, force: bool = False) -> None:
+        if force or time.time() - self.shown > 0.5:
+            self.bar.set_postfix_str(f"{self.what} round {self.round + 1}: {self.finished}{self.tokens:,} tokens")
+            self.shown = time.time()
+
+    def detach(self) -> None:
+        if getattr(self.generator, "on_step", None) == self.on_step:
+            self.generator.on_step = None
 
 
 def eval_line(summary: dict) -> str:

@@ -77,16 +77,25 @@ from policy import (full_named_parameters, load_lm, load_policy, load_tokenizer,
 
 def main(argv=None) -> dict:
     cfg = config.parse_config(argv)
+    if cfg.resume:                               # the run's own settings, unless a flag changes them
+        cfg = config.parse_config(argv, defaults=runlog.saved_config(runlog.resumed_run(cfg)))
     rank, world, device = parallel.init(cfg.device, cfg.dist_timeout_min)
+    state = runlog.RunState()
     try:
-        return train(cfg, rank, world, device)
-    finally:
-        parallel.close()
+        out = train(cfg, rank, world, device, state)
+    except KeyboardInterrupt:                    # Ctrl-C or SIGTERM: one line (config.run_cli prints it)
+        raise config.Interrupted(state.stop(cfg, rank, world)) from None
+    except BaseException:
+        state.stop(cfg, rank, world)              # a new run that finished no step leaves no folder
+        raise
+    parallel.close()
+    return out
 
 
-def train(cfg, rank: int, world: int, device: torch.device) -> dict:
+def train(cfg, rank: int, world: int, device: torch.device, state: runlog.RunState | None = None) -> dict:
     from tqdm import tqdm
     master = rank == 0
+    state = state or runlog.RunState()
 
     def log(line: str) -> None:
         if master:
@@ -116,6 +125,7 @@ def train(cfg, rank: int, world: int, device: torch.device) -> dict:
         raise config.UserError(f"--train_data has {len(train_rows)} usable questions, fewer than "
                                f"--questions_per_step ({cfg.questions_per_step})")
     steps = cfg.steps or cfg.epochs * len(train_rows) // cfg.questions_per_step
+    state.run_dir, state.created, state.steps = run_dir, not cfg.resume, steps
     info = runlog.create_run(cfg, run_dir, world, master)              # everything checked: the run folder
     log(f"{len(train_rows)} training questions, {len(eval_rows)} held-out, {len(demos)} demonstrations; "
         f"{steps} steps of {cfg.questions_per_step} questions × k={cfg.k}; {world} process(es) on {device}")
@@ -179,6 +189,7 @@ def train(cfg, rank: int, world: int, device: torch.device) -> dict:
         log(f"resumed {run_dir} from {ckpts[-1].name} (step {start_step})")
         if master:
             runlog.trim_logs(run_dir, start_step)
+    state.first_step = state.steps_done = start_step
     n_opt_steps = start_step * cfg.questions_per_step // cfg.mini_batch_size * cfg.ppo_epochs
     trackers = runlog.Trackers(cfg, run_dir, master)
     evals = {}
@@ -198,15 +209,15 @@ def train(cfg, rank: int, world: int, device: torch.device) -> dict:
         # ---- rollout (SPEC §2): k trajectories per question, tree-structured
         prompts = [tools.build_prompt(tokenizer, r["question"]) for r in rows]
 
-        def progress(rnd, finished, total):
-            bar.set_postfix_str(f"rollout round {rnd}: {finished}/{total} trajectories finished")
-
+        progress = runlog.RolloutProgress(bar, generator) if master else None
         with torch.no_grad(), amp():
             trajectories, tree = rollout.tree_rollout(
                 prompts, generator, tool_runner, tokenizer, k=cfg.k, beta=cfg.beta, gamma=cfg.gamma, lam=cfg.lam,
                 tau=cfg.tau, dynamic_budget=cfg.dynamic_budget, entropy_branching=cfg.entropy_branching,
                 max_tool_calls=cfg.max_tool_calls, max_response_tokens=cfg.max_response_tokens,
-                seed=(cfg.seed * 100_003 + step) * world + rank, progress=progress if master else None)
+                seed=(cfg.seed * 100_003 + step) * world + rank, progress=progress)
+        if progress:
+            progress.detach()
         if cfg.backend == "vllm":
             generator.sleep()
         t_rollout = time.time() - t0
@@ -253,6 +264,7 @@ def train(cfg, rank: int, world: int, device: torch.device) -> dict:
                   "update_tokens_per_s": m["n_valid_tokens"] * cfg.ppo_epochs / max(t_update, 1e-9)})
         last = m
         step_trees = parallel.gather(trees.records(step + 1, rows, trajectories, tree["m_per_question"], rewards))
+        state.steps_done = step + 1
         if master:
             runlog.write_step(run_dir, m, rows, trajectories, scores, rewards, cfg.log_samples)
             trees.append(run_dir / "trees.jsonl", [rec for recs in step_trees for rec in recs])

@@ -19,6 +19,7 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import sys
 from pathlib import Path
 
 ARG_CHARS = 60                                     # a tool call's argument is kept to this many characters
@@ -153,7 +154,8 @@ def _tree_order(trajectories: list[dict]) -> list[int]:
 
 
 def main(argv=None) -> Path:
-    parser = argparse.ArgumentParser(description="Draw a run's rollout trees (AEPO, arXiv:2510.14545) to a PNG")
+    parser = argparse.ArgumentParser(description="Draw a run's rollout trees (AEPO, arXiv:2510.14545) to a PNG",
+                                     allow_abbrev=False)
     parser.add_argument("run", help="a training run folder (runs/<name>)")
     parser.add_argument("--step", type=int, default=None, help="the training step to draw (default: the last)")
     parser.add_argument("--eval", default="", help="draw the trees of this evaluation instead (e.g. before, after)")
@@ -161,9 +163,13 @@ def main(argv=None) -> Path:
     args = parser.parse_args(argv)
     run = Path(args.run)
     path = run / "eval" / f"{args.eval}_trees.jsonl" if args.eval else run / "trees.jsonl"
-    if not path.exists():
-        parser.error(f"{path} does not exist (runs record trees.jsonl; evaluations <name>_trees.jsonl)")
-    recs = load(path, args.step)
+    try:
+        if not path.exists():
+            raise ValueError(f"{path} does not exist (runs record trees.jsonl; evaluations <name>_trees.jsonl)")
+        recs = load(path, args.step)
+    except ValueError as err:                    # one line, exit 2, like train.py and eval.py
+        print(f"error: {err}", file=sys.stderr)
+        raise SystemExit(2) from None
     what = f"evaluation {args.eval}" if args.eval else f"step {recs[0]['step']}"
     name = f"trees_{args.eval}.png" if args.eval else f"trees_step_{recs[0]['step']}.png"
     out = draw(recs, Path(args.out) if args.out else run / name, f"{run.name}: rollout trees of {what}")

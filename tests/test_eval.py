@@ -479,5 +479,21 @@ def test_evaluate_tiny_random_model(tokenizer, tmp_path):
 
 def test_load_model_offline_error(monkeypatch):
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
-    with pytest.raises(UserError, match="not a local model directory and the hub is offline"):
+    with pytest.raises(UserError, match="not in the Hugging Face cache, and the hub is offline"):
         E.load_model("no-such-org/no-such-model")
+
+
+def test_a_hub_id_with_the_hub_unreachable_is_one_line_at_once(monkeypatch):
+    """Without HF_HUB_OFFLINE the hub client retries for ~76 s and ends in a 92-line traceback; one request to a
+    closed loopback port (the hub here) must give the one-line error instead, in seconds."""
+    import socket
+    import time
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]                                 # closed again: nobody listens
+    monkeypatch.delenv("HF_HUB_OFFLINE", raising=False)
+    monkeypatch.setenv("HF_ENDPOINT", f"http://127.0.0.1:{port}")
+    started = time.time()
+    with pytest.raises(UserError, match=f"the hub \\(http://127.0.0.1:{port}\\) is unreachable"):
+        E.load_model("nobody/x")
+    assert time.time() - started < 30                            # a guard against the retries, not a benchmark

@@ -1,7 +1,15 @@
 """The refactoring guard: a short fixed-seed run on the tiny test model (cold start, KL reference, 2 RL steps with 2
-mini-batches each, tool calls and branches, checkpoints) must log exactly the metrics recorded in
+mini-batches each, tool calls and branches, checkpoints) must log the metrics recorded in
 tests/golden/tiny_two_steps.jsonl, every key but wall-clock times. Moving code between modules must not change a
 number.
+
+What is counted (tokens, trajectories, tool calls, branches, the budget m, rewards of the sampled texts, the learning
+rate) must be equal exactly. What the model computes in floating point (entropies, ratios, KL estimates, the loss and
+the gradient norm) depends on the CPU and the thread count: measured on two machines of the same kind, up to 0.95%
+apart in `pg_loss` (the tiny model's entropy spread is ~4e-5, so the entropy z-score magnifies rounding). Those are
+compared within FLOAT_REL = 2%, which the rule changes this test is for still break (tests/README.md lists the ones
+checked: Bessel's correction dropped from the group std, N_valid taken per micro-batch, the entropy-aware advantage
+skipped).
 
 Re-record (only for an intended change of behaviour, saying why in the commit):
     AEPO_RECORD_GOLDEN=1 python -m pytest tests/test_golden_run.py
@@ -19,6 +27,8 @@ from tests.test_train import fake_reward, flags, setup  # noqa: F401 -- the fixt
 
 GOLDEN = Path(__file__).parent / "golden" / "tiny_two_steps.jsonl"
 TIMES = ("time/", "update_tokens_per_s")
+MODEL_FLOATS = {"entropy", "entropy_std", "approx_kl", "kl_ref", "ratio", "pg_loss", "grad_norm"}
+FLOAT_REL = 2e-2
 
 
 class SearchFirst(generation.TransformersGenerator):
@@ -50,4 +60,7 @@ def test_metrics_equal_the_recorded_run(setup, monkeypatch):  # noqa: F811 -- th
     assert [sorted(r) for r in rows] == [sorted(g) for g in golden]
     for r, g in zip(rows, golden):
         for key, value in g.items():
-            assert r[key] == pytest.approx(value, rel=1e-5, abs=1e-8), (r["step"], key)
+            if key in MODEL_FLOATS:
+                assert r[key] == pytest.approx(value, rel=FLOAT_REL, abs=1e-12), (r["step"], key)
+            else:
+                assert r[key] == value, (r["step"], key)

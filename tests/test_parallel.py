@@ -238,3 +238,30 @@ def test_model_only_checkpoints_resume(setup, monkeypatch, capsys):  # noqa: F81
     assert "AdamW moments restart" in capsys.readouterr().err
     rows = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in rows] == [1, 2]
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# Metrics whose keys differ between ranks
+
+
+def _metrics_worker(rank, world, out):
+    import datetime
+    import parallel
+    torch.distributed.init_process_group("gloo", timeout=datetime.timedelta(seconds=30))   # a mismatch fails, not hangs
+    try:
+        local = {"reward": 1.0 + rank, "n_traj": 4.0}
+        if rank == 1:                          # only rank 1 called a tool this step: only it has tool counts
+            local.update({"tools/search/calls": 3.0, "tools/search/errors": 1.0})
+        torch.save(parallel.reduce_metrics(local), f"{out}.{rank}")
+        torch.distributed.barrier()
+    finally:
+        torch.distributed.destroy_process_group()
+
+
+def test_metrics_whose_keys_only_some_ranks_have_are_summed(tmp_path):
+    """A tool nobody called on rank 0 has no count there: the all-reduce must still have one length on every rank
+    (the README's 2-process command aborted in gloo with `80 vs 56` bytes when it did not)."""
+    spawn(_metrics_worker, str(tmp_path / "m"))
+    for rank in (0, 1):
+        got = torch.load(f"{tmp_path / 'm'}.{rank}")
+        assert got == {"reward": 3.0, "n_traj": 8.0, "tools/search/calls": 3.0, "tools/search/errors": 1.0}
