@@ -3,9 +3,9 @@
 Paper: Dong et al., "Agentic Entropy-Balanced Policy Optimization", arXiv:2510.14545, §3 (the agentic RL setting:
 the policy's `<python>` calls run during every rollout, thousands of times per training step, written by a policy
 that is being pushed to try things). `run` starts the program through `unshare` into new namespaces, where a small
-init process forks it, and the child applies rlimits and a Landlock ruleset (read-only: the interpreter and the
-system's libraries; read-write: its own working directory) before exec'ing the interpreter on the program; on the
-wall-clock timeout the whole process group dies, and with it the namespace and everything in it.
+init process forks it, and the child applies rlimits and a Landlock ruleset (landlock.py; read-only: the interpreter
+and the system's libraries; read-write: its own working directory) before exec'ing the interpreter on the program;
+on the wall-clock timeout the whole process group dies, and with it the namespace and everything in it.
 
 Layers, each detected once per process (`isolation()`) and used wherever available:
 - PID namespace (`unshare -rpf --mount-proc`): the program sees and can signal only its own processes.
@@ -34,94 +34,16 @@ import os
 import resource
 import sys
 
+if __name__ == "__main__":  # the launcher runs under -I, which leaves this file's directory off sys.path
+    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import landlock  # noqa: E402
+
 # ---------------------------------------------------------------------------------------------------------------
 # Inside the sandbox: the launcher (init in the PID namespace, then limits and Landlock, then exec). It runs in the
 # child, not as Popen's preexec_fn, which is unsafe in the trainer's threads.
 # ---------------------------------------------------------------------------------------------------------------
-# Landlock syscalls: 444-446 on x86_64 and on every architecture of the generic syscall table (aarch64, riscv64),
-# ppc64le and s390x too (alpha, ia64 and mips number them differently and are left out).
-LANDLOCK_SYSCALLS = {"create_ruleset": 444, "add_rule": 445, "restrict_self": 446}
-LANDLOCK_MACHINES = ("x86_64", "aarch64", "riscv64", "ppc64le", "s390x")
-LANDLOCK_CREATE_RULESET_VERSION = 1 << 0
-LANDLOCK_RULE_PATH_BENEATH = 1
-PR_SET_NO_NEW_PRIVS = 38
 MS_NOSUID, MS_NODEV, MS_NOEXEC = 2, 4, 8
-FS_EXECUTE, FS_WRITE_FILE, FS_READ_FILE, FS_READ_DIR = 1 << 0, 1 << 1, 1 << 2, 1 << 3
-FS_REFER, FS_TRUNCATE, FS_IOCTL_DEV = 1 << 13, 1 << 14, 1 << 15  # ABI 2, 3, 5
-NET_BIND_TCP, NET_CONNECT_TCP = 1 << 0, 1 << 1  # ABI 4
-SCOPE_ABSTRACT_UNIX_SOCKET, SCOPE_SIGNAL = 1 << 0, 1 << 1  # ABI 6
-READ_ONLY = FS_EXECUTE | FS_READ_FILE | FS_READ_DIR
-FILE_RIGHTS = FS_EXECUTE | FS_WRITE_FILE | FS_READ_FILE | FS_TRUNCATE | FS_IOCTL_DEV  # the rights a file rule may grant
-
-
-class RulesetAttr(ctypes.Structure):  # struct landlock_ruleset_attr (linux/landlock.h); unknown fields must be 0
-    _fields_ = [("handled_access_fs", ctypes.c_uint64), ("handled_access_net", ctypes.c_uint64),
-                ("scoped", ctypes.c_uint64)]
-
-
-class PathBeneathAttr(ctypes.Structure):  # struct landlock_path_beneath_attr, packed
-    _pack_ = 1
-    _fields_ = [("allowed_access", ctypes.c_uint64), ("parent_fd", ctypes.c_int32)]
-
-
-LIBC = ctypes.CDLL(None, use_errno=True)
-LIBC.syscall.restype = ctypes.c_long
-
-
-def _syscall(name: str, *args) -> int:
-    args = [ctypes.c_long(a) if isinstance(a, int) else a for a in args]  # syscall() reads longs
-    result = LIBC.syscall(ctypes.c_long(LANDLOCK_SYSCALLS[name]), *args)
-    if result < 0:
-        errno = ctypes.get_errno()
-        raise OSError(errno, f"landlock_{name}: {os.strerror(errno)}")
-    return result
-
-
-def landlock_abi() -> int:
-    """The kernel's Landlock ABI version (0: no Landlock: an older kernel, disabled, or an unknown architecture)."""
-    if os.uname().machine not in LANDLOCK_MACHINES:
-        return 0
-    try:
-        return _syscall("create_ruleset", None, 0, LANDLOCK_CREATE_RULESET_VERSION)
-    except OSError:  # ENOSYS (no Landlock in this kernel) or EOPNOTSUPP (disabled at boot)
-        return 0
-
-
-def fs_rights(abi: int) -> int:
-    """Every filesystem right Landlock ABI `abi` knows: 13 in ABI 1, then REFER (2), TRUNCATE (3), IOCTL_DEV (5)."""
-    rights = (1 << 13) - 1  # EXECUTE ... MAKE_SYM
-    rights |= FS_REFER if abi >= 2 else 0
-    rights |= FS_TRUNCATE if abi >= 3 else 0
-    rights |= FS_IOCTL_DEV if abi >= 5 else 0
-    return rights
-
-
-def landlock_restrict(abi: int, read_only: list[str], read_write: list[str], block_tcp: bool) -> None:
-    """Restrict this process and everything it executes from now on: only `read_only` paths (and what is beneath
-    them) can be read and executed, only `read_write` ones written; with ABI >= 4 and `block_tcp`, no TCP bind or
-    connect; with ABI >= 6, no signals or abstract unix sockets to processes outside. Missing paths are skipped."""
-    handled = fs_rights(abi)
-    attr = RulesetAttr(handled_access_fs=handled,
-                       handled_access_net=NET_BIND_TCP | NET_CONNECT_TCP if abi >= 4 and block_tcp else 0,
-                       scoped=SCOPE_ABSTRACT_UNIX_SOCKET | SCOPE_SIGNAL if abi >= 6 else 0)
-    ruleset = _syscall("create_ruleset", ctypes.byref(attr), ctypes.sizeof(attr), 0)
-    rules = [(path, READ_ONLY) for path in read_only] + [(path, handled) for path in read_write]
-    for path, access in rules:
-        if not os.path.exists(path):
-            continue
-        if not os.path.isdir(path):
-            access &= FILE_RIGHTS
-        fd = os.open(path, os.O_PATH | os.O_CLOEXEC)
-        try:
-            rule = PathBeneathAttr(allowed_access=access & handled, parent_fd=fd)
-            _syscall("add_rule", ruleset, LANDLOCK_RULE_PATH_BENEATH, ctypes.byref(rule), 0)
-        finally:
-            os.close(fd)
-    if LIBC.prctl(PR_SET_NO_NEW_PRIVS, ctypes.c_ulong(1), ctypes.c_ulong(0), ctypes.c_ulong(0),
-                  ctypes.c_ulong(0)) != 0:
-        raise OSError(ctypes.get_errno(), "prctl(PR_SET_NO_NEW_PRIVS) failed")
-    _syscall("restrict_self", ruleset, 0)
-    os.close(ruleset)
+LIBC = landlock.LIBC
 
 
 def limit_resources(memory_bytes: int, cpu_s: int, file_size_bytes: int) -> None:
@@ -173,7 +95,7 @@ def launch(argv: list[str]) -> None:
     try:
         limit_resources(int(options["memory"]), int(options["cpu"]), int(options["fsize"]))
         if int(options["landlock"]):
-            landlock_restrict(int(options["landlock"]), paths["ro"], paths["rw"], options["tcp"] == "1")
+            landlock.restrict(int(options["landlock"]), paths["ro"], paths["rw"], options["tcp"] == "1")
         os.execv(program[0], program)
     except OSError as e:  # stderr is the output file, opened before Landlock: always writable
         os.write(2, f"sandbox setup failed: {e}\n".encode())
@@ -191,7 +113,7 @@ HINTS = {"PID namespace": "`unshare -rpf --mount-proc` fails: user namespaces di
                           "(user.max_user_namespaces, kernel.unprivileged_userns_clone) or a container masking /proc",
          "network namespace": "`unshare -rn` fails: user namespaces disabled",
          "Landlock": "kernel older than 5.13, Landlock not in the boot-time lsm= list, or not one of "
-                     + ", ".join(LANDLOCK_MACHINES)}
+                     + ", ".join(landlock.MACHINES)}
 Result = collections.namedtuple("Result", ["output", "size", "returncode", "timed_out"])
 Result.__doc__ = """What a program did. output: its stdout + stderr, the first read_bytes bytes decoded (invalid UTF-8
 replaced), the working directory's path removed (tracebacks name "main.py"); size: bytes it wrote in total;
@@ -221,7 +143,7 @@ def isolation() -> dict:
     "network_namespace": bool, "landlock_abi": int (0 = no Landlock), "rlimits": names of the limits set}."""
     network = _unshare_works("-rn")
     return {"pid_namespace": _unshare_works("-rnpf" if network else "-rpf", "--mount-proc"),
-            "network_namespace": network, "landlock_abi": landlock_abi(), "rlimits": ("AS", "CPU", "FSIZE")}
+            "network_namespace": network, "landlock_abi": landlock.abi(), "rlimits": ("AS", "CPU", "FSIZE")}
 
 
 def missing(layers: dict) -> list[str]:
@@ -237,10 +159,10 @@ def describe(layers: dict | None = None) -> str:
     layers = isolation() if layers is None else layers
     abi = layers["landlock_abi"]
     scopes = ["filesystem"] + ["TCP"] * (abi >= 4) + ["signals and abstract sockets"] * (abi >= 6)
-    landlock = f"Landlock ABI {abi} ({', '.join(scopes)})" if abi else "Landlock NO"
+    rules = f"Landlock ABI {abi} ({', '.join(scopes)})" if abi else "Landlock NO"
     yes_no = {True: "yes", False: "NO"}
     return (f"python isolation: PID namespace {yes_no[layers['pid_namespace']]} | network namespace "
-            f"{yes_no[layers['network_namespace']]} | {landlock} | rlimits {', '.join(layers['rlimits'])}")
+            f"{yes_no[layers['network_namespace']]} | {rules} | rlimits {', '.join(layers['rlimits'])}")
 
 
 def require(mode: str) -> dict:
