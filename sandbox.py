@@ -230,9 +230,10 @@ def describe(layers: dict | None = None) -> str:
     scopes = ["filesystem"] + ["TCP"] * (abi >= 4) + ["signals and abstract sockets"] * (abi >= 6)
     rules = f"Landlock ABI {abi} ({', '.join(scopes)})" if abi else "Landlock NO"
     yes_no = {True: "yes", False: "NO"}
+    root = "yes" if layers["minimal_root"] else "NO (unix sockets at a path are reachable)"
     processes = f"yes ({layers['process_limit']})" if layers["process_limit"] else "NO"
     return (f"python isolation: PID namespace {yes_no[layers['pid_namespace']]} | network namespace "
-            f"{yes_no[layers['network_namespace']]} | minimal root {yes_no[layers['minimal_root']]} | {rules} | "
+            f"{yes_no[layers['network_namespace']]} | minimal root {root} | {rules} | "
             f"process limit {processes} | rlimits {', '.join(layers['rlimits'])}")
 
 
@@ -344,14 +345,13 @@ def run(code: str, timeout_s: float = 10.0, memory_mb: int = 1_024, cpu_s: int =
     import tempfile
     layers = isolation() if layers is None else layers
     tmp = tempfile.mkdtemp(prefix="aepo_python_")
-    names = ("work", "output.txt", "status", "root")
-    work, output_path, status_path, root = (os.path.join(tmp, name) for name in names)
+    work, output_path, status_path = (os.path.join(tmp, name) for name in ("work", "output.txt", "status"))
     cgroup = ""
     try:
         os.mkdir(work)
         with open(os.path.join(work, "main.py"), "w", encoding="utf-8") as f:
             f.write(code)
-        root = root if layers["minimal_root"] and layers["pid_namespace"] else ""
+        root = os.path.join(tmp, "root") if layers["minimal_root"] and layers["pid_namespace"] else ""
         if root:
             os.mkdir(root)  # the mount point of the minimal root's tmpfs
         if layers["process_limit"] == "pids cgroup":
