@@ -52,8 +52,10 @@ class Config:
     search_kw: dict = arg({"topk": 1}, "keyword arguments for search.make_search (official: 10 snippets) [embedded]")
     python_timeout_s: float = arg(10.0, "python tool timeout per call, seconds")
     python_isolation: str = arg("auto", "python tool sandbox: auto (every isolation layer this machine has, logged "
-                                        "at start) or strict (refuse to start unless the PID namespace, network "
-                                        "namespace and Landlock are all active)")
+                                        "at start) or strict (refuse to start unless every layer is active: PID and "
+                                        "network namespaces, minimal root, Landlock, process limit)")
+    python_max_processes: int = arg(64, "python tool: most processes and threads one call may run at once, the "
+                                        "sandbox's own included (a pids cgroup, or RLIMIT_NPROC when not root)")
     max_tool_calls: int = arg(6, "tool calls per trajectory (official 6)")
     # supervised cold start (optional; see deviation 3)
     cold_start: bool = arg(True, "supervised cold start on tool-format demonstrations before RL [embedded]")
@@ -185,6 +187,7 @@ def parse_config(argv=None, defaults: dict | None = None) -> Config:
         (cfg.device in ("auto", "cpu", "cuda"), f"--device must be auto, cpu or cuda, got {cfg.device!r}"),
         (cfg.python_isolation in ("auto", "strict"), f"--python_isolation must be auto or strict, got "
                                                      f"{cfg.python_isolation!r}"),
+        (cfg.python_max_processes >= 3, "--python_max_processes must be >= 3 (the sandbox's own processes count)"),
         (cfg.steps > 0 or cfg.epochs > 0, "give --steps > 0 or --epochs > 0"),
         (not cfg.tensorboard or importlib.util.find_spec("tensorboard") is not None,
          "--tensorboard needs the tensorboard package: pip install tensorboard (or leave --tensorboard false)"),

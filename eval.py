@@ -223,8 +223,10 @@ class EvalConfig:
     search_kw: dict = arg({}, "keyword arguments for search.make_search (default: 10 snippets, as the official code)")
     python_timeout_s: float = arg(10.0, "python tool timeout per call, seconds")
     python_isolation: str = arg("auto", "python tool sandbox: auto (every layer this machine has) or strict (refuse "
-                                        "to start unless the PID namespace, network namespace and Landlock are "
-                                        "all active)")
+                                        "to start unless every layer is active: PID and network namespaces, minimal "
+                                        "root, Landlock, process limit)")
+    python_max_processes: int = arg(64, "python tool: most processes and threads one call may run at once, the "
+                                        "sandbox's own included (a pids cgroup, or RLIMIT_NPROC when not root)")
     judge: bool = arg(False, "correctness by an OpenAI-compatible LLM judge instead of EM / math_equal")
     judge_url: str = arg("", "the judge's base URL (default $AEPO_JUDGE_URL)")
     judge_model: str = arg("", "the judge's model name (default $AEPO_JUDGE_MODEL)")
@@ -241,7 +243,8 @@ class EvalConfig:
 FROM_RUN = {"data": "eval_data", "limit": "eval_limit", "n": "eval_n", "temperature": "eval_temperature",
             "top_p": "eval_top_p", "max_response_tokens": "max_response_tokens", "max_tool_calls": "max_tool_calls",
             "batch_size": "gen_batch_size", "skip_bad": "skip_bad", "search": "search", "search_kw": "search_kw",
-            "python_timeout_s": "python_timeout_s", "python_isolation": "python_isolation", "seed": "seed"}
+            "python_timeout_s": "python_timeout_s", "python_isolation": "python_isolation",
+            "python_max_processes": "python_max_processes", "seed": "seed"}
 
 
 def run_settings(run_dir: Path) -> dict:
@@ -329,7 +332,8 @@ def main(argv=None) -> list[dict]:
     search = search_mod.make_search(cfg.search, **cfg.search_kw)
     search_mod.check_reachable(search)
     print(config.python_isolation(cfg.python_isolation), flush=True)
-    tool_runner = tools_mod.Tools(search, python_timeout_s=cfg.python_timeout_s)
+    tool_runner = tools_mod.Tools(search, python_timeout_s=cfg.python_timeout_s,
+                                  python_kw={"max_processes": cfg.python_max_processes})
     new_dir = not out.exists()
     out.mkdir(parents=True, exist_ok=True)
     (out / "config.json").write_text(json.dumps(asdict(cfg), indent=2))

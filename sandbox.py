@@ -1,152 +1,80 @@
-"""The python tool's sandbox: each program runs in its own PID, network and mount namespace, under Landlock and rlimits.
+"""The python tool's sandbox: namespaces, a minimal root, Landlock, a process limit and rlimits around each program.
 
 Paper: Dong et al., "Agentic Entropy-Balanced Policy Optimization", arXiv:2510.14545, §3 (the agentic RL setting:
 the policy's `<python>` calls run during every rollout, thousands of times per training step, written by a policy
-that is being pushed to try things). `run` starts the program through `unshare` into new namespaces, where a small
-init process forks it, and the child applies rlimits and a Landlock ruleset (read-only: the interpreter and the
+that is being pushed to try things). `run` makes a pids cgroup for the call and starts the program through `unshare`
+into new namespaces, where a small init process joins the cgroup, pivots into a minimal root (rootfs.py) and forks
+the program; the child applies rlimits and a Landlock ruleset (landlock.py; read-only: the interpreter and the
 system's libraries; read-write: its own working directory) before exec'ing the interpreter on the program; on the
-wall-clock timeout the whole process group dies, and with it the namespace and everything in it.
+wall-clock timeout the whole process group dies, and with it the namespace and everything in it; then the cgroup goes.
 
 Layers, each detected once per process (`isolation()`) and used wherever available:
 - PID namespace (`unshare -rpf --mount-proc`): the program sees and can signal only its own processes.
 - network namespace (`unshare -rn`): no network, not even loopback to the trainer's machine.
+- minimal root (in the PID namespace's mount namespace): a tmpfs holding only the interpreter, the system's programs
+  and libraries, a few devices, its own /proc and /dev/shm and its working directory, bound from the machine (all
+  read-only but the last); nothing else has a path, so no unix socket at a path (Docker's, D-Bus's, a database's),
+  which Landlock does not guard.
 - Landlock (kernel ABI >= 1): file access outside the allowed paths is refused; ABI >= 4 also refuses TCP bind and
   connect, ABI >= 6 refuses signals and abstract unix sockets to processes outside the sandbox.
+- process limit: at most `max_processes` tasks (processes and threads, the sandbox's own counted) at once. A pids
+  cgroup per call where the trainer may create one (as root: cgroup v1's pids hierarchy, or v2 with the pids
+  controller given to its cgroup's children), which also counts the refused forks; else, for a trainer that is not
+  root, RLIMIT_NPROC, which a kernel >= 5.14 counts per user namespace (root is exempt from it).
 - rlimits: address space (RLIMIT_AS), CPU time (RLIMIT_CPU), size of a written file (RLIMIT_FSIZE).
-`require("strict")` refuses to start a run unless the PID namespace, network namespace and Landlock are all there.
+`require("strict")` refuses to start a run unless every layer is there (the rlimits always are).
 
 Run as a script, this file is the launcher inside the sandbox (`python -I -S sandbox.py OPTIONS -- PROGRAM`). Every
-call starts it, so the top imports only what the launcher needs; the trainer-side functions import select, shutil,
-signal, subprocess and tempfile where they use them (about 12 ms less per call).
+call starts it, so the top imports only what the launcher needs; the trainer-side functions import re, select,
+shutil, signal, subprocess, tempfile and time where they use them (about 12 ms less per call).
 
 Deviations from the paper / official code:
 1. The official code runs the program in a plain subprocess with a timeout. Here it also runs under rlimits, in a
-   fresh temporary working directory with a minimal environment, in new user, PID, mount and network namespaces,
-   and under Landlock, wherever the machine allows each (see the layers above); the trainer logs which are active.
+   fresh temporary working directory with a minimal environment, in new user, PID, mount and network namespaces, in
+   a minimal root, under Landlock and a process limit, wherever the machine allows each (see the layers above); the
+   trainer logs which are active.
 2. So the program may read only the interpreter, its packages, the system's programs and libraries and its own
-   directory: code that reads other files (a data set, the user's home) gets PermissionError where the official
-   code would read them; multiprocessing works only with the PID namespace (which gives it a private /dev/shm).
+   directory: code that reads other files (a data set, the user's home) gets FileNotFoundError (no such path in the
+   minimal root) or PermissionError (Landlock) where the official code would read them; multiprocessing works only
+   with the PID namespace (which gives it a private /dev/shm); a program that starts more than `max_processes`
+   processes and threads gets BlockingIOError from fork and "Error: the program hit the process limit" after its
+   output.
 """
 import collections
-import ctypes
 import functools
 import os
 import resource
 import sys
 
+if __name__ == "__main__":  # the launcher runs under -I, which leaves this file's directory off sys.path
+    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import landlock  # noqa: E402
+import rootfs  # noqa: E402
+
 # ---------------------------------------------------------------------------------------------------------------
-# Inside the sandbox: the launcher (init in the PID namespace, then limits and Landlock, then exec). It runs in the
-# child, not as Popen's preexec_fn, which is unsafe in the trainer's threads.
+# Inside the sandbox: the launcher (joins the pids cgroup; as init of the PID namespace enters the minimal root and
+# forks; then limits and Landlock, then exec). It runs in the child, not as Popen's preexec_fn, which is unsafe in the
+# trainer's threads.
 # ---------------------------------------------------------------------------------------------------------------
-# Landlock syscalls: 444-446 on x86_64 and on every architecture of the generic syscall table (aarch64, riscv64),
-# ppc64le and s390x too (alpha, ia64 and mips number them differently and are left out).
-LANDLOCK_SYSCALLS = {"create_ruleset": 444, "add_rule": 445, "restrict_self": 446}
-LANDLOCK_MACHINES = ("x86_64", "aarch64", "riscv64", "ppc64le", "s390x")
-LANDLOCK_CREATE_RULESET_VERSION = 1 << 0
-LANDLOCK_RULE_PATH_BENEATH = 1
-PR_SET_NO_NEW_PRIVS = 38
-MS_NOSUID, MS_NODEV, MS_NOEXEC = 2, 4, 8
-FS_EXECUTE, FS_WRITE_FILE, FS_READ_FILE, FS_READ_DIR = 1 << 0, 1 << 1, 1 << 2, 1 << 3
-FS_REFER, FS_TRUNCATE, FS_IOCTL_DEV = 1 << 13, 1 << 14, 1 << 15  # ABI 2, 3, 5
-NET_BIND_TCP, NET_CONNECT_TCP = 1 << 0, 1 << 1  # ABI 4
-SCOPE_ABSTRACT_UNIX_SOCKET, SCOPE_SIGNAL = 1 << 0, 1 << 1  # ABI 6
-READ_ONLY = FS_EXECUTE | FS_READ_FILE | FS_READ_DIR
-FILE_RIGHTS = FS_EXECUTE | FS_WRITE_FILE | FS_READ_FILE | FS_TRUNCATE | FS_IOCTL_DEV  # the rights a file rule may grant
-
-
-class RulesetAttr(ctypes.Structure):  # struct landlock_ruleset_attr (linux/landlock.h); unknown fields must be 0
-    _fields_ = [("handled_access_fs", ctypes.c_uint64), ("handled_access_net", ctypes.c_uint64),
-                ("scoped", ctypes.c_uint64)]
-
-
-class PathBeneathAttr(ctypes.Structure):  # struct landlock_path_beneath_attr, packed
-    _pack_ = 1
-    _fields_ = [("allowed_access", ctypes.c_uint64), ("parent_fd", ctypes.c_int32)]
-
-
-LIBC = ctypes.CDLL(None, use_errno=True)
-LIBC.syscall.restype = ctypes.c_long
-
-
-def _syscall(name: str, *args) -> int:
-    args = [ctypes.c_long(a) if isinstance(a, int) else a for a in args]  # syscall() reads longs
-    result = LIBC.syscall(ctypes.c_long(LANDLOCK_SYSCALLS[name]), *args)
-    if result < 0:
-        errno = ctypes.get_errno()
-        raise OSError(errno, f"landlock_{name}: {os.strerror(errno)}")
-    return result
-
-
-def landlock_abi() -> int:
-    """The kernel's Landlock ABI version (0: no Landlock: an older kernel, disabled, or an unknown architecture)."""
-    if os.uname().machine not in LANDLOCK_MACHINES:
-        return 0
-    try:
-        return _syscall("create_ruleset", None, 0, LANDLOCK_CREATE_RULESET_VERSION)
-    except OSError:  # ENOSYS (no Landlock in this kernel) or EOPNOTSUPP (disabled at boot)
-        return 0
-
-
-def fs_rights(abi: int) -> int:
-    """Every filesystem right Landlock ABI `abi` knows: 13 in ABI 1, then REFER (2), TRUNCATE (3), IOCTL_DEV (5)."""
-    rights = (1 << 13) - 1  # EXECUTE ... MAKE_SYM
-    rights |= FS_REFER if abi >= 2 else 0
-    rights |= FS_TRUNCATE if abi >= 3 else 0
-    rights |= FS_IOCTL_DEV if abi >= 5 else 0
-    return rights
-
-
-def landlock_restrict(abi: int, read_only: list[str], read_write: list[str], block_tcp: bool) -> None:
-    """Restrict this process and everything it executes from now on: only `read_only` paths (and what is beneath
-    them) can be read and executed, only `read_write` ones written; with ABI >= 4 and `block_tcp`, no TCP bind or
-    connect; with ABI >= 6, no signals or abstract unix sockets to processes outside. Missing paths are skipped."""
-    handled = fs_rights(abi)
-    attr = RulesetAttr(handled_access_fs=handled,
-                       handled_access_net=NET_BIND_TCP | NET_CONNECT_TCP if abi >= 4 and block_tcp else 0,
-                       scoped=SCOPE_ABSTRACT_UNIX_SOCKET | SCOPE_SIGNAL if abi >= 6 else 0)
-    ruleset = _syscall("create_ruleset", ctypes.byref(attr), ctypes.sizeof(attr), 0)
-    rules = [(path, READ_ONLY) for path in read_only] + [(path, handled) for path in read_write]
-    for path, access in rules:
-        if not os.path.exists(path):
-            continue
-        if not os.path.isdir(path):
-            access &= FILE_RIGHTS
-        fd = os.open(path, os.O_PATH | os.O_CLOEXEC)
-        try:
-            rule = PathBeneathAttr(allowed_access=access & handled, parent_fd=fd)
-            _syscall("add_rule", ruleset, LANDLOCK_RULE_PATH_BENEATH, ctypes.byref(rule), 0)
-        finally:
-            os.close(fd)
-    if LIBC.prctl(PR_SET_NO_NEW_PRIVS, ctypes.c_ulong(1), ctypes.c_ulong(0), ctypes.c_ulong(0),
-                  ctypes.c_ulong(0)) != 0:
-        raise OSError(ctypes.get_errno(), "prctl(PR_SET_NO_NEW_PRIVS) failed")
-    _syscall("restrict_self", ruleset, 0)
-    os.close(ruleset)
-
-
-def limit_resources(memory_bytes: int, cpu_s: int, file_size_bytes: int) -> None:
-    """Lower RLIMIT_AS, RLIMIT_CPU (the soft limit only: the kernel sends SIGXCPU) and RLIMIT_FSIZE, never above the
-    hard limit."""
-    for name, value in (("RLIMIT_AS", memory_bytes), ("RLIMIT_CPU", cpu_s), ("RLIMIT_FSIZE", file_size_bytes)):
+def limit_resources(memory_bytes: int, cpu_s: int, file_size_bytes: int, processes: int = 0) -> None:
+    """Lower RLIMIT_AS, RLIMIT_CPU (the soft limit only: the kernel sends SIGXCPU), RLIMIT_FSIZE and, when
+    `processes` > 0, RLIMIT_NPROC, never above the hard limit."""
+    limits = [("RLIMIT_AS", memory_bytes), ("RLIMIT_CPU", cpu_s), ("RLIMIT_FSIZE", file_size_bytes)]
+    for name, value in limits + [("RLIMIT_NPROC", processes)] * (processes > 0):
         limit = getattr(resource, name)
         hard = resource.getrlimit(limit)[1]
         value = value if hard == resource.RLIM_INFINITY else min(value, hard)
         resource.setrlimit(limit, (value, hard if name == "RLIMIT_CPU" else value))
 
 
-def private_shm(size_bytes: int) -> bool:
-    """Mount an empty tmpfs of `size_bytes` on /dev/shm, in this mount namespace only (the machine's /dev/shm holds
-    other processes' shared memory); False if that fails."""
-    flags = MS_NOSUID | MS_NODEV | MS_NOEXEC
-    return LIBC.mount(b"tmpfs", b"/dev/shm", b"tmpfs", ctypes.c_ulong(flags), f"size={size_bytes}".encode()) == 0
-
-
 def launch(argv: list[str]) -> None:
     """The launcher: `key=value ... -- program args`. Keys: memory, cpu, fsize (limits), landlock (ABI, 0 = off),
-    tcp (1: block TCP), init (1: we are the PID namespace's init), status (a file outside the working directory), and
-    the repeatable ro= / rw= (paths). As init it forks the program, reaps every process until the program has ended
-    and writes the program's exit code (negative: killed by that signal) to the status file, because the init of a
-    PID namespace can neither die of the program's signal nor be killed by its own. Failing to set up prints
+    tcp (1: block TCP), init (1: we are the PID namespace's init), status (a file outside the working directory),
+    the optional cgroup (a pids cgroup to join), nproc (RLIMIT_NPROC) and root (an empty directory to build the
+    minimal root on, as init), and the repeatable ro= / rw= (paths). It joins the cgroup first, so that everything
+    started from then on counts. As init it forks the program, reaps every process until the program has ended and
+    writes the program's exit code (negative: killed by that signal) to the status file, because the init of a PID
+    namespace can neither die of the program's signal nor be killed by its own. Failing to set up prints
     "sandbox setup failed: ..." and exits 125: the program is never started with fewer layers than asked."""
     split = argv.index("--")
     options, paths = {}, {"ro": [], "rw": []}
@@ -156,24 +84,30 @@ def launch(argv: list[str]) -> None:
             paths[key].append(value)
         else:
             options[key] = value
-    program, status = argv[split + 1:], options["status"]
-    if options["init"] == "1":  # our own PID and mount namespace: /proc shows only the sandbox's processes
-        paths["ro"].append("/proc")
-        if private_shm(int(options["fsize"])):  # multiprocessing's semaphores live there
-            paths["rw"].append("/dev/shm")
-        child = os.fork()
-        if child > 0:
-            while True:
-                pid, wait_status = os.wait()  # orphans are re-parented to init: reap them too
-                if pid == child:
-                    break
-            with open(status, "w") as f:
-                f.write(str(os.waitstatus_to_exitcode(wait_status)))
-            os._exit(0)  # every other process of the namespace is killed with its init
+    program, fsize = argv[split + 1:], int(options["fsize"])
     try:
-        limit_resources(int(options["memory"]), int(options["cpu"]), int(options["fsize"]))
+        if "cgroup" in options:
+            with open(os.path.join(options["cgroup"], "cgroup.procs"), "w") as f:
+                f.write("0")  # this process
+        if options["init"] == "1":  # our own PID and mount namespace: /proc shows only the sandbox's processes
+            paths["ro"].append("/proc")
+            status = os.open(options["status"], os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o600)
+            if "root" in options:  # multiprocessing's semaphores live in /dev/shm
+                rootfs.enter(options["root"], paths["ro"], paths["rw"], fsize)
+                paths["rw"].append("/dev/shm")
+            elif rootfs.private_shm("/dev/shm", fsize):
+                paths["rw"].append("/dev/shm")
+            child = os.fork()
+            if child > 0:
+                while True:
+                    pid, wait_status = os.wait()  # orphans are re-parented to init: reap them too
+                    if pid == child:
+                        break
+                os.write(status, str(os.waitstatus_to_exitcode(wait_status)).encode())
+                os._exit(0)  # every other process of the namespace is killed with its init
+        limit_resources(int(options["memory"]), int(options["cpu"]), fsize, int(options.get("nproc", 0)))
         if int(options["landlock"]):
-            landlock_restrict(int(options["landlock"]), paths["ro"], paths["rw"], options["tcp"] == "1")
+            landlock.restrict(int(options["landlock"]), paths["ro"], paths["rw"], options["tcp"] == "1")
         os.execv(program[0], program)
     except OSError as e:  # stderr is the output file, opened before Landlock: always writable
         os.write(2, f"sandbox setup failed: {e}\n".encode())
@@ -190,12 +124,18 @@ SYSTEM_READ_WRITE = ("/dev/null",)
 HINTS = {"PID namespace": "`unshare -rpf --mount-proc` fails: user namespaces disabled "
                           "(user.max_user_namespaces, kernel.unprivileged_userns_clone) or a container masking /proc",
          "network namespace": "`unshare -rn` fails: user namespaces disabled",
+         "minimal root": "it is built in the PID namespace's mount namespace, so it needs that; else a bind mount or "
+                         "pivot_root fails there (a trainer in a chroot, a container that restricts mounts)",
          "Landlock": "kernel older than 5.13, Landlock not in the boot-time lsm= list, or not one of "
-                     + ", ".join(LANDLOCK_MACHINES)}
-Result = collections.namedtuple("Result", ["output", "size", "returncode", "timed_out"])
+                     + ", ".join(landlock.MACHINES),
+         "process limit": "as root: no pids cgroup the trainer may create (cgroup v1's pids hierarchy, or a v2 cgroup "
+                          "whose cgroup.subtree_control lists pids; a read-only /sys/fs/cgroup); as another user: "
+                          "no user namespace or a kernel older than 5.14"}
+Result = collections.namedtuple("Result", ["output", "size", "returncode", "timed_out", "refused"])
 Result.__doc__ = """What a program did. output: its stdout + stderr, the first read_bytes bytes decoded (invalid UTF-8
 replaced), the working directory's path removed (tracebacks name "main.py"); size: bytes it wrote in total;
-returncode: its exit code, negative when a signal killed it (None if timed_out); timed_out: killed at the timeout."""
+returncode: its exit code, negative when a signal killed it (None if timed_out); timed_out: killed at the timeout;
+refused: process creations refused at the process limit (counted by the pids cgroup only, else 0)."""
 
 
 class IsolationError(RuntimeError):
@@ -215,32 +155,86 @@ def _unshare_works(*flags: str) -> bool:
     return probe.returncode == 0
 
 
+def _works(layers: dict) -> bool:
+    try:
+        return run("pass", layers=layers).returncode == 0
+    except OSError:  # the set-up failed
+        return False
+
+
+@functools.cache
+def pids_cgroup() -> str:
+    """Where run() makes each call's pids cgroup: the trainer's own cgroup in the hierarchy that has the pids
+    controller (cgroup v1's pids hierarchy, or v2's when its cgroup.subtree_control lists pids), if the trainer may
+    create a cgroup there (as root, or in a delegated v2 subtree); "" if there is none."""
+    with open("/proc/self/cgroup") as f:  # "id:controllers:path"; cgroup v2's line names no controllers
+        own = {name: path for _, names, path in (line.rstrip("\n").split(":", 2) for line in f)
+               for name in names.split(",")}
+    with open("/proc/self/mountinfo") as f:  # "... root mount-point ... - fstype source super-options"
+        mounts = [line.split() for line in f]
+    for fields in mounts:
+        fstype, options = fields[fields.index("-") + 1], fields[-1].split(",")
+        key = "" if fstype == "cgroup2" else "pids" if fstype == "cgroup" and "pids" in options else None
+        if key not in own:
+            continue
+        parent = os.path.normpath(os.path.join(fields[4], os.path.relpath(own[key], fields[3])))
+        try:
+            if key == "":
+                with open(os.path.join(parent, "cgroup.subtree_control")) as f:
+                    if "pids" not in f.read().split():
+                        continue
+            probe = os.path.join(parent, f"aepo_probe_{os.getpid()}")
+            os.mkdir(probe)
+            os.rmdir(probe)
+        except OSError:  # not ours to change
+            continue
+        return parent
+    return ""
+
+
 @functools.cache
 def isolation() -> dict:
     """The layers run() uses on this machine, detected once per process: {"pid_namespace": bool,
-    "network_namespace": bool, "landlock_abi": int (0 = no Landlock), "rlimits": names of the limits set}."""
+    "network_namespace": bool, "minimal_root": bool, "landlock_abi": int (0 = no Landlock), "process_limit":
+    "pids cgroup" | "RLIMIT_NPROC" | "" (none), "rlimits": names of the limits set}. The minimal root and the process
+    limit are set up by the launcher: each is tried once, on a program that does nothing."""
+    import re
     network = _unshare_works("-rn")
-    return {"pid_namespace": _unshare_works("-rnpf" if network else "-rpf", "--mount-proc"),
-            "network_namespace": network, "landlock_abi": landlock_abi(), "rlimits": ("AS", "CPU", "FSIZE")}
+    pid = _unshare_works("-rnpf" if network else "-rpf", "--mount-proc")
+    kernel = [int(part) for part in re.findall(r"\d+", os.uname().release)[:2]]
+    nproc = (pid or network) and os.geteuid() != 0 and kernel >= [5, 14]  # counted per user namespace; root: exempt
+    layers = {"pid_namespace": pid, "network_namespace": network, "minimal_root": pid, "landlock_abi": landlock.abi(),
+              "process_limit": "pids cgroup" if pids_cgroup() else "RLIMIT_NPROC" if nproc else "",
+              "rlimits": ("AS", "CPU", "FSIZE")}
+    if pid and not _works({**layers, "process_limit": ""}):
+        layers["minimal_root"] = False
+    if layers["process_limit"] and not _works(layers):
+        layers["process_limit"] = ""
+    return layers
 
 
 def missing(layers: dict) -> list[str]:
     """The layers strict mode needs that `layers` lacks."""
     present = {"PID namespace": layers["pid_namespace"], "network namespace": layers["network_namespace"],
-               "Landlock": layers["landlock_abi"] > 0}
+               "minimal root": layers["minimal_root"], "Landlock": layers["landlock_abi"] > 0,
+               "process limit": bool(layers["process_limit"])}
     return [name for name, ok in present.items() if not ok]
 
 
 def describe(layers: dict | None = None) -> str:
-    """The start-up log line, e.g. "python isolation: PID namespace yes | network namespace yes | Landlock ABI 7
-    (filesystem, TCP, signals and abstract sockets) | rlimits AS, CPU, FSIZE"."""
+    """The start-up log line, e.g. "python isolation: PID namespace yes | network namespace yes | minimal root yes |
+    Landlock ABI 7 (filesystem, TCP, signals and abstract sockets) | process limit yes (pids cgroup) | rlimits AS,
+    CPU, FSIZE"."""
     layers = isolation() if layers is None else layers
     abi = layers["landlock_abi"]
     scopes = ["filesystem"] + ["TCP"] * (abi >= 4) + ["signals and abstract sockets"] * (abi >= 6)
-    landlock = f"Landlock ABI {abi} ({', '.join(scopes)})" if abi else "Landlock NO"
+    rules = f"Landlock ABI {abi} ({', '.join(scopes)})" if abi else "Landlock NO"
     yes_no = {True: "yes", False: "NO"}
+    root = "yes" if layers["minimal_root"] else "NO (unix sockets at a path are reachable)"
+    processes = f"yes ({layers['process_limit']})" if layers["process_limit"] else "NO"
     return (f"python isolation: PID namespace {yes_no[layers['pid_namespace']]} | network namespace "
-            f"{yes_no[layers['network_namespace']]} | {landlock} | rlimits {', '.join(layers['rlimits'])}")
+            f"{yes_no[layers['network_namespace']]} | minimal root {root} | {rules} | "
+            f"process limit {processes} | rlimits {', '.join(layers['rlimits'])}")
 
 
 def require(mode: str) -> dict:
@@ -259,9 +253,10 @@ def require(mode: str) -> dict:
 
 @functools.cache
 def read_only_paths() -> tuple[str, ...]:
-    """What the program may read and execute under Landlock: the interpreter's prefixes and every directory on its
-    sys.path (asked once from `python -I`, so .pth entries count), the system's programs and libraries, a few
-    devices. The trainer's own sys.path (its script directory, the project) is not part of it."""
+    """What the program may read and execute under Landlock, and what the minimal root holds besides its working
+    directory, /proc and /dev/shm: the interpreter's prefixes and every directory on its sys.path (asked once from
+    `python -I`, so .pth entries count), the system's programs and libraries, a few devices. The trainer's own
+    sys.path (its script directory, the project) is not part of it."""
     import subprocess
     probe = subprocess.run([sys.executable, "-I", "-c", "import sys; print('\\n'.join(sys.path))"],
                            capture_output=True, text=True, timeout=60, check=True)
@@ -271,8 +266,9 @@ def read_only_paths() -> tuple[str, ...]:
 
 
 def command(work: str, status: str, layers: dict, memory_mb: int, cpu_s: int, file_size_mb: int,
-            no_network: bool) -> list[str]:
-    """The command line: `unshare` into the namespaces in use, the launcher (this file), the program."""
+            no_network: bool, max_processes: int = 64, cgroup: str = "", root: str = "") -> list[str]:
+    """The command line: `unshare` into the namespaces in use, the launcher (this file), the program. `cgroup`: the
+    call's pids cgroup, `root`: an empty directory for the minimal root ("": none)."""
     network = no_network and layers["network_namespace"]
     pid = layers["pid_namespace"]
     prefix = []
@@ -281,7 +277,9 @@ def command(work: str, status: str, layers: dict, memory_mb: int, cpu_s: int, fi
     abi = layers["landlock_abi"]
     options = [f"memory={memory_mb << 20}", f"cpu={cpu_s}", f"fsize={file_size_mb << 20}", f"landlock={abi}",
                f"tcp={int(no_network)}", f"init={int(pid)}", f"status={status}"]
-    if abi:
+    options += [f"cgroup={cgroup}"] * bool(cgroup) + [f"root={root}"] * bool(root)
+    options += [f"nproc={max_processes}"] * (layers["process_limit"] == "RLIMIT_NPROC")
+    if abi or root:
         options += [f"ro={path}" for path in read_only_paths()] + [f"rw={path}" for path in (work, *SYSTEM_READ_WRITE)]
     program = [sys.executable, "-I", "-u", "main.py"]
     return prefix + [sys.executable, "-I", "-S", os.path.abspath(__file__), *options, "--", *program]
@@ -310,26 +308,60 @@ def _kill_all(proc, pid_namespace: bool) -> None:
         os.close(fd)
 
 
+def _remove_cgroup(path: str) -> None:
+    """Remove the call's pids cgroup once nothing is left in it. With a PID namespace nothing is by now; without,
+    what the program started in a new session is killed here. (A pid just read from cgroup.procs is not reused
+    within this loop: the kernel hands pids out in turn, up to pid_max.)"""
+    import signal
+    import time
+    deadline = time.monotonic() + 30
+    while True:
+        with open(os.path.join(path, "cgroup.procs")) as f:
+            left = [int(pid) for pid in f.read().split()]
+        if not left or time.monotonic() > deadline:
+            os.rmdir(path)  # OSError (EBUSY) if a process did not die within 30 s
+            return
+        for pid in left:
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+        time.sleep(0.01)
+
+
 def run(code: str, timeout_s: float = 10.0, memory_mb: int = 1_024, cpu_s: int = 11, file_size_mb: int = 16,
-        no_network: bool = True, read_bytes: int = 16_000, layers: dict | None = None) -> Result:
+        no_network: bool = True, max_processes: int = 64, read_bytes: int = 16_000,
+        layers: dict | None = None) -> Result:
     """Run `code` as main.py in a fresh temporary working directory (removed afterwards; HOME and TMPDIR point
     there) with a minimal environment, under every layer in `layers` (default: isolation()): RLIMIT_AS = memory_mb,
     RLIMIT_CPU = cpu_s, RLIMIT_FSIZE = file_size_mb per file (the output is captured in a file under the same
-    limit); no_network=False skips the network namespace and Landlock's TCP rules. At timeout_s, and after the
-    program ends, its process group is killed (SIGKILL), and with the PID namespace's init everything it started.
-    Raises OSError only when the program cannot be started: no temporary directory, or the sandbox's set-up failed
-    (the program is never run with fewer layers than asked)."""
+    limit), at most max_processes tasks at once (processes and threads, the sandbox's own included); no_network=False
+    skips the network namespace and Landlock's TCP rules. At timeout_s, and after the program ends, its process group
+    is killed (SIGKILL), and with the PID namespace's init or the pids cgroup everything it started; the cgroup is
+    removed. Raises OSError only when the program cannot be started: no temporary directory, or the sandbox's set-up
+    failed (the program is never run with fewer layers than asked)."""
     import shutil
     import subprocess
     import tempfile
     layers = isolation() if layers is None else layers
     tmp = tempfile.mkdtemp(prefix="aepo_python_")
     work, output_path, status_path = (os.path.join(tmp, name) for name in ("work", "output.txt", "status"))
+    cgroup = ""
     try:
         os.mkdir(work)
         with open(os.path.join(work, "main.py"), "w", encoding="utf-8") as f:
             f.write(code)
-        cmd = command(work, status_path, layers, memory_mb, cpu_s, file_size_mb, no_network)
+        root = os.path.join(tmp, "root") if layers["minimal_root"] and layers["pid_namespace"] else ""
+        if root:
+            os.mkdir(root)  # the mount point of the minimal root's tmpfs
+        if layers["process_limit"] == "pids cgroup":
+            path = os.path.join(pids_cgroup(), os.path.basename(tmp))  # named as the call's directory
+            os.mkdir(path)
+            cgroup = path  # made: removed in `finally`
+            with open(os.path.join(cgroup, "pids.max"), "w") as f:
+                f.write(str(max_processes))
+        cmd = command(work, status_path, layers, memory_mb, cpu_s, file_size_mb, no_network, max_processes, cgroup,
+                      root)
         env = {"PATH": os.environ.get("PATH", "/usr/bin:/bin"), "HOME": work, "TMPDIR": work, "LANG": "C.UTF-8",
                "OMP_NUM_THREADS": "1", "OPENBLAS_NUM_THREADS": "1", "MKL_NUM_THREADS": "1", "MPLBACKEND": "Agg"}
         timed_out = False
@@ -350,9 +382,17 @@ def run(code: str, timeout_s: float = 10.0, memory_mb: int = 1_024, cpu_s: int =
             output = f.read(read_bytes).decode("utf-8", errors="replace")
         if returncode == 125 and output.startswith("sandbox setup failed: "):
             raise OSError(output.strip())
-        return Result(output.replace(work + os.sep, ""), os.path.getsize(output_path), returncode, timed_out)
+        refused = 0
+        if cgroup:  # pids.events: "max N", N the forks refused at pids.max
+            with open(os.path.join(cgroup, "pids.events")) as f:
+                refused = int(dict(line.split() for line in f).get("max", 0))
+        return Result(output.replace(work + os.sep, ""), os.path.getsize(output_path), returncode, timed_out, refused)
     finally:
-        shutil.rmtree(tmp, ignore_errors=True)
+        try:
+            if cgroup:
+                _remove_cgroup(cgroup)
+        finally:
+            shutil.rmtree(tmp, ignore_errors=True)
 
 
 if __name__ == "__main__":

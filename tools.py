@@ -10,7 +10,8 @@ Deviations from the paper / official code:
 1. Malformed calls (unclosed/nested tags, empty or oversized arguments, unknown tools, U+FFFD) become
    "Error: ..." observations the policy can read; the official code passes such text on or drops it.
 2. The python tool runs the code in a sandbox (sandbox.py: rlimits, a private working directory and, where the
-   machine allows, PID and network namespaces and Landlock); the official code only runs a subprocess with a timeout.
+   machine allows, PID and network namespaces, a minimal root, Landlock and a process limit); the official code only
+   runs a subprocess with a timeout.
 3. Results are cached by (tool, argument) within a process, so identical python code returns the cached output
    (code that draws random numbers gives every branch the same draw).
 """
@@ -139,21 +140,27 @@ def format_result(text: str) -> str:
 # Python tool
 # ---------------------------------------------------------------------------------------------------------------
 def _run_python(code: str, timeout_s: float = 10.0, max_output_chars: int = 4_000, memory_mb: int = 1_024,
-                cpu_s: int | None = None, file_size_mb: int = 16, no_network: bool = True) -> tuple[str, str]:
-    """run_python, also returning the status "ok" | "error" (non-zero exit) | "timeout"."""
+                cpu_s: int | None = None, file_size_mb: int = 16, no_network: bool = True,
+                max_processes: int = 64) -> tuple[str, str]:
+    """run_python, also returning the status "ok" | "error" (non-zero exit, or the process limit hit) | "timeout"."""
     try:
         code.encode("utf-8")
     except UnicodeEncodeError as e:
         return f"Error: python code is not valid UTF-8 ({e.reason})", "error"
     cpu = cpu_s if cpu_s is not None else int(timeout_s) + 1
-    result = sandbox.run(code, timeout_s, memory_mb, cpu, file_size_mb, no_network, read_bytes=4 * max_output_chars)
+    result = sandbox.run(code, timeout_s, memory_mb, cpu, file_size_mb, no_network, max_processes,
+                         read_bytes=4 * max_output_chars)
     text = result.output
     if len(text) > max_output_chars or result.size > 4 * max_output_chars:
         text = text[:max_output_chars] + f"\n... [output truncated: {result.size} bytes in total]"
     text = text.rstrip("\n")
+    status = "ok"
+    if result.refused:  # its output may depend on how many processes it got: an error, not cached
+        status = "error"
+        text = ((text + "\n" if text else "") + f"Error: the program hit the process limit ({max_processes}): "
+                f"{result.refused} process creations were refused")
     if result.timed_out:
         return (text + "\n" if text else "") + f"Error: timed out after {timeout_s:g} s", "timeout"
-    status = "ok"
     if result.returncode != 0:
         status = "error"
         if result.returncode < 0:
@@ -167,19 +174,23 @@ def _run_python(code: str, timeout_s: float = 10.0, max_output_chars: int = 4_00
 
 
 def run_python(code: str, timeout_s: float = 10.0, max_output_chars: int = 4_000, memory_mb: int = 1_024,
-               cpu_s: int | None = None, file_size_mb: int = 16, no_network: bool = True) -> str:
+               cpu_s: int | None = None, file_size_mb: int = 16, no_network: bool = True,
+               max_processes: int = 64) -> str:
     """Run `code` as a program in a fresh `sys.executable -I` subprocess inside the sandbox; return its stdout + stderr.
 
     sandbox.run does the running: a private temporary working directory (removed afterwards; HOME and TMPDIR point
     there), a minimal environment, a wall-clock timeout after which everything the program started is killed,
     RLIMIT_AS = memory_mb, RLIMIT_CPU = cpu_s (default timeout + 1 s), RLIMIT_FSIZE = file_size_mb per file, and
     every isolation layer this machine offers (sandbox.isolation(): PID namespace, network namespace unless
-    no_network=False, Landlock: read-only interpreter and system libraries, read-write working directory only).
+    no_network=False, a minimal root, Landlock: read-only interpreter and system libraries, read-write working
+    directory only, and a limit of max_processes processes and threads at once).
     Here the output is cut to max_output_chars and failures become text (tracebacks, "Error: timed out after 10 s",
-    "Error: killed by SIGXCPU (CPU time limit)"); only failing to start the program at all (no temporary directory,
-    no interpreter, a sandbox layer that could not be set up) raises OSError.
+    "Error: killed by SIGXCPU (CPU time limit)", "Error: the program hit the process limit (64): ..."); only failing
+    to start the program at all (no temporary directory, no interpreter, a sandbox layer that could not be set up)
+    raises OSError.
     """
-    return _run_python(code, timeout_s, max_output_chars, memory_mb, cpu_s, file_size_mb, no_network)[0]
+    return _run_python(code, timeout_s, max_output_chars, memory_mb, cpu_s, file_size_mb, no_network,
+                       max_processes)[0]
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -197,7 +208,7 @@ class Tools:
     def __init__(self, search, python_timeout_s: float = 10.0, max_workers: int = 32, search_timeout_s: float = 60.0,
                  cache_size: int = 10_000, python_kw: dict | None = None):
         self.search, self.python_timeout_s, self.search_timeout_s = search, python_timeout_s, search_timeout_s
-        self.python_kw = dict(python_kw or {})  # extra run_python arguments: memory_mb, max_output_chars, ...
+        self.python_kw = dict(python_kw or {})  # extra run_python arguments: memory_mb, max_processes, ...
         self.pool = ThreadPoolExecutor(max_workers=max_workers, thread_name_prefix="aepo-tools")
         self.cache: OrderedDict[tuple[str, str], str] = OrderedDict()
         self.cache_size, self._lock = cache_size, threading.Lock()

@@ -116,7 +116,8 @@ def train(cfg, rank: int, world: int, device: torch.device, state: runlog.RunSta
     search = search_mod.make_search(cfg.search, **search_kw)
     search_mod.check_reachable(search)
     log(config.python_isolation(cfg.python_isolation))                # every rank runs its own python calls
-    tool_runner = tools.Tools(search, python_timeout_s=cfg.python_timeout_s)
+    tool_runner = tools.Tools(search, python_timeout_s=cfg.python_timeout_s,
+                              python_kw={"max_processes": cfg.python_max_processes})
     train_rows = dataset.load_questions(cfg.train_data, tokenizer, cfg.max_prompt_tokens, "train_data", cfg.skip_bad)
     eval_rows = dataset.load_questions(cfg.eval_data, tokenizer, cfg.max_prompt_tokens, "eval_data",
                                        cfg.skip_bad)[:cfg.eval_limit or None] if cfg.eval_data else []

@@ -1,14 +1,18 @@
 """Escape tests for the python tool's sandbox (sandbox.py), through tools.run_python as the policy's code runs: the
 program must not signal or see processes outside, read the trainer's environment, read or write files outside its
-working directory, or reach a loopback port; its limits (memory, file size, CPU, wall clock) hold and nothing it
-started outlives it; ordinary scientific code still runs; strict mode refuses a machine without every layer.
+working directory, or reach a loopback port or a unix socket at a path; its limits (memory, file size, CPU, wall
+clock, number of processes) hold and nothing it started outlives it; ordinary scientific code still runs; strict mode
+refuses a machine without every layer.
 
 Each escape is tried with every available layer (the default) and with each layer that should stop it alone, so a
 second barrier is tested as one. A test needing a layer this machine lacks (a CI container without user
 namespaces or Landlock) skips, naming the layer. No test sends a real signal to -1 or to a process group: on a
 sandbox that does not hold, that would end every process of the user, the test runner included."""
+import ast
 import os
+import re
 import secrets
+import shutil
 import socket
 import subprocess
 import tempfile
@@ -24,12 +28,17 @@ ROOT = Path(__file__).resolve().parents[1]
 LAYERS = sandbox.isolation()
 ABI = LAYERS["landlock_abi"]
 AVAILABLE = {"PID namespace": LAYERS["pid_namespace"], "network namespace": LAYERS["network_namespace"],
-             "Landlock": ABI >= 1, "Landlock TCP rules (ABI 4)": ABI >= 4, "Landlock signal scoping (ABI 6)": ABI >= 6}
-ALONE = {"PID namespace": {"pid_namespace": True, "network_namespace": False, "landlock_abi": 0},
-         "network namespace": {"pid_namespace": False, "network_namespace": True, "landlock_abi": 0},
-         "Landlock": {"pid_namespace": False, "network_namespace": False, "landlock_abi": ABI},
-         "Landlock TCP rules (ABI 4)": {"pid_namespace": False, "network_namespace": False, "landlock_abi": ABI},
-         "Landlock signal scoping (ABI 6)": {"pid_namespace": False, "network_namespace": False, "landlock_abi": ABI}}
+             "minimal root": LAYERS["minimal_root"], "Landlock": ABI >= 1, "Landlock TCP rules (ABI 4)": ABI >= 4,
+             "Landlock signal scoping (ABI 6)": ABI >= 6, "pids cgroup": LAYERS["process_limit"] == "pids cgroup"}
+OFF = {"pid_namespace": False, "network_namespace": False, "minimal_root": False, "landlock_abi": 0,
+       "process_limit": ""}
+ALONE = {"PID namespace": {**OFF, "pid_namespace": True},
+         "network namespace": {**OFF, "network_namespace": True},
+         "minimal root": {**OFF, "pid_namespace": True, "minimal_root": True},  # built in the PID namespace's mounts
+         "Landlock": {**OFF, "landlock_abi": ABI},
+         "Landlock TCP rules (ABI 4)": {**OFF, "landlock_abi": ABI},
+         "Landlock signal scoping (ABI 6)": {**OFF, "landlock_abi": ABI},
+         "pids cgroup": {**OFF, "process_limit": "pids cgroup"}}
 
 
 def use(monkeypatch, layer: str, stoppers: tuple[str, ...]) -> None:
@@ -110,6 +119,14 @@ def test_cannot_read_the_trainers_environment(monkeypatch, layer):
     assert out.startswith("environ: blocked") and "PATH=" not in out, out
 
 
+def test_its_own_environment_holds_none_of_the_trainers_variables(monkeypatch):
+    token = secrets.token_hex(16)
+    monkeypatch.setenv("AEPO_TEST_SECRET", token)  # as SERPER_API_KEY would be
+    out = tools.run_python("import os\nprint(sorted(os.environ))\nprint(repr(dict(os.environ)))")
+    assert "'HOME'" in out  # the probe works: it prints its own variables
+    assert "AEPO_TEST_SECRET" not in out and token not in out, out
+
+
 # ---------------------------------------------------------------------------------------------------------------
 # Files
 # ---------------------------------------------------------------------------------------------------------------
@@ -125,8 +142,10 @@ def test_cannot_read_files_outside_its_directory(monkeypatch, tmp_path, layer):
             + attempt("temporary directory", f"__import__('os').listdir({tempfile.gettempdir()!r})")
             + attempt("own file", "open('main.py').read()"))
     out = tools.run_python(code).splitlines()
-    assert out[:4] == ["planted secret: blocked PermissionError", "project file: blocked PermissionError",
-                       "home directory: blocked PermissionError", "temporary directory: blocked PermissionError"]
+    assert len(out) == 5, out
+    for what, line in zip(["planted secret", "project file", "home directory", "temporary directory"], out):
+        # Landlock refuses the path; in the minimal root most of them do not exist
+        assert line in (f"{what}: blocked PermissionError", f"{what}: blocked FileNotFoundError"), out
     assert out[4].startswith("own file: reached")
     assert token not in "\n".join(out)
 
@@ -139,12 +158,32 @@ def test_cannot_write_outside_its_directory(monkeypatch, tmp_path, layer):
     code += attempt("own directory", "open('scratch.txt', 'w').write('ok')")
     try:
         out = tools.run_python(code).splitlines()
-        assert out == ["write 0: blocked PermissionError", "write 1: blocked PermissionError",
-                       "own directory: reached 2"]
+        assert out[0].startswith("write 0: blocked") and out[1].startswith("write 1: blocked"), out
+        assert out[2] == "own directory: reached 2"
         assert not any(p.exists() for p in escapes)
     finally:
         for p in escapes:
             p.unlink(missing_ok=True)
+
+
+def test_the_minimal_root_holds_only_what_the_program_needs(monkeypatch, tmp_path):
+    use(monkeypatch, "minimal root", ())  # alone: no Landlock behind it
+    (tmp_path / "secret.txt").write_text("x")
+    library = tmp_path / "library"  # a read-only path of our own, standing in for the venv or /usr
+    library.mkdir()
+    read_only = (*sandbox.read_only_paths(), str(library))
+    monkeypatch.setattr(sandbox, "read_only_paths", lambda: read_only)
+    expected = {path.split("/")[1] for path in (*read_only, tempfile.gettempdir(), "/proc", "/dev")}
+    assert set(os.listdir("/")) - expected  # this machine's root holds more (home, run, var, ...)
+    code = ("import os\nprint(sorted(os.listdir('/')))\n"
+            + attempt("planted secret", f"open({str(tmp_path / 'secret.txt')!r}).read()")
+            + attempt("read-only path", f"open({str(library / 'escape.txt')!r}, 'w').write('x')")
+            + attempt("own directory", "open('scratch.txt', 'w').write('ok')"))
+    out = tools.run_python(code).splitlines()
+    assert set(ast.literal_eval(out[0])) == expected
+    assert out[1] == "planted secret: blocked FileNotFoundError"
+    assert out[2].startswith("read-only path: blocked") and not (library / "escape.txt").exists()  # bound read-only
+    assert out[3] == "own directory: reached 2"
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -162,6 +201,39 @@ def test_cannot_connect_to_loopback(monkeypatch, layer):
         action = f"__import__('socket').create_connection(('127.0.0.1', {server.getsockname()[1]}), timeout=10)"
         assert tools.run_python(attempt("loopback", action)).startswith("loopback: blocked")
         assert tools.run_python(attempt("loopback", action), no_network=False).startswith("loopback: reached")
+
+
+@pytest.mark.parametrize("layer", ("all", "minimal root"))
+def test_cannot_connect_to_a_unix_socket_at_a_path(monkeypatch, tmp_path, layer):
+    use(monkeypatch, layer, ("minimal root",))
+    home = tmp_path / "home"  # a user's home directory, where a desktop session or a tool may listen
+    home.mkdir()
+    in_tmp = Path(tempfile.mkdtemp(prefix="aepo_sockets_", dir="/tmp"))  # as Docker's, D-Bus's or a database's
+    servers = []
+    try:
+        for path in (in_tmp / "service.sock", home / ".service.sock"):
+            server = socket.socket(socket.AF_UNIX)
+            servers.append(server)
+            server.bind(str(path))
+            server.listen(8)
+            server.setblocking(False)
+        code = "import socket\n" + "".join(
+            attempt(f"socket {i}", f"socket.socket(socket.AF_UNIX).connect({server.getsockname()!r})")
+            for i, server in enumerate(servers))
+        out = tools.run_python(code).splitlines()
+        assert len(out) == 2 and all(line.startswith(f"socket {i}: blocked") for i, line in enumerate(out)), out
+        for server in servers:
+            with pytest.raises(BlockingIOError):  # no connection is waiting to be accepted
+                server.accept()
+        # the control: every other layer leaves them open (Landlock up to ABI 7 does not guard these sockets)
+        monkeypatch.setattr(sandbox, "isolation", lambda: {**LAYERS, "minimal_root": False})
+        assert tools.run_python(code).splitlines() == ["socket 0: reached None", "socket 1: reached None"]
+        for server in servers:
+            server.accept()[0].close()
+    finally:
+        for server in servers:
+            server.close()
+        shutil.rmtree(in_tmp)
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -216,14 +288,64 @@ def test_timeout_kills_everything_it_started():
             os.kill(pid, 9)
 
 
-@pytest.mark.parametrize("layer", ("all", "PID namespace"))
+@pytest.mark.parametrize("layer", ("all", "PID namespace", "pids cgroup"))
 def test_nothing_outlives_the_program(monkeypatch, layer):
-    use(monkeypatch, layer, ("PID namespace",))  # without it a child in its own session survives
+    use(monkeypatch, layer, ("PID namespace", "pids cgroup"))  # without both, a child in its own session survives
     marker = f"300.{secrets.randbelow(10**6):06d}"
     try:
         assert tools.run_python(spawn_and(marker, "print('done')")) == "started\ndone"
         assert gone(marker)
     finally:
+        for pid in marked_processes(marker):
+            os.kill(pid, 9)
+
+
+SPAWN_LOOPS = {  # each tries to start 300 marked sleeps and prints how many it started and its directory
+    "popen": ("import os, subprocess\nstarted = 0\nfor i in range({n}):\n    try:\n"
+              "        subprocess.Popen(['sleep', '{marker}'])\n        started += 1\n    except OSError:\n"
+              "        pass\nprint('started', started, os.getcwd(), flush=True)"),
+    "fork": ("import os\nstarted = 0\nfor i in range({n}):\n    try:\n        pid = os.fork()\n"
+             "    except OSError:\n        continue\n    if pid == 0:\n        try:\n"
+             "            os.execvp('sleep', ['sleep', '{marker}'])\n        finally:\n            os._exit(1)\n"
+             "    started += 1\nprint('started', started, os.getcwd(), flush=True)")}
+
+
+def check_spawn_loop(out: str, limit: int, marker: str) -> None:
+    """The loop was stopped at `limit` processes, said so, and left neither processes nor its cgroup behind."""
+    first, error = out.splitlines()[0].split(), out.splitlines()[-1]
+    assert first[0] == "started" and 0 < int(first[1]) <= limit, out
+    assert re.fullmatch(rf"Error: the program hit the process limit \({limit}\): \d+ process creations were "
+                        r"refused", error), out
+    assert gone(marker)
+    assert not (Path(sandbox.pids_cgroup()) / Path(first[2]).parent.name).exists()  # named after its directory
+
+
+@pytest.mark.parametrize("loop", SPAWN_LOOPS)
+def test_process_limit_stops_a_spawn_loop(loop):
+    if not AVAILABLE["pids cgroup"]:  # with RLIMIT_NPROC or no limit, nothing counts the refusals
+        pytest.skip("this machine has no pids cgroup the trainer may create (cgroup v1's pids hierarchy as root, "
+                    "or a v2 cgroup whose cgroup.subtree_control lists pids); a spawn loop is not run without one")
+    marker = f"2.{secrets.randbelow(10**6):06d}"
+    try:
+        out, status = tools._run_python(SPAWN_LOOPS[loop].format(n=300, marker=marker), timeout_s=60.0)
+        check_spawn_loop(out, 64, marker)
+        assert status == "error"  # not a timeout: the loop ends at the limit
+    finally:
+        for pid in marked_processes(marker):
+            os.kill(pid, 9)
+
+
+def test_process_limit_is_a_setting_of_the_tools():
+    if not AVAILABLE["pids cgroup"]:
+        pytest.skip("this machine has no pids cgroup the trainer may create")
+    marker = f"2.{secrets.randbelow(10**6):06d}"
+    runner = tools.Tools(search=None, python_kw={"max_processes": 8})
+    try:
+        observations, counts = runner.run([tools.ToolCall("python", SPAWN_LOOPS["popen"].format(n=30, marker=marker))])
+        check_spawn_loop(observations[0], 8, marker)
+        assert counts["python/errors"] == 1 and not runner.cache  # an error: not cached
+    finally:
+        runner.close()
         for pid in marked_processes(marker):
             os.kill(pid, 9)
 
@@ -256,18 +378,25 @@ def test_multiprocessing_uses_a_private_shm():
 # Which layers are active, strict mode, set-up failures
 # ---------------------------------------------------------------------------------------------------------------
 def test_describe_and_strict_mode(monkeypatch):
-    line = sandbox.describe({"pid_namespace": True, "network_namespace": False, "landlock_abi": 6,
-                             "rlimits": ("AS", "CPU", "FSIZE")})
-    assert line == ("python isolation: PID namespace yes | network namespace NO | Landlock ABI 6 (filesystem, TCP, "
-                    "signals and abstract sockets) | rlimits AS, CPU, FSIZE")
+    line = sandbox.describe({"pid_namespace": True, "network_namespace": False, "minimal_root": True,
+                             "landlock_abi": 6, "process_limit": "pids cgroup", "rlimits": ("AS", "CPU", "FSIZE")})
+    assert line == ("python isolation: PID namespace yes | network namespace NO | minimal root yes | Landlock ABI 6 "
+                    "(filesystem, TCP, signals and abstract sockets) | process limit yes (pids cgroup) | rlimits AS, "
+                    "CPU, FSIZE")
     assert "Landlock NO" in sandbox.describe({**LAYERS, "landlock_abi": 0})
+    assert "minimal root NO" in sandbox.describe({**LAYERS, "minimal_root": False})
+    assert "process limit NO" in sandbox.describe({**LAYERS, "process_limit": ""})
     assert sandbox.require("auto") == LAYERS
     with pytest.raises(ValueError, match="unknown python isolation mode 'off'"):
         sandbox.require("off")
-    weak = {"pid_namespace": False, "network_namespace": True, "landlock_abi": 0, "rlimits": ("AS", "CPU", "FSIZE")}
+    weak = {**OFF, "network_namespace": True, "rlimits": ("AS", "CPU", "FSIZE")}
     monkeypatch.setattr(sandbox, "isolation", lambda: weak)
     assert sandbox.require("auto") == weak
-    with pytest.raises(sandbox.IsolationError, match="lacks PID namespace, Landlock \\(PID namespace: `unshare"):
+    with pytest.raises(sandbox.IsolationError, match="lacks PID namespace, minimal root, Landlock, process limit "
+                                                     "\\(PID namespace: `unshare"):
+        sandbox.require("strict")
+    monkeypatch.setattr(sandbox, "isolation", lambda: {**LAYERS, "process_limit": ""})
+    with pytest.raises(sandbox.IsolationError, match="lacks process limit \\(process limit: as root: no pids cgroup"):
         sandbox.require("strict")
 
 
