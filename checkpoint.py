@@ -34,7 +34,7 @@ import torch
 
 import parallel
 import policy as policy_mod
-from config import RunFailure
+from config import RunFailure, stop_requested
 
 
 def checkpoint_dirs(run_dir: Path) -> list[Path]:
@@ -97,10 +97,13 @@ def save(run_dir: Path, step: int, policy, optimizer, tokenizer, *, rank: int, k
     final = Path(run_dir) / "checkpoints" / f"step_{step:06d}"
     tmp = final.with_name(f".tmp_{final.name}")
     failure = None
+    from torch.distributed.checkpoint.api import CheckpointException      # a BaseException: the writers' errors
     try:
         _write(tmp, step, policy, optimizer, tokenizer, rank, config_yaml, info, data_position, export_dtype,
                trainer_state)
-    except (OSError, RuntimeError) as err:           # torch's C++ writers raise RuntimeError on a full disk
+    except (OSError, RuntimeError, CheckpointException) as err:   # torch's C++ writers: RuntimeError on a full disk
+        if stop_requested():
+            raise KeyboardInterrupt from None        # Ctrl-C mid-write: the previous checkpoint stays as it was
         failure = err
     failures = [f for f in parallel.gather(None if failure is None else _reason(failure)) if f]
     if failures:
@@ -108,7 +111,7 @@ def save(run_dir: Path, step: int, policy, optimizer, tokenizer, *, rank: int, k
         if rank == 0:
             shutil.rmtree(tmp, ignore_errors=True)
         parallel.barrier()
-        if isinstance(failure, RuntimeError) and shutil.disk_usage(final.parent).free >= needed:
+        if not isinstance(failure, OSError) and shutil.disk_usage(final.parent).free >= needed:
             raise failure                                  # not the disk: a bug, with its traceback
         raise RunFailure(f"could not write checkpoint {final.name} in {final.parent}: {failures[0]}; it needs about "
                          f"{_size(needed)} and {_size(shutil.disk_usage(final.parent).free)} is free there (free "

@@ -244,12 +244,21 @@ def check_writable(directory: str, flag: str) -> None:
         raise UserError(f"--{flag} {directory}: cannot write in {existing} ({err.strerror or err})") from None
 
 
+STOP = {"signal": None}              # the SIGINT / SIGTERM that is stopping this process (set by run_cli), if any
+
+
+def stop_requested() -> bool:
+    """Whether Ctrl-C or SIGTERM has asked this process to stop (an error raised meanwhile is part of stopping)."""
+    return STOP["signal"] is not None
+
+
 def run_cli(main, argv=None) -> int:
     """Run a command's main(argv) and return its exit code: a UserError becomes one line `error: ...` on stderr (rank
     0 only); Ctrl-C or SIGTERM one line `interrupted: ...` (what was kept, how to continue; main raises Interrupted
     with it) and code 130. A process that lost its peers (another rank stopped) says so in one line. With a process
     group the process then ends at once (os._exit): a collective or a tool call in flight would otherwise hold it."""
-    stop = {"signal": None}
+    stop = STOP
+    stop["signal"] = None
 
     def on_signal(signum, frame):                # the first SIGINT/SIGTERM interrupts, later ones only count
         first = stop["signal"] is None
@@ -270,7 +279,10 @@ def run_cli(main, argv=None) -> int:
     except KeyboardInterrupt:
         stop["signal"] = stop["signal"] or signal.SIGINT
         code = _say(rank, "interrupted", Interrupted.exit_code)
-    except Exception as err:                     # noqa: BLE001 -- a peer's failure or a signal mid-collective
+    except (SystemExit, GeneratorExit):
+        raise
+    except BaseException as err:                 # noqa: BLE001 -- a peer's failure, a signal mid-collective (torch's
+                                                 # checkpoint errors are BaseExceptions)
         if stop["signal"] is None and not lost_peer(err):
             raise                                # a bug: keep its traceback
         code = Interrupted.exit_code if stop["signal"] else 1
@@ -287,6 +299,10 @@ def run_cli(main, argv=None) -> int:
 
 
 def _say(rank: str, line: str, code: int) -> int:
+    """Print `line` on rank 0 after closing the progress bars still open, so it stands alone as the last line."""
+    if "tqdm" in sys.modules:
+        for bar in list(getattr(sys.modules["tqdm"].tqdm, "_instances", ())):
+            bar.close()
     if rank == "0":
         print(line, file=sys.stderr, flush=True)
     return code

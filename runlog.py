@@ -108,6 +108,7 @@ class RunState:
 
     def __init__(self):
         self.run_dir, self.created, self.first_step, self.steps_done, self.steps = None, False, 0, 0, 0
+        self.tools = None                        # the run's tools.Tools, closed however the run ends
 
     def stop(self, cfg, rank: int, world: int) -> str:
         """After an interrupt or a failure: rank 0 removes the folder of a new run that finished no step. Returns

@@ -214,7 +214,9 @@ class Tools:
         self.cache_size, self._lock = cache_size, threading.Lock()
 
     def close(self):
-        self.pool.shutdown(wait=False, cancel_futures=True)
+        """Cancel queued calls and wait for the ones in flight: each ends within its own time limit, and a python
+        call then removes everything its program started (also on Ctrl-C: nothing outlives the trainer)."""
+        self.pool.shutdown(wait=True, cancel_futures=True)
 
     def run(self, calls: list[ToolCall | ToolError]) -> tuple[list[str], dict]:
         """Observation text per call (not yet wrapped by format_result) and counts for logging: per tool

@@ -36,11 +36,6 @@ Deviations from the paper / official code:
 4. Under FSDP2 with the transformers backend, generation runs on an unsharded copy of the policy, refreshed after
    every optimiser step: HF `generate` on a sharded module deadlocks when ranks need different numbers of forward
    calls, which tree rollouts always do. The copy costs one extra set of weights per rank; use vLLM for big models.
-
-The embedded default (configs/embedded.yaml) is sized from measurements on 2 CPU cores: SmolLM2-135M runs a
-forward at ~500 tokens/s and forward+backward at ~150 tokens/s, so a step of 2 questions × k=4 takes ~60-100 s;
-16 steps, a cold start on 21 demonstrations built from the first 24 training questions (RL trains on the other
-176) and a 25-question evaluation before and after fit in ~27 minutes from a fresh cache.
 """
 from __future__ import annotations
 
@@ -83,11 +78,14 @@ def main(argv=None) -> dict:
     state = runlog.RunState()
     try:
         out = train(cfg, rank, world, device, state)
-    except KeyboardInterrupt:                    # Ctrl-C or SIGTERM: one line (config.run_cli prints it)
-        raise config.Interrupted(state.stop(cfg, rank, world)) from None
-    except BaseException:
-        state.stop(cfg, rank, world)              # a new run that finished no step leaves no folder
+    except BaseException as err:                 # a new run that finished no step leaves no folder
+        message = state.stop(cfg, rank, world)
+        if isinstance(err, KeyboardInterrupt) or config.stop_requested():     # Ctrl-C or SIGTERM, maybe mid-write
+            raise config.Interrupted(message) from None                       # one line (config.run_cli prints it)
         raise
+    finally:
+        if state.tools is not None:
+            state.tools.close()
     parallel.close()
     return out
 
@@ -116,7 +114,7 @@ def train(cfg, rank: int, world: int, device: torch.device, state: runlog.RunSta
     search = search_mod.make_search(cfg.search, **search_kw)
     search_mod.check_reachable(search)
     log(config.python_isolation(cfg.python_isolation))                # every rank runs its own python calls
-    tool_runner = tools.Tools(search, python_timeout_s=cfg.python_timeout_s,
+    tool_runner = state.tools = tools.Tools(search, python_timeout_s=cfg.python_timeout_s,
                               python_kw={"max_processes": cfg.python_max_processes})
     train_rows = dataset.load_questions(cfg.train_data, tokenizer, cfg.max_prompt_tokens, "train_data", cfg.skip_bad)
     eval_rows = dataset.load_questions(cfg.eval_data, tokenizer, cfg.max_prompt_tokens, "eval_data",
@@ -298,7 +296,6 @@ def train(cfg, rank: int, world: int, device: torch.device, state: runlog.RunSta
         trees.draw(trees.load(run_dir / "trees.jsonl"), run_dir / "trees.png", f"{run_dir.name}: the last step's trees")
         log(f"run directory: {run_dir}")
     trackers.close()
-    tool_runner.close()
     return {"run_dir": str(run_dir), "last": last, "evals": evals, "steps": steps}
 
 

@@ -169,3 +169,113 @@ def test_search_backend_failing_mid_run_is_named(setup, monkeypatch, capsys):  #
     warning = next(x for x in out.splitlines() if x.startswith("warning: search failed on 4 of 4 calls"))
     assert "HTTPSearch(url=" in warning and "HTTP 500" in warning
     assert search_mod.HTTPSearch(srv.url("/x")).retries == 3                # the check left the backend as it was
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# Ctrl-C: one line, exit code 130, nothing half-kept
+
+
+def interrupt(argv: list[str], ready, timeout: float = 600) -> subprocess.CompletedProcess:
+    """Start `python train.py argv`, wait until ready() (polled), then send SIGINT as Ctrl-C does."""
+    import signal
+    import time
+    proc = subprocess.Popen([sys.executable, "train.py", *argv], cwd=ROOT, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True, env={**__import__("os").environ, "OMP_NUM_THREADS": "1"})
+    deadline = time.time() + timeout
+    while not ready() and proc.poll() is None and time.time() < deadline:
+        time.sleep(0.05)
+    assert proc.poll() is None, "the run ended before it could be interrupted"
+    proc.send_signal(signal.SIGINT)
+    out, err = proc.communicate(timeout=300)
+    return subprocess.CompletedProcess(proc.args, proc.returncode, out, err)
+
+
+def test_ctrl_c_before_the_first_step_leaves_no_folder(setup):  # noqa: F811 -- the fixture
+    """Interrupted during the evaluation before training: one line, code 130, and the new run's folder is gone."""
+    run = setup / "runs" / "ctrlc_early"
+    argv = flags(setup, "ctrlc_early", eval_data=str(setup / "qa.jsonl"), eval_n=8, max_response_tokens=400,
+                 steps=1)
+    proc = interrupt(argv, lambda: (run / "config.yaml").exists())
+    lines = [line for line in proc.stderr.splitlines() if line.startswith(("interrupted", "error", "Traceback"))]
+    assert proc.returncode == 130, proc.stderr[-2000:]
+    assert lines == [f"interrupted: no training step was finished, so {run} was removed (nothing to keep)"], lines
+    assert "Traceback" not in proc.stderr and not run.exists()
+
+
+@pytest.mark.slow
+def test_ctrl_c_after_a_step_says_what_was_kept_and_the_resume_works(setup):  # noqa: F811 -- the fixture
+    run = setup / "runs" / "ctrlc_late"
+    argv = flags(setup, "ctrlc_late", steps=40, save_every=2)
+    metrics = run / "metrics.jsonl"
+    proc = interrupt(argv, lambda: metrics.exists() and len(metrics.read_text().splitlines()) >= 3)
+    assert proc.returncode == 130, proc.stderr[-2000:]
+    line = proc.stderr.strip().splitlines()[-1]
+    assert "Traceback" not in proc.stderr
+    import re
+    found = re.fullmatch(r"interrupted: stopped after step (\d+)/40: (.+) keeps the logs of steps 1-(\d+) and "
+                         r"checkpoint step_(\d+)(?: \(\d+ step\(s\) after it will run again\))?; continue with: "
+                         r"python train\.py --resume true --run_name ctrlc_late --out_dir (.+)", line)
+    assert found, line
+    done, ckpt = int(found.group(1)), int(found.group(4))
+    assert found.group(2) == str(run) and found.group(5) == str(setup / "runs") and ckpt == done - done % 2
+    assert [json.loads(x)["step"] for x in metrics.read_text().splitlines()][-1] >= done
+    resumed = subprocess.run([sys.executable, "train.py", *flags(setup, "ctrlc_late", steps=ckpt + 1, save_every=2),
+                              "--resume", "true"], cwd=ROOT, capture_output=True, text=True, timeout=600)
+    assert resumed.returncode == 0, resumed.stderr[-2000:]
+    assert [json.loads(x)["step"] for x in metrics.read_text().splitlines()] == list(range(1, ckpt + 2))
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# More places a newcomer met a traceback or a silent surprise
+
+
+@pytest.mark.parametrize("kind", ["tensorboard", "wandb", "out_dir is a file", "out_dir unwritable", "abbreviated"])
+def test_more_mistakes_are_caught_before_any_work(kind, setup, tmp_path, capsys, monkeypatch):  # noqa: F811
+    import importlib.util
+    (tmp_path / "a_file").write_text("x")
+    real_find_spec = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec",          # the optional packages are absent here, or made so
+                        lambda name, *a: None if name in ("tensorboard", "wandb") else real_find_spec(name, *a))
+    over, expected = {
+        "tensorboard": ({"tensorboard": "true"}, "--tensorboard needs the tensorboard package: pip install tensorboard"),
+        "wandb": ({"wandb": "true"}, "--wandb needs the wandb package: pip install wandb"),
+        "out_dir is a file": ({"out_dir": tmp_path / "a_file" / "runs"}, "a_file is a file, not a directory"),
+        "out_dir unwritable": ({"out_dir": "/proc/aepo/runs"}, "--out_dir /proc/aepo/runs: cannot write in /proc"),
+        "abbreviated": ({}, "unrecognized arguments: --step"),
+    }[kind]
+    argv = flags(setup, f"more_{kind.replace(' ', '_')}", **over) + (["--step", "8"] if kind == "abbreviated" else [])
+    code, err = cli(capsys, train.main, argv)
+    lines = [line for line in err.splitlines() if line.strip()]
+    assert code == 2 and len(lines) == 1 and expected in lines[0], err
+    assert not (setup / "runs" / f"more_{kind.replace(' ', '_')}").exists()
+
+
+def test_eval_refuses_an_empty_data_file(tmp_path, capsys, setup):  # noqa: F811 -- the fixture
+    (tmp_path / "empty.jsonl").write_text("")
+    code, err = cli(capsys, evaluation.main, ["--model", str(setup / "tiny"), "--data", str(tmp_path / "empty.jsonl"),
+                                              "--out_dir", str(tmp_path / "out")])
+    assert code == 2 and err.strip() == f"error: --data {tmp_path / 'empty.jsonl'}: no questions in it"
+    assert not (tmp_path / "out").exists()
+
+
+def test_resume_keeps_the_runs_own_evaluation_settings(setup, monkeypatch):  # noqa: F811 -- the fixture
+    """--resume without evaluation flags evaluates (and records) the way the run did, not with the defaults."""
+    monkeypatch.setattr(train.reward, "deep_research_reward", fake_reward)
+    argv = flags(setup, "resume_eval", steps=1, eval_data=str(setup / "qa.jsonl"), eval_before="false")
+    run = Path(train.main(argv + ["--eval_limit", "3", "--eval_n", "1"])["run_dir"])
+    resumed = [a for a in argv if not a.startswith("--steps=")] + ["--steps=2", "--resume=true"]
+    train.main(resumed)
+    history = [d for d in yaml.safe_load_all((run / "config_history.yaml").read_text()) if d]
+    assert (history[-1]["eval_limit"], history[-1]["eval_n"]) == (3, 1)
+    after = json.loads((run / "eval" / "after_summary.json").read_text())
+    assert (after["questions"], after["n"]) == (3, 1)
+
+
+def test_trees_of_a_missing_step_is_one_line(tmp_path):
+    (tmp_path / "run").mkdir()
+    (tmp_path / "run" / "trees.jsonl").write_text(json.dumps({"step": 1, "trajectories": []}) + "\n")
+    proc = subprocess.run([sys.executable, "trees.py", str(tmp_path / "run"), "--step", "5"], cwd=ROOT,
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 2
+    assert proc.stderr.strip().splitlines() == [f"error: {tmp_path / 'run' / 'trees.jsonl'}: no trees of step 5 "
+                                                "(steps 1..1)"]

@@ -108,6 +108,7 @@ def _train_worker(rank, world, argv):
     train.main(argv)
 
 
+@pytest.mark.slow
 def test_fsdp_two_processes_resume_exactly(setup):  # noqa: F811 -- the fixture
     """2 steps, then a resume for a third, equals 3 straight steps (metrics and weights); every rank wrote its own
     shard; the export loads with transformers."""
@@ -245,23 +246,25 @@ def test_model_only_checkpoints_resume(setup, monkeypatch, capsys):  # noqa: F81
 
 
 def _metrics_worker(rank, world, out):
-    import datetime
+    import transformers
     import parallel
-    torch.distributed.init_process_group("gloo", timeout=datetime.timedelta(seconds=30))   # a mismatch fails, not hangs
+    parallel.init("cpu", timeout_min=1)        # a collective mismatch then fails within a minute instead of hanging
     try:
         local = {"reward": 1.0 + rank, "n_traj": 4.0}
         if rank == 1:                          # only rank 1 called a tool this step: only it has tool counts
             local.update({"tools/search/calls": 3.0, "tools/search/errors": 1.0})
-        torch.save(parallel.reduce_metrics(local), f"{out}.{rank}")
-        torch.distributed.barrier()
+        bars = transformers.utils.logging.is_progress_bar_enabled()
+        torch.save({"metrics": parallel.reduce_metrics(local), "bars": bars}, f"{out}.{rank}")
     finally:
-        torch.distributed.destroy_process_group()
+        parallel.close()
 
 
 def test_metrics_whose_keys_only_some_ranks_have_are_summed(tmp_path):
     """A tool nobody called on rank 0 has no count there: the all-reduce must still have one length on every rank
-    (the README's 2-process command aborted in gloo with `80 vs 56` bytes when it did not)."""
+    (the README's 2-process command aborted in gloo with `80 vs 56` bytes when it did not). Only rank 0 shows the
+    libraries' progress bars (one "Loading weights" bar, not one per rank)."""
     spawn(_metrics_worker, str(tmp_path / "m"))
     for rank in (0, 1):
         got = torch.load(f"{tmp_path / 'm'}.{rank}")
-        assert got == {"reward": 3.0, "n_traj": 8.0, "tools/search/calls": 3.0, "tools/search/errors": 1.0}
+        assert got["metrics"] == {"reward": 3.0, "n_traj": 8.0, "tools/search/calls": 3.0, "tools/search/errors": 1.0}
+        assert got["bars"] is (rank == 0)
