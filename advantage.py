@@ -6,7 +6,9 @@ Paper: Dong et al., "Agentic Entropy-Balanced Policy Optimization", arXiv:2510.1
 Mechanism: each trajectory's reward is z-scored within the group of k trajectories of its question
 (GRPO) and broadcast to its policy tokens. AEPO then scales each token's advantage by
 1 + alpha·sg(z(H)), where z(H) is the token's entropy z-scored over the batch, so confident-but-wrong
-and uncertain-but-right tokens are weighted apart.
+and uncertain-but-right tokens are weighted apart. The baselines the paper compares against (SPEC §7)
+are here too, as pure functions: Dr. GRPO (`std_norm=False`), REINFORCE++, DAPO's dynamic sampling and
+overlong penalty, and GiGPO's step-level advantage over the tree's shared states.
 
 Deviations from the paper / official code:
 1. H is the old-policy token entropy from the old-log-prob pass, and its mean/std are taken over
@@ -19,15 +21,35 @@ Deviations from the paper / official code:
    than two tokens or zero spread every z is 0.
 3. A group whose rewards are all equal gets exactly 0, not a rounding residue divided by 1e-6; a group of one
    also gets 0 (SPEC §3a: nothing to compare with), where the official code takes the std of one element as 1
-   and gives A = R / (1 + 1e-6).
+   and gives A = R / (1 + 1e-6). The same holds with `std_norm=False` (Dr. GRPO) and for GiGPO's step groups.
+4. REINFORCE++ (arXiv:2501.03262): the return sums r_t over policy tokens only, so a tool result neither
+   adds to it nor cuts it (verl resets the running return at every mask-0 token, which in a multi-turn
+   trajectory would cut it at each tool result). The batch mean/std are passed in (Bessel std + 1e-6; verl
+   whitens with rsqrt(var + 1e-8), OpenRLHF with the population variance).
+5. DAPO dynamic sampling (arXiv:2503.14476) looks at the reward and also drops groups of one, which have A = 0
+   here (verl's DAPO recipe filters on a configurable metric and keeps groups of one).
+6. GiGPO (arXiv:2505.10978): γ = 1 and the reward is the outcome only, so a step's return is its trajectory's
+   reward (GiGPO discounts with γ = 0.95 over steps); a step is a run of policy tokens between tool results; the
+   anchor state of a step is its exact token prefix (no similarity grouping); the episode statistics are over
+   trajectories (verl-agent's default takes them over step rows).
 """
 import torch
 
-from loss import check_finite
+
+def check_finite(name: str, tensor: torch.Tensor) -> None:
+    """Raise ValueError naming `name` and how many of its entries are nan or inf (same as loss.check_finite)."""
+    bad = (~torch.isfinite(tensor)).sum().item() if tensor.is_floating_point() else 0
+    if bad:
+        raise ValueError(f"{name}: {bad} of {tensor.numel()} entries are non-finite (nan/inf)")
 
 
-def group_advantages(rewards: torch.Tensor, group_ids: torch.Tensor) -> torch.Tensor:
-    """Eq.: A_j = (R_j - mean_g R) / (std_g R + 1e-6), std Bessel-corrected, per group g.
+# ---------------------------------------------------------------------------------------------
+# Outcome advantage (SPEC §3a) and the entropy-aware advantage (SPEC §3b)
+
+
+def group_advantages(rewards: torch.Tensor, group_ids: torch.Tensor, std_norm: bool = True) -> torch.Tensor:
+    """Eq.: A_j = (R_j - mean_g R) / (std_g R + 1e-6), std Bessel-corrected, per group g;
+    std_norm=False (Dr. GRPO, verl's norm_adv_by_std_in_grpo=False): A_j = R_j - mean_g R.
 
     rewards: (N,) one scalar reward per trajectory; group_ids: (N,) integer question id of each
     trajectory. Returns (N,) in the rewards' float dtype (float32 for integer rewards); a group of
@@ -46,23 +68,31 @@ def group_advantages(rewards: torch.Tensor, group_ids: torch.Tensor) -> torch.Te
     rmax = torch.full((n_groups,), -torch.inf, dtype=torch.float64).scatter_reduce(0, g, r, "amax")
     rmin = torch.full((n_groups,), torch.inf, dtype=torch.float64).scatter_reduce(0, g, r, "amin")
     flat = (rmax == rmin)[g]                     # all equal, or a group of one
-    adv = torch.where(flat, 0.0, dev / (var.sqrt()[g] + 1e-6))
+    adv = torch.where(flat, 0.0, dev / (var.sqrt()[g] + 1e-6) if std_norm else dev)
     return adv.to(out_dtype)
+
+
+def token_stats(values: torch.Tensor, mask: torch.Tensor, name: str = "values") -> torch.Tensor:
+    """[count, Σ x, Σ x²] over mask-1 tokens, float64 (sum it over micro-batches and ranks).
+
+    values: (B, T) any per-token quantity x (entropy, REINFORCE++ returns); mask: (B, T), 1 = token
+    sampled by the policy; name: what `values` is, for the error message."""
+    if values.shape != mask.shape:
+        raise ValueError(f"{name} {tuple(values.shape)} and mask {tuple(mask.shape)} must have the same shape")
+    x = values.detach().double()[mask.bool()]
+    check_finite(f"{name} (mask-1 tokens)", x)
+    return torch.stack([torch.tensor(float(x.numel()), dtype=torch.float64), x.sum(), (x * x).sum()])
 
 
 def entropy_stats(entropy: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
     """[count, Σ H, Σ H²] over mask-1 tokens, float64 (sum it over micro-batches and ranks).
 
     entropy: (B, T) token entropy; mask: (B, T), 1 = token sampled by the policy."""
-    if entropy.shape != mask.shape:
-        raise ValueError(f"entropy {tuple(entropy.shape)} and mask {tuple(mask.shape)} must have the same shape")
-    h = entropy.detach().double()[mask.bool()]
-    check_finite("entropy (mask-1 tokens)", h)
-    return torch.stack([torch.tensor(float(h.numel()), dtype=torch.float64), h.sum(), (h * h).sum()])
+    return token_stats(entropy, mask, "entropy")
 
 
 def mean_std(stats: torch.Tensor) -> tuple[float, float]:
-    """(mean, std) from `entropy_stats` [count, sum, sumsq]; std is Bessel-corrected.
+    """(mean, std) from `token_stats` / `entropy_stats` [count, sum, sumsq]; std is Bessel-corrected.
 
     count < 2 or zero spread gives std = 1.0 (every z is then 0); count 0 gives mean 0.0."""
     count, total, sumsq = (float(x) for x in stats.double())
@@ -98,3 +128,133 @@ def entropy_weighted_advantages(advantages: torch.Tensor, entropy: torch.Tensor,
     z = z.detach()                                                           # sg(.)
     out = advantages.float() * (1.0 + alpha * z)
     return torch.where(valid, out, 0.0)
+
+
+# ---------------------------------------------------------------------------------------------
+# REINFORCE++ (arXiv:2501.03262): token-level KL in the reward, batch-global normalisation
+
+
+def reinforce_pp_returns(rewards: torch.Tensor, mask: torch.Tensor, old_logp: torch.Tensor | None = None,
+                         ref_logp: torch.Tensor | None = None, beta: float = 0.0) -> torch.Tensor:
+    """Eq.: r_t = -beta·KL_t·m_t + R·[t = last mask-1 token],  KL_t = sg(log π_old(y_t) - log π_ref(y_t)) (k1),
+         G_t = Σ_{t' >= t} r_t'  (γ = 1) at mask-1 tokens, 0 elsewhere.
+
+    rewards: (B,) outcome reward per trajectory; mask: (B, T), 1 = token sampled by the policy (tool-output
+    tokens have r = 0: they neither add to the return nor cut it); old_logp, ref_logp: (B, T) behaviour and
+    reference log-probs (both or neither; neither = no KL). Returns (B, T) float32, no gradient."""
+    if rewards.dim() != 1 or mask.dim() != 2 or mask.shape[0] != rewards.shape[0]:
+        raise ValueError(f"rewards (B,) and mask (B, T) expected, got {tuple(rewards.shape)} and {tuple(mask.shape)}")
+    if (old_logp is None) != (ref_logp is None):
+        raise ValueError("old_logp and ref_logp go together: pass both (KL in the reward) or neither")
+    check_finite("rewards", rewards)
+    valid = mask.bool()
+    r = torch.zeros(mask.shape, dtype=torch.float64, device=mask.device)
+    if ref_logp is not None:
+        for name, t in (("old_logp", old_logp), ("ref_logp", ref_logp)):
+            if t.shape != mask.shape:
+                raise ValueError(f"{name} has shape {tuple(t.shape)}, expected {tuple(mask.shape)} like mask")
+            check_finite(f"{name} (mask-1 tokens)", t[valid])
+        kl = old_logp.double() - ref_logp.double()
+        kl = kl.detach()                                                     # sg(.)
+        r = torch.where(valid, -beta * kl, 0.0)
+    rows = valid.any(1)
+    last = mask.shape[1] - 1 - valid.flip(1).int().argmax(1)                # index of the last mask-1 token
+    r[rows, last[rows]] += rewards.detach().double().to(r.device)[rows]
+    returns = r.flip(1).cumsum(1).flip(1)                                    # Σ_{t' >= t} r_t'
+    return torch.where(valid, returns, 0.0).float()
+
+
+def reinforce_pp_advantages(returns: torch.Tensor, mask: torch.Tensor, mean: float, std: float) -> torch.Tensor:
+    """Eq.: A_t = (G_t - mean) / (std + 1e-6) at mask-1 tokens, 0 elsewhere.
+
+    returns: (B, T) G_t from `reinforce_pp_returns`; mask: (B, T), 1 = token sampled by the policy;
+    mean, std: over all mask-1 tokens of the training batch on all ranks, as verl and OpenRLHF normalise
+    (no per-group baseline): mean_std(all-reduced token_stats(returns, mask)). Returns (B, T) float32."""
+    if returns.shape != mask.shape:
+        raise ValueError(f"returns {tuple(returns.shape)} and mask {tuple(mask.shape)} must have the same shape")
+    if not std > 0:
+        raise ValueError(f"std must be > 0, got {std}")
+    valid = mask.bool()
+    check_finite("returns (mask-1 tokens)", returns[valid])
+    g = returns.detach()                                                     # sg(.)
+    return torch.where(valid, (g.double() - mean) / (std + 1e-6), 0.0).float()
+
+
+# ---------------------------------------------------------------------------------------------
+# DAPO (arXiv:2503.14476): dynamic sampling and overlong reward shaping
+
+
+def dynamic_sampling_mask(rewards: torch.Tensor, group_ids: torch.Tensor) -> torch.Tensor:
+    """Eq.: keep group g iff its rewards are not all equal (std_g R > 0); the trainer refills the batch.
+
+    rewards: (N,) one reward per trajectory; group_ids: (N,) question id. Returns (N,) bool, True for every
+    trajectory of a kept group (a group of one is dropped: its advantage is 0)."""
+    if rewards.dim() != 1 or group_ids.shape != rewards.shape:
+        raise ValueError(f"rewards and group_ids must both be (N,), got {tuple(rewards.shape)} and {tuple(group_ids.shape)}")
+    check_finite("rewards", rewards)
+    _, g = torch.unique(group_ids, return_inverse=True)
+    n_groups = int(g.max().item()) + 1 if g.numel() else 0
+    r = rewards.detach().double()
+    rmax = torch.full((n_groups,), -torch.inf, dtype=torch.float64).scatter_reduce(0, g, r, "amax")
+    rmin = torch.full((n_groups,), torch.inf, dtype=torch.float64).scatter_reduce(0, g, r, "amin")
+    return (rmax > rmin)[g]
+
+
+def overlong_penalty(lengths: torch.Tensor, max_len: int, cache_len: int) -> torch.Tensor:
+    """Eq. (DAPO §3.4, soft overlong punishment), added to the reward:
+         R_len(L) = 0 if L <= L_max - L_cache;  ((L_max - L_cache) - L) / L_cache if L_max - L_cache < L <= L_max;
+                    -1 if L > L_max;  i.e. clamp(((L_max - L_cache) - L) / L_cache, -1, 0).
+
+    lengths: (N,) response length L of each trajectory in tokens (here: len(response_ids), tool results
+    included, against the budget max_len = max_response_tokens); cache_len: L_cache, 0 < L_cache <= L_max.
+    Returns (N,) float32."""
+    if not 0 < cache_len <= max_len:
+        raise ValueError(f"need 0 < cache_len <= max_len, got cache_len={cache_len}, max_len={max_len}")
+    soft = ((max_len - cache_len) - lengths.double()) / cache_len
+    return soft.clamp(-1.0, 0.0).float()
+
+
+# ---------------------------------------------------------------------------------------------
+# GiGPO (arXiv:2505.10978): episode-level plus step-level group advantage over shared states
+
+
+def gigpo_advantages(response_ids: torch.Tensor, mask: torch.Tensor, group_ids: torch.Tensor, rewards: torch.Tensor,
+                     omega: float = 1.0, std_norm: bool = True) -> torch.Tensor:
+    """Eq.: A_{j,t} = A^E_j + omega·A^S_{j,s(t)} at mask-1 tokens, 0 elsewhere, where
+         A^E_j = group_advantages(R)_j over the question's trajectories (episode level),
+         A^S_{j,s} = group_advantages over the step group of step s of trajectory j: the trajectories i of the
+                     same question with ids_i[:s] == ids_j[:s] (the same state: in the tree, j and the branches
+                     forked from its path at or after s), each scored by its own R (γ = 1),
+         a step s(t) = the start of the run of mask-1 tokens holding t (a policy segment between tool results).
+    A step whose state nobody else reached gets A^S = 0; the first step (s = 0) is shared by the whole question.
+
+    response_ids: (B, T) int token ids aligned with mask (response-only, or the trainer's input_ids[:, 1:] since
+    a question's prompt is the same for all its trajectories; padding never reaches a compared prefix);
+    mask: (B, T), 1 = token sampled by the policy; group_ids: (B,) question id; rewards: (B,) outcome reward;
+    omega: step-advantage weight; std_norm: divide by the group std (False: verl-agent's "mean_norm").
+    Returns (B, T) float32, no gradient."""
+    if response_ids.shape != mask.shape or group_ids.shape != rewards.shape or rewards.shape != mask.shape[:1]:
+        raise ValueError(f"need response_ids and mask (B, T), group_ids and rewards (B,); got "
+                         f"{tuple(response_ids.shape)}, {tuple(mask.shape)}, {tuple(group_ids.shape)}, {tuple(rewards.shape)}")
+    rewards = rewards.detach()                                               # sg(.)
+    valid = mask.bool()
+    starts = valid & ~torch.nn.functional.pad(valid, (1, 0))[:, :-1]         # first token of each run of mask 1
+    owner, first, step_key = [], [], []                                     # one entry per step
+    for question in group_ids.unique().tolist():
+        rows = (group_ids == question).nonzero().flatten()
+        ids = response_ids[rows]
+        shared = (ids[:, None, :] == ids[None, :, :]).int().cumprod(-1).sum(-1)   # (k, k) common prefix lengths
+        for k, row in enumerate(rows.tolist()):
+            for start in starts[row].nonzero().flatten().tolist():
+                same_state = int((shared[k] >= start).nonzero()[0])         # first of the question in this state
+                owner.append(row)
+                first.append(start)
+                step_key.append((question, start, same_state))
+    key_index = {key: i for i, key in enumerate(dict.fromkeys(step_key))}
+    step_adv = group_advantages(rewards[owner], torch.tensor([key_index[k] for k in step_key]), std_norm)
+    step_of = torch.zeros(mask.shape, dtype=torch.long)                      # which step each position is in
+    step_of[owner, first] = torch.arange(1, len(owner) + 1)
+    step_of = step_of.cummax(1).values
+    per_token = torch.cat([torch.zeros(1), step_adv.float()])[step_of]
+    episode = group_advantages(rewards, group_ids, std_norm).float()
+    return torch.where(valid, episode[:, None] + omega * per_token, 0.0)

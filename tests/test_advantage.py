@@ -1,5 +1,10 @@
-"""advantage.py: GRPO group advantages and the entropy-aware advantage (values, sg on gradient)."""
+"""advantage.py: GRPO group advantages and the entropy-aware advantage (values, sg on gradient), and the baselines'
+advantages: Dr. GRPO, REINFORCE++, DAPO's dynamic sampling and overlong penalty, GiGPO (values by hand)."""
 import math
+import statistics
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -104,3 +109,150 @@ def test_entropy_weighted_advantages_bad_inputs():
         A.entropy_weighted_advantages(torch.zeros(1), h, torch.tensor([[1, 0]]), 0.0, 1.0)
     assert torch.equal(A.entropy_weighted_advantages(torch.ones(1), h, torch.tensor([[0, 1]]), 0.0, 1.0),
                        torch.tensor([[0.0, 1.0]]))
+
+
+def test_advantage_module_imports_alone():
+    """advantage.py needs no other module of the project (it has its own check_finite)."""
+    code = "import sys, advantage; assert 'loss' not in sys.modules, sorted(m for m in sys.modules if '.' not in m)"
+    root = Path(__file__).resolve().parents[1]
+    done = subprocess.run([sys.executable, "-c", code], cwd=root, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+
+
+# ---------------------------------------------------------------------------------------------
+# Baselines (SPEC §7)
+
+
+def test_dr_grpo_subtracts_the_mean_without_dividing_by_the_std():
+    rewards = torch.tensor([1.0, 0.0, 0.5, 2.0, 0.3, 0.3, 0.3, 7.0])
+    groups = torch.tensor([5, 5, 5, 9, 9, 2, 2, 11])
+    adv = A.group_advantages(rewards, groups, std_norm=False)
+    # group 5: mean 0.5; group 9: mean 1.15; equal rewards and a group of one: exactly 0
+    assert torch.allclose(adv, torch.tensor([0.5, -0.5, 0.0, 0.85, -0.85, 0.0, 0.0, 0.0]))
+    assert torch.all(adv[5:] == 0)
+    assert torch.equal(A.group_advantages(rewards, groups, std_norm=True), A.group_advantages(rewards, groups))
+
+
+def _rpp_inputs():
+    mask = torch.tensor([[1, 1, 0, 1, 0], [1, 0, 1, 1, 1], [0, 0, 0, 0, 0]])
+    old = torch.tensor([[0.1, 0.2, 9.0, 0.3, float("inf")], [0.2, 0.0, -0.4, 0.0, 0.2], [0.0] * 5])
+    return torch.tensor([1.0, -1.0, 5.0]), mask, old, torch.zeros(3, 5)
+
+
+def test_reinforce_pp_returns_by_hand():
+    """r_t = -β·(old - ref) at policy tokens, R added at the last one, G_t = Σ_{t'>=t} r_t'. β = 0.5:
+    row 0: r = (-.05, -.1, [tool], -.15 + 1) -> G = (.70, .75, 0, .85, 0); row 1: r = (-.1, [tool], .2, 0, -.1 - 1)
+    -> G = (-1.0, 0, -.9, -1.1, -1.1); a row without policy tokens has no return (its R goes nowhere)."""
+    rewards, mask, old, ref = _rpp_inputs()
+    g = A.reinforce_pp_returns(rewards, mask, old, ref, beta=0.5)
+    expected = torch.tensor([[0.70, 0.75, 0.0, 0.85, 0.0], [-1.0, 0.0, -0.9, -1.1, -1.1], [0.0] * 5])
+    assert g.dtype == torch.float32 and torch.allclose(g, expected, atol=1e-6)
+    # no KL: G = R at every policy token (the tool token in row 0 does not cut the return)
+    g0 = A.reinforce_pp_returns(rewards, mask)
+    assert torch.equal(g0, torch.tensor([[1.0, 1.0, 0.0, 1.0, 0.0], [-1.0, 0.0, -1.0, -1.0, -1.0], [0.0] * 5]))
+    with pytest.raises(ValueError, match="go together"):
+        A.reinforce_pp_returns(rewards, mask, old)
+    bad = old.clone()
+    bad[1, 2] = float("nan")
+    with pytest.raises(ValueError, match=r"old_logp \(mask-1 tokens\): 1 of"):
+        A.reinforce_pp_returns(rewards, mask, bad, ref, beta=0.5)
+
+
+def test_reinforce_pp_advantages_normalise_over_the_batch_and_carry_no_gradient():
+    rewards, mask, old, ref = _rpp_inputs()
+    old = old.clone().requires_grad_()
+    g = A.reinforce_pp_returns(rewards, mask, old, ref, beta=0.5)
+    assert not g.requires_grad                                       # sg(.): the KL in the reward is a constant
+    values = [0.70, 0.75, 0.85, -1.0, -0.9, -1.1, -1.1]              # the mask-1 returns, by hand above
+    mean, std = statistics.mean(values), statistics.stdev(values)
+    stats = A.token_stats(g[:1], mask[:1]) + A.token_stats(g[1:], mask[1:])     # summed over "ranks"
+    got_mean, got_std = A.mean_std(stats)
+    assert got_mean == pytest.approx(mean, abs=1e-6) and got_std == pytest.approx(std, abs=1e-6)
+    adv = A.reinforce_pp_advantages(g.requires_grad_(), mask, got_mean, got_std)
+    assert not adv.requires_grad
+    expected = torch.zeros(3, 5)
+    expected[mask.bool()] = torch.tensor([(v - mean) / (std + 1e-6) for v in values])
+    assert torch.allclose(adv, expected, atol=1e-5)
+    # row by row (micro-batches, ranks) with the global statistics: the same advantages
+    parts = torch.cat([A.reinforce_pp_advantages(g[i:i + 1], mask[i:i + 1], got_mean, got_std) for i in range(3)])
+    assert torch.equal(parts, adv)
+    with pytest.raises(ValueError, match="std"):
+        A.reinforce_pp_advantages(g, mask, 0.0, 0.0)
+
+
+def test_dapo_dynamic_sampling_keeps_groups_whose_rewards_differ():
+    rewards = torch.tensor([1.0, 0.0, 1.0, 0.5, 0.5, 3.0, 0.0, 0.0, 1e-9])
+    groups = torch.tensor([0, 0, 0, 1, 1, 2, 3, 3, 3])
+    keep = A.dynamic_sampling_mask(rewards, groups)
+    assert keep.dtype == torch.bool
+    assert keep.tolist() == [True, True, True, False, False, False, True, True, True]
+
+
+def test_dapo_overlong_penalty_by_hand():
+    """L_max = 20, L_cache = 4: 0 up to 16, then -1/4 per token, -1 at 20 and beyond."""
+    lengths = torch.tensor([10, 16, 17, 18, 20, 25])
+    penalty = A.overlong_penalty(lengths, max_len=20, cache_len=4)
+    assert torch.allclose(penalty, torch.tensor([0.0, 0.0, -0.25, -0.5, -1.0, -1.0]))
+    for cache in (0, 21):
+        with pytest.raises(ValueError, match="cache_len"):
+            A.overlong_penalty(lengths, 20, cache)
+
+
+def _tree():
+    """Question 0: a (global), b branched from a at offset 5, c branched from b at offset 8 (a branch of a
+    branch), d global. Question 1: e, f with the same first 5 tokens as a (another question: never merged).
+    Tool results (mask 0) at offsets 3-4 and 7; 0 pads."""
+    a = [10, 11, 12, 90, 91, 13, 14, 92, 15, 16]
+    b = a[:5] + [20, 21, 93, 22, 23]
+    c = b[:8] + [30, 31]
+    d = [40, 41, 42, 94, 95, 43, 44, 0, 0, 0]
+    e = a[:5] + [50, 0, 0, 0, 0]
+    f = a[:5] + [51, 0, 0, 0, 0]
+    full = [1, 1, 1, 0, 0, 1, 1, 0, 1, 1]
+    mask = torch.tensor([full, full, full, full[:7] + [0, 0, 0], full[:6] + [0] * 4, full[:6] + [0] * 4])
+    rewards = torch.tensor([1.0, 0.0, 0.5, 0.0, 1.0, 0.0])
+    return torch.tensor([a, b, c, d, e, f]), mask, torch.tensor([0, 0, 0, 0, 1, 1]), rewards
+
+
+def test_gigpo_step_groups_on_a_hand_built_tree():
+    """std_norm=False (mean only), omega = 1. Episode: q0 mean .375 -> a .625, b -.375, c .125, d -.375; q1 mean .5.
+    Steps of q0: s=0 {a,b,c,d} (= episode); s=5 {a,b,c} (share 5 tokens) mean .5 -> a .5, b -.5, c 0;
+    d's s=5 state is its own -> 0; s=8: a alone -> 0, {b,c} mean .25 -> b -.25, c .25.
+    q1: s=0 and s=5 {e,f} mean .5 (a shares those 5 tokens but is another question)."""
+    ids, mask, groups, rewards = _tree()
+    adv = A.gigpo_advantages(ids, mask, groups, rewards, omega=1.0, std_norm=False)
+    s0, s5, s8 = [0, 1, 2], [5, 6], [8, 9]
+    expected = torch.zeros(6, 10)
+    for row, (v0, v5, v8) in enumerate([(1.25, 1.125, 0.625), (-0.75, -0.875, -0.625), (0.25, 0.125, 0.375),
+                                        (-0.75, -0.375, 0.0), (1.0, 1.0, 0.0), (-1.0, -1.0, 0.0)]):
+        expected[row, s0], expected[row, s5], expected[row, s8] = v0, v5, v8
+    expected *= mask
+    assert adv.dtype == torch.float32 and torch.allclose(adv, expected, atol=1e-6)
+
+
+def test_gigpo_with_std_and_omega_and_aligned_prompts():
+    ids, mask, groups, rewards = _tree()
+    adv = A.gigpo_advantages(ids, mask, groups, rewards, omega=0.5)
+    sd = statistics.stdev
+    ep_c = (0.5 - 0.375) / (sd([1, 0, 0.5, 0]) + 1e-6)
+    assert adv[2, 0].item() == pytest.approx(ep_c + 0.5 * ep_c, abs=1e-5)                     # s=0 group = question
+    assert adv[0, 5].item() == pytest.approx((0.625 / (sd([1, 0, 0.5, 0]) + 1e-6)) + 0.5 * 0.5 / (0.5 + 1e-6), abs=1e-5)
+    assert adv[2, 5].item() == pytest.approx(ep_c, abs=1e-5)                                   # c is the {a,b,c} mean
+    assert adv[2, 9].item() == pytest.approx(ep_c + 0.5 * 0.25 / (sd([0, 0.5]) + 1e-6), abs=1e-5)
+    assert adv[0, 9].item() == pytest.approx(0.625 / (sd([1, 0, 0.5, 0]) + 1e-6), abs=1e-5)    # a alone at s=8
+    # omega = 0: the episode advantage (GRPO) on every policy token
+    plain = A.gigpo_advantages(ids, mask, groups, rewards, omega=0.0)
+    assert torch.allclose(plain, A.group_advantages(rewards, groups)[:, None] * mask)
+    # the trainer's layout: each question's prompt in front (mask 0), same for all its trajectories
+    prompt = torch.tensor([[7, 7, 7]] * 4 + [[8, 8, 8]] * 2)
+    shifted = A.gigpo_advantages(torch.cat([prompt, ids], 1), torch.cat([torch.zeros(6, 3, dtype=torch.long), mask], 1),
+                                 groups, rewards, omega=0.5)
+    assert torch.equal(shifted[:, 3:], adv) and torch.all(shifted[:, :3] == 0)
+
+
+def test_gigpo_advantages_are_constants():
+    ids, mask, groups, rewards = _tree()
+    out = A.gigpo_advantages(ids, mask, groups, rewards.clone().requires_grad_())
+    assert not out.requires_grad
+    with pytest.raises(ValueError, match="response_ids"):
+        A.gigpo_advantages(ids[:, :5], mask, groups, rewards)
