@@ -6,7 +6,9 @@ Paper: Dong et al., "Agentic Entropy-Balanced Policy Optimization", arXiv:2510.1
 Mechanism: the PPO/GRPO clipped surrogate drops the gradient of every token whose ratio overshoots
 the upper bound, and those are mostly high-entropy, exploratory tokens. AEPO writes the upper bound
 as (1+eps_high)·r/sg(r), which equals 1+eps_high in value but keeps a bounded gradient (weight
-1+eps_high) for those tokens; everything else is the dual-clip PPO objective.
+1+eps_high) for those tokens; everything else is the dual-clip PPO objective. The baselines the paper
+compares against (SPEC §7) are switches of the same function: GPPO's lower sg bound, CISPO, the entropy
+bonus and verl's loss aggregations.
 
 Deviations from the paper / official code:
 1. The loss is a token sum divided by `n_valid`, the number of loss-mask-1 tokens of the whole
@@ -20,6 +22,10 @@ Deviations from the paper / official code:
    materialises the full logits.
 4. The optional KL term (off by default, as in the paper) is verl's `low_var_kl`: the k3 estimate clamped to
    [-10, 10], as in the official code.
+5. The baselines' switches (SPEC §7: GPPO's lower sg bound, CISPO, the entropy bonus, verl's loss
+   aggregations) follow the same rule as 1: every normaliser (N_valid, the sequence count N_seq, the constant
+   length L of seq-mean-token-sum-norm) is global and passed in. verl 0.4 aggregates per micro-batch and, for
+   seq-mean-token-sum-norm, divides by the padded length of the micro-batch rather than by a constant.
 """
 import torch
 
@@ -163,32 +169,81 @@ def logprobs_and_entropy(hidden: torch.Tensor, weight: torch.Tensor, ids: torch.
 # Entropy-balanced policy loss (SPEC §4)
 
 
+LOSS_AGGS = ("token-mean", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm")
+
+
+def aggregate(values, mask, n_valid, loss_agg="token-mean", n_seqs=None, max_len=None, scale=1.0):
+    """verl's loss aggregations, with every normaliser global and passed in:
+
+    token-mean:              scale · Σ_{b,t} x·m / N_valid
+    seq-mean-token-sum:      scale · Σ_b (Σ_t x·m) / N_seq
+    seq-mean-token-mean:     scale · Σ_b (Σ_t x·m / n_b) / N_seq,   n_b = Σ_t m_{b,t} (this row's own count)
+    seq-mean-token-sum-norm: scale · Σ_{b,t} x·m / (N_seq · L)       (Dr. GRPO: a constant divisor)
+    values: (B, T) per-token x; mask: (B, T), 1 = token sampled by the policy; n_valid: N_valid, mask-1 tokens
+    of the whole optimiser mini-batch on all ranks; n_seqs: N_seq, its sequences (seq-mean-*); max_len: L, a
+    constant such as max_response_tokens (seq-mean-token-sum-norm); scale: the coefficient in front (-1 for
+    the policy loss, kl_coef, -entropy_coeff). A sequence is never split, so n_b is local. Returns 0-d."""
+    if loss_agg not in LOSS_AGGS:
+        raise ValueError(f"loss_agg must be one of {', '.join(LOSS_AGGS)}; got {loss_agg!r}")
+    masked = torch.where(mask.bool(), values, 0.0)
+    if loss_agg == "token-mean":
+        return scale * masked.sum() / n_valid
+    if not (n_seqs is not None and n_seqs > 0):
+        raise ValueError(f"loss_agg={loss_agg!r} needs n_seqs > 0 (global count of sequences), got {n_seqs}")
+    if loss_agg == "seq-mean-token-mean":
+        total = (masked.sum(-1) / mask.sum(-1).clamp(min=1)).sum()
+    else:
+        total = masked.sum()
+    if loss_agg == "seq-mean-token-sum-norm":
+        if not (max_len is not None and max_len > 0):
+            raise ValueError(f"loss_agg='seq-mean-token-sum-norm' needs max_len > 0 (a constant length), got {max_len}")
+        return scale * total / (float(n_seqs) * float(max_len))
+    return scale * total / float(n_seqs)
+
+
 def policy_loss(logp, old_logp, advantages, mask, n_valid, eps_low=0.2, eps_high=0.2, clip_c=3.0,
-                sg_clip=True, ref_logp=None, kl_coef=0.0):
-    """AEPO clipped surrogate with stop-gradient upper bound and dual clip.
+                sg_clip=True, ref_logp=None, kl_coef=0.0, *, sg_clip_low=False, cispo=False, entropy=None,
+                entropy_coeff=0.0, loss_agg="token-mean", n_seqs=None, max_len=None):
+    """AEPO clipped surrogate with stop-gradient upper bound and dual clip, and the baselines' switches.
 
     Eq.: r = exp(logp - old_logp),  upper = (1+eps_high)·r/sg(r)  (sg_clip) or 1+eps_high,
-         J = min(r·Ã, clip(r, 1-eps_low, upper)·Ã);  J = max(J, clip_c·Ã) where Ã < 0,
-         loss = -Σ J·mask / n_valid  (+ kl_coef·Σ k3·mask / n_valid),
-         k3 = clamp(e^(ref-logp) - (ref-logp) - 1, -10, 10)  (verl's low_var_kl).
+         lower = (1-eps_low)·r/sg(r)  (sg_clip_low, GPPO) or 1-eps_low,
+         J = min(r·Ã, clip(r, lower, upper)·Ã);  J = max(J, clip_c·Ã) where Ã < 0,
+         CISPO (cispo): J = sg(clip(r, 1-eps_low, 1+eps_high))·Ã·logp  (no min, no dual clip),
+         loss = aggregate(-J) + kl_coef·aggregate(k3) - entropy_coeff·aggregate(H),
+         k3 = clamp(e^(ref-logp) - (ref-logp) - 1, -10, 10)  (verl's low_var_kl);
+         aggregate = token-mean Σ·mask / n_valid by default (`aggregate` lists verl's other modes).
     logp: (B, T) current-policy log-probs (carry gradient); old_logp: (B, T) behaviour-policy
     log-probs; advantages: (B, T) per-token Ã; mask: (B, T), 1 = token sampled by the policy
     (counts in the loss), 0 = prompt/tool output/padding; n_valid: number of mask-1 tokens of the
     whole optimiser mini-batch over all micro-batches and ranks; ref_logp: (B, T) frozen reference
-    log-probs (its k3 is always reported; it enters the loss only when kl_coef > 0).
-    Per-token gradient: ∂loss/∂logp = -F·Ã·mask/n_valid with F = 1+eps_high (sg_clip, Ã>0,
-    r>1+eps_high), 0 for the other clipped cases, r otherwise.
+    log-probs (its k3 is always reported; it enters the loss only when kl_coef > 0); entropy: (B, T)
+    current-policy token entropy H, with its gradient (`logprobs_and_entropy`); it enters the loss only
+    when entropy_coeff != 0; loss_agg, n_seqs, max_len: see `aggregate`. GPPO = sg_clip and sg_clip_low;
+    CISPO ignores sg_clip, sg_clip_low and clip_c (MiniMax-M1 sets no lower bound: eps_low >= 1).
+    The two sg bounds never meet the dual clip: it acts where Ã < 0 and r > clip_c (> 1), the lower
+    bound where r < 1-eps_low, so Ã < 0 ∧ r > clip_c still gets no gradient under GPPO.
+    Per-token gradient (token-mean): ∂loss/∂logp = -F·Ã·mask/n_valid with F = 1+eps_high (sg_clip,
+    Ã>0, r>1+eps_high), 1-eps_low (sg_clip_low, Ã<0, r<1-eps_low), 0 for the other clipped cases and
+    the dual clip, r otherwise; under CISPO F = clip(r, 1-eps_low, 1+eps_high) for every token.
 
     Returns (loss 0-d, metrics). Metrics are detached 0-d float64 sums over this call's mask-1
     tokens: "n_tokens" (count), "clip_upper" (Ã>0, r>1+eps_high), "clip_lower" (Ã<0, r<1-eps_low),
-    "clip_dual" (Ã<0, r>clip_c), "sg_kept" (upper-clipped tokens whose gradient sg(.) kept),
+    "clip_dual" (Ã<0, r>clip_c), "out_high" (r>1+eps_high) and "out_low" (r<1-eps_low), whatever Ã
+    (CISPO's clipped IS weights); these count regions, the same for every variant. What the variant
+    did there: "sg_kept" (upper-clipped tokens whose gradient was kept: sg_clip or cispo),
+    "clip_low_kept" (lower-clipped tokens whose gradient was kept: sg_clip_low or cispo),
+    "grad_dropped" (tokens whose gradient the clip or dual clip set to exactly 0; 0 under CISPO;
+    the ±20 log-ratio clamp, not counted here, also leaves a token without gradient);
     "approx_kl" (k3 estimate of KL(π_old‖π_θ): r - 1 - log r), "ratio" (r), "kl_ref" (k3 to the
-    reference, 0 without one); sum them over micro-batches/ranks and divide by the global count.
-    "pg_loss" and "kl_loss" are this call's additive contributions to the loss (already / n_valid).
+    reference, 0 without one), "entropy" (H, 0 without it); sum them over micro-batches/ranks and
+    divide by the global count. "pg_loss", "kl_loss" and "entropy_loss" are this call's additive
+    contributions to the loss (already aggregated).
     """
     shape = logp.shape
     for name, t in (("old_logp", old_logp), ("advantages", advantages), ("mask", mask)) + \
-            ((("ref_logp", ref_logp),) if ref_logp is not None else ()):
+            ((("ref_logp", ref_logp),) if ref_logp is not None else ()) + \
+            ((("entropy", entropy),) if entropy is not None else ()):
         if t.shape != shape:
             raise ValueError(f"{name} has shape {tuple(t.shape)}, expected {tuple(shape)} like logp")
     for name, t in (("logp", logp), ("old_logp", old_logp), ("advantages", advantages), ("mask", mask)):
@@ -196,20 +251,26 @@ def policy_loss(logp, old_logp, advantages, mask, n_valid, eps_low=0.2, eps_high
     n_valid = float(n_valid)
     if not n_valid > 0:
         raise ValueError(f"n_valid must be > 0 (global count of mask-1 tokens), got {n_valid}")
+    agg = dict(n_valid=n_valid, loss_agg=loss_agg, n_seqs=n_seqs, max_len=max_len)
     valid = mask.bool()
     adv = advantages.float()
 
     log_ratio = torch.where(valid, (logp.float() - old_logp.float()).clamp(-20.0, 20.0), 0.0)
     r = torch.exp(log_ratio)
     r_sg = r.detach()                                                        # sg(.)
-    upper = (1.0 + eps_high) * r / r_sg if sg_clip else torch.full_like(r, 1.0 + eps_high)
-    # clip(r, 1-eps_low, upper) written with where so the gradient of `upper` survives past the bound
-    r_clip = torch.where(r_sg > 1.0 + eps_high, upper, torch.where(r_sg < 1.0 - eps_low, 1.0 - eps_low, r))
-    surr, surr_clip = r * adv, r_clip * adv
-    j = torch.where(surr <= surr_clip, surr, surr_clip)                      # min(r·Ã, clip(r)·Ã)
-    dual = (adv < 0) & (j < clip_c * adv)
-    j = torch.where(dual, clip_c * adv, j)                                   # max(J, c·Ã) for Ã < 0
-    pg_loss = -torch.where(valid, j, 0.0).sum() / n_valid
+    if cispo:
+        is_weight = r_sg.clamp(1.0 - eps_low, 1.0 + eps_high)               # sg(clip(r)): built from sg(r)
+        j = is_weight * adv * logp.float()
+    else:
+        upper = (1.0 + eps_high) * r / r_sg if sg_clip else torch.full_like(r, 1.0 + eps_high)
+        lower = (1.0 - eps_low) * r / r_sg if sg_clip_low else 1.0 - eps_low
+        # clip(r, lower, upper) written with where so the gradient of an sg bound survives past it
+        r_clip = torch.where(r_sg > 1.0 + eps_high, upper, torch.where(r_sg < 1.0 - eps_low, lower, r))
+        surr, surr_clip = r * adv, r_clip * adv
+        j = torch.where(surr <= surr_clip, surr, surr_clip)                  # min(r·Ã, clip(r)·Ã)
+        dual = (adv < 0) & (j < clip_c * adv)
+        j = torch.where(dual, clip_c * adv, j)                               # max(J, c·Ã) for Ã < 0
+    pg_loss = aggregate(j, valid, scale=-1.0, **agg)
     loss = pg_loss
 
     kl_ref = torch.zeros((), dtype=torch.float32, device=logp.device)
@@ -220,24 +281,43 @@ def policy_loss(logp, old_logp, advantages, mask, n_valid, eps_low=0.2, eps_high
         k3 = (torch.exp(d) - d - 1.0).clamp(-10.0, 10.0)                     # KL(π_θ‖π_ref), k3 (low_var_kl)
         kl_ref = torch.where(valid, k3, 0.0).sum()
         if kl_coef:
-            kl_loss = kl_coef * kl_ref / n_valid
+            kl_loss = aggregate(k3, valid, scale=kl_coef, **agg)
             loss = loss + kl_loss
+
+    entropy_sum = torch.zeros_like(kl_ref)
+    entropy_loss = torch.zeros_like(kl_ref)
+    if entropy is not None:
+        check_finite("entropy (mask-1 tokens)", entropy[valid])
+        entropy_sum = torch.where(valid, entropy.float(), 0.0).sum()
+        if entropy_coeff:
+            entropy_loss = aggregate(entropy.float(), valid, scale=-entropy_coeff, **agg)   # bonus: -c·H
+            loss = loss + entropy_loss
 
     with torch.no_grad():
         m = valid.double()
         rd = r_sg.double()
         pos, neg = (adv > 0).double() * m, (adv < 0).double() * m
         clip_upper = (pos * (rd > 1.0 + eps_high)).sum()
+        clip_lower = (neg * (rd < 1.0 - eps_low)).sum()
+        clip_dual = (neg * (rd > clip_c)).sum()
+        zero = torch.zeros_like(clip_upper)
+        dropped = clip_dual + (zero if sg_clip else clip_upper) + (zero if sg_clip_low else clip_lower)
         metrics = {
             "n_tokens": m.sum(),
             "clip_upper": clip_upper,
-            "clip_lower": (neg * (rd < 1.0 - eps_low)).sum(),
-            "clip_dual": (neg * (rd > clip_c)).sum(),
-            "sg_kept": clip_upper.clone() if sg_clip else torch.zeros_like(clip_upper),
+            "clip_lower": clip_lower,
+            "clip_dual": clip_dual,
+            "out_high": (m * (rd > 1.0 + eps_high)).sum(),
+            "out_low": (m * (rd < 1.0 - eps_low)).sum(),
+            "sg_kept": clip_upper.clone() if sg_clip or cispo else zero.clone(),
+            "clip_low_kept": clip_lower.clone() if sg_clip_low or cispo else zero.clone(),
+            "grad_dropped": zero.clone() if cispo else dropped,
             "approx_kl": ((rd - 1.0 - log_ratio.detach().double()) * m).sum(),
             "ratio": (rd * m).sum(),
             "kl_ref": kl_ref.detach().double(),
+            "entropy": entropy_sum.detach().double(),
             "pg_loss": pg_loss.detach().double(),
             "kl_loss": kl_loss.detach().double(),
+            "entropy_loss": entropy_loss.detach().double(),
         }
     return loss, metrics

@@ -1,4 +1,5 @@
-"""loss.py: entropy / log-prob definitions, the chunked path, and the AEPO loss's values and gradients."""
+"""loss.py: entropy / log-prob definitions, the chunked path, and the AEPO loss's values and gradients; the baselines'
+switches (GPPO, CISPO, the entropy bonus, verl's loss aggregations) by hand, gradient weights re-derived per case."""
 import math
 
 import pytest
@@ -339,3 +340,216 @@ def test_pg_loss_metric_excludes_the_kl_term():
     assert m["pg_loss"].item() == pytest.approx(-0.125, abs=1e-7)
     assert m["kl_loss"].item() == pytest.approx(kl, rel=1e-6) and kl == pytest.approx(0.10310, abs=1e-5)
     assert loss.item() == pytest.approx(-0.125 + kl, rel=1e-6)
+
+
+# ---------------------------------------------------------------------------------------------
+# Baselines (SPEC §7): GPPO, CISPO, the entropy bonus, verl's loss aggregations
+
+VARIANTS = {"ppo": dict(sg_clip=False), "aepo": dict(sg_clip=True),
+            "gppo": dict(sg_clip=True, sg_clip_low=True), "cispo": dict(sg_clip=False, cispo=True)}
+
+
+@pytest.mark.parametrize("r,a,f_ppo,f_aepo,f_gppo,f_cispo", [
+    (1.5, 1.0, 0.0, 1.2, 1.2, 1.2),      # A > 0, r > 1 + eps_high: CISPO's weight is clip(r) = 1.2
+    (0.5, -1.0, 0.0, 0.0, 0.8, 0.8),     # A < 0, r < 1 - eps_low: GPPO keeps weight 1 - eps_low
+    (4.0, -1.0, 0.0, 0.0, 0.0, 1.2),     # A < 0, r > clip_c: the dual clip zeroes GPPO too; CISPO has none
+    (2.0, -1.0, 2.0, 2.0, 2.0, 1.2),     # A < 0, 1 + eps_high < r < clip_c: min picks r·A
+    (1.1, 1.0, 1.1, 1.1, 1.1, 1.1),      # inside the trust region
+    (0.9, -1.0, 0.9, 0.9, 0.9, 0.9),     # inside, negative advantage
+    (0.5, 2.0, 0.5, 0.5, 0.5, 0.8),      # A > 0, r < 1 - eps_low: min picks r·A; CISPO clips the weight up
+    (1.5, -0.5, 1.5, 1.5, 1.5, 1.2),     # A < 0, r > 1 + eps_high: r·A; CISPO clips the weight down
+])
+def test_gradient_table_of_the_baselines(r, a, f_ppo, f_aepo, f_gppo, f_cispo):
+    """∂loss/∂log π = −F·A/N_valid, F by hand per case (ε_l = ε_h = 0.2, c = 3)."""
+    for name, f in zip(VARIANTS, (f_ppo, f_aepo, f_gppo, f_cispo)):
+        assert _grad_weight(r, a, **VARIANTS[name]) == pytest.approx(f, abs=1e-6), name
+
+
+def test_gppo_lower_bound_and_dual_clip_interaction():
+    """The lower sg bound acts where r < 1 − ε_l, the dual clip where r > c: with the dual clip off (c huge) a negative
+    token at r = 4 keeps weight r; with c = 3 it has none, whatever sg_clip_low says."""
+    gppo = VARIANTS["gppo"]
+    assert _grad_weight(4.0, -1.0, **gppo, clip_c=1e9) == pytest.approx(4.0, abs=1e-5)
+    assert _grad_weight(4.0, -1.0, **gppo, clip_c=3.0) == 0.0
+    assert _grad_weight(0.5, -1.0, **gppo, eps_low=0.3) == pytest.approx(0.7, abs=1e-6)
+    assert _grad_weight(0.5, -1.0, sg_clip=False, sg_clip_low=True) == pytest.approx(0.8, abs=1e-6)   # lower half alone
+    assert _grad_weight(1.5, 1.0, sg_clip=False, sg_clip_low=True) == 0.0
+
+
+def test_cispo_bounds_like_minimax_no_lower_bound():
+    """MiniMax-M1 sets ε_low large (no lower bound) and tunes ε_high: eps_low = 1 gives weight r below 1."""
+    for r in (0.5, 0.01):
+        assert _grad_weight(r, -1.0, False, cispo=True, eps_low=1.0) == pytest.approx(r, rel=1e-5)
+    assert _grad_weight(4.0, -1.0, False, cispo=True, eps_low=1.0, eps_high=0.28) == pytest.approx(1.28, abs=1e-6)
+
+
+def test_gppo_value_is_ppo_and_gradient_differs_only_on_lower_clipped_tokens():
+    torch.manual_seed(7)
+    logp = (torch.randn(4, 32) * 0.6).requires_grad_()
+    old, adv = torch.randn(4, 32) * 0.6, torch.randn(4, 32)
+    mask = (torch.rand(4, 32) > 0.2).float()
+    ref = _textbook_ppo(logp, old, adv, mask, 77.0)
+    (g_ref,) = torch.autograd.grad(ref, logp)
+    loss, _ = L.policy_loss(logp, old, adv, mask, 77.0, **VARIANTS["gppo"])
+    (g,) = torch.autograd.grad(loss, logp)
+    r = torch.exp(logp - old).detach()
+    up = (adv > 0) & (r > 1.2) & (mask > 0)
+    low = (adv < 0) & (r < 0.8) & (mask > 0)
+    assert up.any() and low.any() and torch.allclose(loss, ref, atol=1e-6)
+    assert torch.allclose(g[~(up | low)], g_ref[~(up | low)], atol=1e-7)
+    assert torch.allclose(g[up], -1.2 * adv[up] / 77.0, atol=1e-7)
+    assert torch.allclose(g[low], -0.8 * adv[low] / 77.0, atol=1e-7)
+
+
+def test_cispo_value_and_gradient_by_hand():
+    """log π_old = −1, r = (1.5, 0.5, 1.1), A = (1, −1, 2): clip(r) = (1.2, 0.8, 1.1) and log π = log r − 1, so
+    J = 1.2·(log 1.5 − 1) − 0.8·(log 0.5 − 1) + 2.2·(log 1.1 − 1) = −1.349242, loss = −J/4;
+    ∂loss/∂log π = −clip(r)·A/4: the weight is a constant, no gradient through the ratio (inside the clip too)."""
+    r = torch.tensor([[1.5, 0.5, 1.1]])
+    logp = (r.log() - 1.0).requires_grad_()
+    adv = torch.tensor([[1.0, -1.0, 2.0]])
+    loss, m = L.policy_loss(logp, torch.full((1, 3), -1.0), adv, torch.ones(1, 3), 4, cispo=True)
+    j = 1.2 * (math.log(1.5) - 1) - 0.8 * (math.log(0.5) - 1) + 2.2 * (math.log(1.1) - 1)
+    assert loss.item() == pytest.approx(-j / 4, abs=1e-6) and j == pytest.approx(-1.349242, abs=1e-6)
+    assert m["pg_loss"].item() == pytest.approx(-j / 4, abs=1e-6)
+    loss.backward()
+    assert torch.allclose(logp.grad, torch.tensor([[-1.2 / 4, 0.8 / 4, -2.2 / 4]]), atol=1e-7)
+
+
+def test_clip_metrics_per_variant_by_hand():
+    """Seven tokens, one per region: (r, A) = (1.5, 1) upper, (0.5, −1) lower, (4, −1) dual, (1.1, 1) inside,
+    (1.5, −.5) above 1+ε_h but not clipped (A < 0), (0.5, 2) below 1−ε_l (A > 0), (1, 0) no advantage.
+    grad_dropped also equals the tokens with A ≠ 0 whose gradient autograd finds exactly 0."""
+    r = torch.tensor([[1.5, 0.5, 4.0, 1.1, 1.5, 0.5, 1.0]])
+    adv = torch.tensor([[1.0, -1.0, -1.0, 1.0, -0.5, 2.0, 0.0]])
+    expected = {"ppo": (0, 0, 3), "aepo": (1, 0, 2), "gppo": (1, 1, 1), "cispo": (1, 1, 0)}
+    for name, (sg_kept, low_kept, dropped) in expected.items():
+        logp = r.log().requires_grad_()
+        loss, m = L.policy_loss(logp, torch.zeros(1, 7), adv, torch.ones(1, 7), 7, **VARIANTS[name])
+        loss.backward()
+        count = {key: v.item() for key, v in m.items()}
+        assert (count["clip_upper"], count["clip_lower"], count["clip_dual"]) == (1, 1, 1), name
+        assert (count["out_high"], count["out_low"]) == (3, 2), name
+        assert (count["sg_kept"], count["clip_low_kept"], count["grad_dropped"]) == (sg_kept, low_kept, dropped), name
+        assert count["grad_dropped"] == ((logp.grad == 0) & (adv != 0)).sum().item(), name
+        assert all(not v.requires_grad and v.dim() == 0 and v.dtype == torch.float64 for v in m.values())
+
+
+# aggregation by hand: r = 1 so J = A; rows (1, 2, 3, [9]) and (4, [9, 9, 9]), brackets = mask 0; N_valid = 4,
+# N_seq = 2, L = 8 (a constant, not the padded width 4)
+AGG_CASES = [  # loss_agg, value, per-token weight of rows 0 and 1 (∂loss/∂log π = −A·w)
+    ("token-mean", -10 / 4, (1 / 4, 1 / 4)),
+    ("seq-mean-token-sum", -10 / 2, (1 / 2, 1 / 2)),
+    ("seq-mean-token-mean", -(6 / 3 + 4 / 1) / 2, (1 / 6, 1 / 2)),
+    ("seq-mean-token-sum-norm", -10 / (2 * 8), (1 / 16, 1 / 16)),
+]
+
+
+@pytest.mark.parametrize("loss_agg,value,weights", AGG_CASES)
+def test_loss_aggregations_by_hand(loss_agg, value, weights):
+    adv = torch.tensor([[1.0, 2.0, 3.0, 9.0], [4.0, 9.0, 9.0, 9.0]])
+    mask = torch.tensor([[1.0, 1.0, 1.0, 0.0], [1.0, 0.0, 0.0, 0.0]])
+    logp = torch.zeros(2, 4, requires_grad=True)
+    loss, m = L.policy_loss(logp, torch.zeros(2, 4), adv, mask, 4, loss_agg=loss_agg, n_seqs=2, max_len=8)
+    assert loss.item() == pytest.approx(value, abs=1e-6) and m["pg_loss"].item() == pytest.approx(value, abs=1e-6)
+    loss.backward()
+    w = torch.tensor(weights)[:, None] * mask
+    assert torch.allclose(logp.grad, -adv * w, atol=1e-7)
+
+
+@pytest.mark.parametrize("loss_agg", L.LOSS_AGGS)
+def test_every_aggregation_gives_the_same_gradient_over_micro_batches(loss_agg):
+    """Policy, KL and entropy terms together; uneven micro-batches, each padded to its own width (row 3, a micro-batch
+    of its own, is 10 tokens long), with the global N_valid, N_seq and L."""
+    torch.manual_seed(8)
+    logp = (torch.randn(8, 20) * 0.5).requires_grad_()
+    ent = (torch.rand(8, 20) * 2).requires_grad_()
+    old, adv, ref = torch.randn(8, 20) * 0.5, torch.randn(8, 20), torch.randn(8, 20) * 0.5
+    mask = (torch.rand(8, 20) > 0.3).float()
+    mask[3, 10:] = 0
+    kw = dict(kl_coef=0.1, entropy_coeff=0.01, loss_agg=loss_agg, n_seqs=8, max_len=32, sg_clip_low=True)
+    full, _ = L.policy_loss(logp, old, adv, mask, mask.sum(), ref_logp=ref, entropy=ent, **kw)
+    g_full = torch.autograd.grad(full, (logp, ent))
+    acc, total = [torch.zeros_like(logp), torch.zeros_like(ent)], 0.0
+    for rows in (slice(0, 3), slice(3, 4), slice(4, 8)):
+        width = int(mask[rows].nonzero()[:, 1].max()) + 1                # this micro-batch's own padding
+        sl = (rows, slice(0, width))
+        part, part_h = logp.detach()[sl].clone().requires_grad_(), ent.detach()[sl].clone().requires_grad_()
+        l, _ = L.policy_loss(part, old[sl], adv[sl], mask[sl], mask.sum(), ref_logp=ref[sl], entropy=part_h, **kw)
+        l.backward()
+        acc[0][sl], acc[1][sl] = part.grad, part_h.grad
+        total += l.item()
+    assert total == pytest.approx(full.item(), abs=1e-6)
+    assert torch.allclose(acc[0], g_full[0], atol=1e-7) and torch.allclose(acc[1], g_full[1], atol=1e-7)
+
+
+def test_kl_and_entropy_use_the_same_aggregation():
+    """seq-mean-token-mean, A = 0: kl = 0.5·(k3_a/2 + k3_b/1)/2 with k3 at ref − logp = −0.5 (twice) and 1;
+    entropy bonus = −0.1·((1 + 2)/2 + 4/1)/2."""
+    logp = torch.tensor([[-1.0, -1.0, -2.0], [-2.0, 5.0, 5.0]])
+    ref = torch.tensor([[-1.5, -1.5, -9.0], [-1.0, 0.0, 0.0]])
+    mask = torch.tensor([[1.0, 1.0, 0.0], [1.0, 0.0, 0.0]])
+    ent = torch.tensor([[1.0, 2.0, 7.0], [4.0, 7.0, 7.0]])
+    loss, m = L.policy_loss(logp, logp, torch.zeros(2, 3), mask, 3, ref_logp=ref, kl_coef=0.5, entropy=ent,
+                            entropy_coeff=0.1, loss_agg="seq-mean-token-mean", n_seqs=2)
+    k_half, k_one = math.exp(-0.5) - 0.5, math.e - 2.0
+    kl = 0.5 * ((2 * k_half) / 2 + k_one / 1) / 2
+    bonus = -0.1 * ((1 + 2) / 2 + 4 / 1) / 2
+    assert m["kl_loss"].item() == pytest.approx(kl, rel=1e-6)
+    assert m["entropy_loss"].item() == pytest.approx(bonus, rel=1e-6) and m["entropy"].item() == 7.0
+    assert loss.item() == pytest.approx(kl + bonus, rel=1e-6)
+
+
+def test_bad_loss_aggregation_raises():
+    z, one = torch.zeros(1, 2), torch.ones(1, 2)
+    with pytest.raises(ValueError, match="loss_agg must be one of token-mean, seq-mean-token-sum"):
+        L.policy_loss(z, z, z, one, 2, loss_agg="seq-mean")
+    with pytest.raises(ValueError, match="needs n_seqs"):
+        L.policy_loss(z, z, z, one, 2, loss_agg="seq-mean-token-mean")
+    with pytest.raises(ValueError, match="needs max_len"):
+        L.policy_loss(z, z, z, one, 2, loss_agg="seq-mean-token-sum-norm", n_seqs=1)
+
+
+def test_entropy_bonus_gradient_is_minus_coeff_times_dH_dz():
+    """With A = 0 the loss is −c·Σ H·m/N_valid. Its gradient on the logits is −c·(m/N)·∂H/∂z with, by hand,
+    ∂H/∂z = −p ⊙ (log p + H); also equal to autograd through token_entropy on the full logits, and the chunked
+    path from hidden states gives the same gradient. A small step down the loss raises the entropy."""
+    torch.manual_seed(9)
+    z = (torch.randn(2, 5, 11) * 2).requires_grad_()
+    ids = torch.randint(0, 11, (2, 5))
+    mask = torch.tensor([[1.0, 1.0, 0.0, 1.0, 0.0], [1.0, 1.0, 1.0, 0.0, 0.0]])
+    c, n = 0.3, 6.0
+    h = L.token_entropy(z)
+    loss, m = L.policy_loss(L.token_logprobs(z, ids), L.token_logprobs(z, ids).detach(), torch.zeros(2, 5), mask, n,
+                            entropy=h, entropy_coeff=c)
+    assert loss.item() == pytest.approx(-c * (h * mask).sum().item() / n, rel=1e-6)
+    assert m["entropy"].item() == pytest.approx((h * mask).sum().item(), rel=1e-6)
+    (g,) = torch.autograd.grad(loss, z)
+    logp_all = torch.log_softmax(z.detach(), -1)
+    dh_dz = -logp_all.exp() * (logp_all + h.detach()[..., None])
+    assert torch.allclose(g, -c * (mask / n)[..., None] * dh_dz, atol=1e-6)
+    (g_auto,) = torch.autograd.grad((L.token_entropy(z) * mask).sum(), z)
+    assert torch.allclose(g, -c / n * g_auto, atol=1e-6)
+    # the chunked path (hidden states, LM head) gives the same gradient as the full logits
+    hidden = torch.randn(10, 4, requires_grad=True)
+    weight = torch.randn(11, 4, requires_grad=True)
+    flat_ids, flat_mask = ids.reshape(-1), mask.reshape(1, -1)
+    grads = []
+    for path in ("chunked", "full"):
+        if path == "chunked":
+            lp, ent = L.logprobs_and_entropy(hidden, weight, flat_ids, chunk_size=3)
+        else:
+            logits = hidden @ weight.T
+            lp, ent = L.token_logprobs(logits, flat_ids), L.token_entropy(logits)
+        l, _ = L.policy_loss(lp[None], lp.detach()[None], torch.zeros(1, 10), flat_mask, n, entropy=ent[None],
+                             entropy_coeff=c)
+        grads.append(torch.autograd.grad(l, (hidden, weight)))
+    assert all(torch.allclose(a, b, atol=1e-5) for a, b in zip(*grads))
+    # descending the loss raises the entropy of the masked tokens
+    with torch.no_grad():
+        h_after = L.token_entropy(z - 1.0 * g)
+    assert (h_after * mask).sum() > (h * mask).sum()
+    # entropy_coeff = 0: reported, not in the loss
+    loss0, m0 = L.policy_loss(L.token_logprobs(z, ids), L.token_logprobs(z, ids).detach(), torch.zeros(2, 5), mask, n,
+                              entropy=h)
+    assert loss0.item() == 0.0 and m0["entropy_loss"].item() == 0.0 and m0["entropy"].item() > 0
