@@ -30,10 +30,23 @@ def init(device: str = "auto", timeout_min: int = 120) -> tuple[int, int, torch.
     return dist.get_rank(), dist.get_world_size(), torch.device("cuda", local_rank) if use_cuda else torch.device("cpu")
 
 
+_ON_CLOSE = []
+
+
+def on_close(fn) -> None:
+    """Run fn() in close(), after the last barrier and before leaving the process group (a vLLM engine's shutdown
+    destroys the process groups it made and the default one: generation.VLLMGenerator.close)."""
+    _ON_CLOSE.append(fn)
+
+
 def close() -> None:
-    """Leave the process group (a barrier first: without it some gloo runs abort at exit)."""
+    """Leave the process group (a barrier first: without it some gloo runs abort at exit), after the on_close
+    functions, newest first."""
     if dist.is_initialized():
         dist.barrier()
+    while _ON_CLOSE:
+        _ON_CLOSE.pop()()
+    if dist.is_initialized():
         dist.destroy_process_group()
 
 
