@@ -18,10 +18,11 @@ import torch.distributed as dist
 
 
 def init(device: str = "auto", timeout_min: int = 120) -> tuple[int, int, torch.device]:
-    """(rank, world size, device) of this process. Under torchrun (WORLD_SIZE > 1) joins the process group, nccl
-    on GPUs and gloo on CPUs, and pins rank r to cuda:LOCAL_RANK. device: auto (cuda if available) | cpu | cuda."""
+    """(rank, world size, device) of this process. Under torchrun (RANK set, any number of processes) joins the
+    process group, nccl on GPUs and gloo on CPUs, and pins rank r to cuda:LOCAL_RANK (one process under torchrun thus
+    has a group of one, which `--parallel fsdp` shards over). device: auto (cuda if available) | cpu | cuda."""
     use_cuda = device == "cuda" or (device == "auto" and torch.cuda.is_available())
-    if int(os.environ.get("WORLD_SIZE", "1")) <= 1:
+    if "RANK" not in os.environ and int(os.environ.get("WORLD_SIZE", "1")) <= 1:
         return 0, 1, torch.device("cuda", torch.cuda.current_device()) if use_cuda else torch.device("cpu")
     local_rank = int(os.environ.get("LOCAL_RANK", "0"))
     if use_cuda:

@@ -68,8 +68,8 @@ import runlog
 import search as search_mod
 import tools
 import trees
-from policy import (full_named_parameters, load_lm, load_policy, load_tokenizer, no_grad_sync, optimizer_step,
-                    tensorize, unwrap)
+from policy import (full_named_parameters, is_sharded, load_lm, load_policy, load_tokenizer, no_grad_sync,
+                    optimizer_step, tensorize, unwrap)
 
 # ---------------------------------------------------------------------------------------------------------------------
 # The training run
@@ -149,7 +149,7 @@ def train(cfg, rank: int, world: int, device: torch.device) -> dict:
         parallel.on_close(generator.close)       # the engine shuts down before the process group is left
         seed_all(cfg.seed + rank)                # building the engine re-seeded the global RNGs
     else:
-        gen_lm = load_lm(init_path, device) if world > 1 and cfg.parallel == "fsdp" else unwrap(policy).lm
+        gen_lm = load_lm(init_path, device) if is_sharded(policy) else unwrap(policy).lm
         generator = generation.TransformersGenerator(gen_lm, tokenizer, temperature=cfg.temperature,
                                                      top_p=cfg.top_p, batch_size=cfg.gen_batch_size)
 
