@@ -50,6 +50,7 @@ import torch
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
+import policy as policy_mod  # noqa: E402
 import tools  # noqa: E402
 
 SPECIAL_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
@@ -163,11 +164,23 @@ def run_training(model_dir: Path, tmp: Path, steps: int, device: str) -> tuple[b
     questions = [json.loads(line) for line in (ROOT / "data" / "qa_train.jsonl").read_text().splitlines() if line]
     (tmp / "replay.json").write_text(json.dumps({q["query"]: f"Page 1: {q['title']}: {q['question']} "
                                                              f"{' / '.join(q['answer'])}." for q in questions}))
+    sharded, load_policy = [], train.load_policy
+
+    def recording_load_policy(*args, **kwargs):   # how train.py placed the policy
+        policy = load_policy(*args, **kwargs)
+        sharded.append(policy_mod.is_sharded(policy))
+        return policy
+
+    train.load_policy = recording_load_policy
     try:
         train.main(train_argv(model_dir, tmp, steps, device))
     except (Exception, SystemExit) as err:        # a failed check, with the traceback (bad flags exit)
         traceback.print_exc()
         return False, f"train.main raised {type(err).__name__}: {str(err)[:150]}", []
+    finally:
+        train.load_policy = load_policy
+    if sharded != [True]:
+        return False, f"the policy was not placed by FSDP2 (is_sharded per load: {sharded})", []
     run_dir = tmp / "runs" / "gpu_check"
     rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     ckpt = run_dir / "checkpoints" / f"step_{steps:06d}"
