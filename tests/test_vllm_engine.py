@@ -130,7 +130,7 @@ def test_train_with_vllm_on_cpu_one_and_two_processes(cache, tmp_path):
     """The README's vLLM-on-CPU commands, 2 steps each (the 2-process run starts from the cold start the first made):
     exit 0, no traceback, metrics of 2 steps with tool calls and branches, the engine shut down cleanly."""
     root, _ = cache
-    env = {**os.environ, "AEPO_CACHE": str(root), "TOKENIZERS_PARALLELISM": "false", "OMP_NUM_THREADS": "1"}
+    env = {**os.environ, "AEPO_CACHE": str(root), "TOKENIZERS_PARALLELISM": "false"}
     rows = {}
     for i, command in enumerate(VLLM_ON_CPU):
         extra = QUICK + ["--out_dir", str(tmp_path / f"runs{i}")]
