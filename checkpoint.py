@@ -4,8 +4,9 @@ Paper: Dong et al., "Agentic Entropy-Balanced Policy Optimization", arXiv:2510.1
 is how a run of §3's training survives a crash and hands its model to evaluation and to vLLM.
 
 A checkpoint `runs/<name>/checkpoints/step_NNNNNN/` holds
-- the exported model at its top level (config.json, model.safetensors, tokenizer files): `from_pretrained(dir)` and
-  `vllm.LLM(dir)` load it as is; float32, or bfloat16 with `--bf16` (what vLLM generates with);
+- the exported model at its top level (config.json, generation_config.json, model.safetensors, tokenizer files):
+  `from_pretrained(dir)` and `vllm.LLM(dir)` load it as is; float32, or bfloat16 with `--bf16` (what vLLM generates
+  with), and config.json says which;
 - `trainer/`: every rank's shard of the float32 model and of the AdamW state, written and read by each rank itself
   (`torch.distributed.checkpoint`, so no rank gathers the optimiser state and another world size can read it);
 - `trainer_state.pt`: step, data position, every rank's RNG states; `config.yaml`, `run_info.json`.
@@ -21,6 +22,7 @@ Deviations from the paper / official code:
 from __future__ import annotations
 
 import contextlib
+import copy
 import json
 import os
 import random
@@ -66,6 +68,9 @@ def _write_export(policy, tokenizer, out: Path, rank: int, dtype) -> None:
     if rank == 0:
         lm = policy_mod.unwrap(policy).lm
         lm.save_pretrained(out, state_dict=state)
+        config = copy.deepcopy(lm.config)        # save_pretrained writes the float32 master model's dtype
+        config.dtype = dtype
+        config.save_pretrained(out)              # so `dtype="auto"` loaders (vLLM, --resume) read the export's
         tokenizer.save_pretrained(out)
 
 

@@ -77,9 +77,11 @@ class Config:
     top_p: float = arg(1.0, "rollout nucleus sampling")
     max_response_tokens: int = arg(256, "response budget per trajectory: policy tokens + tool results "
                                         "(official 6192 / 4096) [embedded]")
-    backend: str = arg("transformers", "generation backend: transformers | vllm (GPU; one colocated engine per rank)")
+    backend: str = arg("transformers", "generation backend: transformers | vllm (GPUs, or vLLM's CPU build; one "
+                                       "colocated engine per rank)")
     gen_batch_size: int = arg(64, "contexts per transformers generate call")
-    vllm_gpu_memory_utilization: float = arg(0.4, "fraction of GPU memory the colocated vLLM engine may take")
+    vllm_gpu_memory_utilization: float = arg(0.4, "fraction of GPU memory the colocated vLLM engine may take (vLLM's "
+                                                  "CPU build: a 2 GiB KV cache instead)")
     # optimisation (SPEC §3-§4, §6)
     questions_per_step: int = arg(2, "questions per training step, all ranks together (official 64 / 128) [embedded]")
     mini_batch_size: int = arg(1, "questions per optimiser step; questions_per_step / mini_batch_size optimiser "

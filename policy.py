@@ -52,6 +52,12 @@ def unwrap(policy) -> Policy:
     return policy.module if isinstance(policy, torch.nn.parallel.DistributedDataParallel) else policy
 
 
+def is_sharded(policy) -> bool:
+    """Placed by FSDP2 (its parameters are DTensors), on any number of processes."""
+    from torch.distributed.fsdp import FSDPModule
+    return isinstance(unwrap(policy), FSDPModule)
+
+
 def load_tokenizer(path: str):
     from transformers import AutoTokenizer
     try:
@@ -109,11 +115,12 @@ def shard(policy: Policy, bf16: bool) -> Policy:
 
 def load_policy(path: str, world: int, device, parallel: str = "ddp", bf16: bool = False, rank: int = 0,
                 gradient_checkpointing: bool = False):
-    """The Policy around the model at `path`, float32 parameters, placed for `world` processes:
-    1 -> plain; ddp -> DistributedDataParallel (each rank loads the whole model); fsdp -> FSDP2-sharded, built on the
-    meta device and filled from rank 0's copy (read in the checkpoint's dtype), so only rank 0 ever reads the file.
-    A collective under FSDP2: every rank calls it. gradient_checkpointing: recompute activations in backward."""
-    if world == 1 or parallel == "ddp":
+    """The Policy around the model at `path`, float32 parameters, placed for `world` processes: no process group ->
+    plain; ddp -> DistributedDataParallel (each rank loads the whole model; plain with one process); fsdp with a
+    process group (also of one process: `torchrun --nproc_per_node=1`) -> FSDP2-sharded, built on the meta device and
+    filled from rank 0's copy (read in the checkpoint's dtype), so only rank 0 ever reads the weights file. A
+    collective under FSDP2: every rank calls it. gradient_checkpointing: recompute activations in backward."""
+    if parallel == "ddp" or not torch.distributed.is_initialized():
         policy = Policy(load_lm(path, device))
         if gradient_checkpointing:
             enable_gradient_checkpointing(policy.lm)
@@ -122,13 +129,17 @@ def load_policy(path: str, world: int, device, parallel: str = "ddp", bf16: bool
         return torch.nn.parallel.DistributedDataParallel(policy, device_ids=[device.index] if device.type == "cuda"
                                                          else None)
     from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
-    from transformers import AutoConfig, AutoModelForCausalLM
+    from transformers import AutoConfig, AutoModelForCausalLM, GenerationConfig
     try:
         config = AutoConfig.from_pretrained(path)
     except OSError as err:
         raise UserError(f"could not load the model {path}: {' '.join(str(err).split())[:200]}") from None
     with params_on_meta():
         lm = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    try:                                         # from_config derives one from config.json (Qwen3: 1 EOS id of 2)
+        lm.generation_config = GenerationConfig.from_pretrained(path)
+    except OSError:
+        pass                                     # the model has none: keep the derived one
     if gradient_checkpointing:
         enable_gradient_checkpointing(lm)
     buffers = {name: b.clone() for name, b in lm.named_buffers()}

@@ -63,8 +63,8 @@ import runlog
 import search as search_mod
 import tools
 import trees
-from policy import (full_named_parameters, load_lm, load_policy, load_tokenizer, no_grad_sync, optimizer_step,
-                    tensorize, unwrap)
+from policy import (full_named_parameters, is_sharded, load_lm, load_policy, load_tokenizer, no_grad_sync,
+                    optimizer_step, tensorize, unwrap)
 
 # ---------------------------------------------------------------------------------------------------------------------
 # The training run
@@ -155,16 +155,17 @@ def train(cfg, rank: int, world: int, device: torch.device, state: runlog.RunSta
                                              gpu_memory_utilization=cfg.vllm_gpu_memory_utilization,
                                              seed=cfg.seed + rank,
                                              max_model_len=cfg.max_prompt_tokens + cfg.max_response_tokens)
+        parallel.on_close(generator.close)       # the engine shuts down before the process group is left
         seed_all(cfg.seed + rank)                # building the engine re-seeded the global RNGs
     else:
-        gen_lm = load_lm(init_path, device) if world > 1 and cfg.parallel == "fsdp" else unwrap(policy).lm
+        gen_lm = load_lm(init_path, device) if is_sharded(policy) else unwrap(policy).lm
         generator = generation.TransformersGenerator(gen_lm, tokenizer, temperature=cfg.temperature,
                                                      top_p=cfg.top_p, batch_size=cfg.gen_batch_size)
 
     def sync_generator():
         """The new weights to the generator after the update (a collective under FSDP2)."""
         if cfg.backend == "vllm":
-            generator.wake_up(full_named_parameters(policy, torch.bfloat16))
+            generator.wake_up(full_named_parameters(policy, generator.dtype))
         elif gen_lm is not unwrap(policy).lm:
             generator.load_weights(full_named_parameters(policy))
 

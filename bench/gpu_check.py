@@ -1,13 +1,19 @@
-"""One-command GPU check: the CUDA tests, 3 real training steps of a Qwen3-0.6B-shaped model, throughput, MFU, peak
-memory and the chunked log-prob benchmark, printed as one markdown table (under 8 minutes on one H100/H200).
+"""One-command GPU check: the CUDA tests, real training steps of a Qwen3-0.6B-shaped model on the multi-process path
+(FSDP2 over a process group of one, sharded checkpoint saved and resumed), throughput, MFU, peak memory and the
+chunked log-prob benchmark, printed as one markdown table (under 8 minutes on one H100/H200).
 
 Checks (PASS/FAIL with a reason; exit code 0 only if all pass):
 1. pytest tests/test_cuda.py tests/test_loss.py tests/test_advantage.py in a subprocess (HF_HUB_OFFLINE=1, with a
    timeout); on CUDA no test may be skipped. The two CPU test files need only torch and pytest.
-2. `train.main`, 3 steps (k=8, 4 questions, 256 response tokens, bf16, transformers generation, replayed search, no
-   cold start, no evaluation) of a random-weight Qwen3 of the 0.6B shape, with a DCP checkpoint at step 3: every
-   logged number finite, the checkpoint complete.
-3. bench/logprob_memory.py at T=8192, V=151936, D=1024: chunked equals direct (max diff <= 1e-4) with <= 0.125x
+2. `train.main` as torchrun would run one process of it (RANK=0, WORLD_SIZE=1: parallel.init makes a process group of
+   one, nccl on the GPU) with `--parallel fsdp`: FSDP2 placement filled by the rank-0 broadcast, DTensor gradient
+   clipping, the unsharded generation copy refreshed after every update, evaluation through the multi-rank path, and
+   a sharded (DCP) checkpoint. 3 steps (k=8, 4 questions, 256 response tokens, bf16, transformers generation,
+   replayed search, no cold start, 4 held-out questions x 2 samples after), a random-weight Qwen3 of the 0.6B shape:
+   every logged number finite, the checkpoint complete, its export in bfloat16.
+3. `--resume` from that sharded checkpoint for a 4th step: the step and the data position restored, a new
+   checkpoint written.
+4. bench/logprob_memory.py at T=8192, V=151936, D=1024: chunked equals direct (max diff <= 1e-4) with <= 0.125x
    the memory. Its time ratio is reported, never asserted (timings are noisy).
 Numbers (steps after the first): rollout tokens/s = gen_len x trajectories / time/rollout (policy-sampled tokens);
 update tokens/s = seq_len x trajectories x ppo_epochs / time/update (sequence tokens through forward+backward; the
@@ -22,9 +28,10 @@ device tool's `carry`):
         PYTHONPATH=/tmp/site:$PYTHONPATH python3 bench/gpu_check.py
 Prepare `.whl` here first: `pip download jsonargparse==4.53.0 --no-deps -d .whl` (the version in .venv). Its only
 required dependency is PyYAML, which the GPU image has (as it has typing-extensions), so one wheel is enough.
-On a CPU, end to end with a tiny model (2 layers, hidden 64; 1 step; T=512, V=4096; no MFU):
+On a CPU, end to end with a tiny model (2 layers, hidden 64; 1 step and its resume; gloo; T=512, V=4096; no MFU):
     python bench/gpu_check.py --device cpu --quick
-The table is also written to $OUT/gpu_check.md when OUT is set.
+The table is also written to $OUT/gpu_check.md, and every row with the verdict to $OUT/gpu_check.json, when OUT is
+set.
 """
 import argparse
 import json
@@ -43,6 +50,7 @@ import torch
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
+import policy as policy_mod  # noqa: E402
 import tools  # noqa: E402
 
 SPECIAL_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
@@ -60,8 +68,9 @@ FULL_MODE = dict(model=QWEN3_0_6B, steps=3, max_memory_ratio=0.125,
 # at this size the CPU RSS measurement is noisy and the (V, D) weight gradient is a large share of the chunked peak
 QUICK_MODE = dict(model=TINY, steps=1, max_memory_ratio=0.5,
                   logprob="--tokens 512 --vocab 4096 --hidden 64 --chunk-size 64")
-TRAIN_FLAGS = ("--backend=transformers --cold_start=false --eval_data= --search=replay --k=8 --questions_per_step=4 "
-               "--mini_batch_size=2 --micro_batch_size=8 --max_response_tokens=256 --run_name=gpu_check").split()
+TRAIN_FLAGS = ("--backend=transformers --parallel=fsdp --cold_start=false --eval_limit=4 --eval_n=2 "
+               "--eval_before=false --search=replay --k=8 --questions_per_step=4 --mini_batch_size=2 "
+               "--micro_batch_size=8 --max_response_tokens=256 --run_name=gpu_check").split()
 TIMEOUT_S = 300                                   # each subprocess: pytest, the log-prob benchmark
 
 
@@ -139,30 +148,78 @@ def run_pytest(device: str) -> tuple[bool, str]:
     return True, detail + ("" if device == "cuda" else " (CUDA tests skip without a GPU)")
 
 
+def as_one_torchrun_process() -> None:
+    """The environment torchrun gives a single process: parallel.init then joins a process group of one."""
+    import socket
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    os.environ.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+
+
 def run_training(model_dir: Path, tmp: Path, steps: int, device: str) -> tuple[bool, str, list[dict]]:
-    """train.main in this process, searching a replay table of every training query; returns (ok, reason, rows)."""
+    """train.main in this process as one torchrun process (FSDP2), searching a replay table of every training query,
+    evaluating 4 held-out questions after; returns (ok, reason, rows)."""
     import train
     questions = [json.loads(line) for line in (ROOT / "data" / "qa_train.jsonl").read_text().splitlines() if line]
     (tmp / "replay.json").write_text(json.dumps({q["query"]: f"Page 1: {q['title']}: {q['question']} "
                                                              f"{' / '.join(q['answer'])}." for q in questions}))
-    argv = TRAIN_FLAGS + [f"--model={model_dir}", f"--device={device}", f"--bf16={str(device == 'cuda').lower()}",
-                          f"--train_data={ROOT / 'data' / 'qa_train.jsonl'}", f"--steps={steps}",
-                          f"--save_every={steps}", f"--search_kw={json.dumps({'path': str(tmp / 'replay.json')})}",
-                          f"--out_dir={tmp / 'runs'}", f"--cache_dir={tmp / 'cache'}"]
+    sharded, load_policy = [], train.load_policy
+
+    def recording_load_policy(*args, **kwargs):   # how train.py placed the policy
+        policy = load_policy(*args, **kwargs)
+        sharded.append(policy_mod.is_sharded(policy))
+        return policy
+
+    train.load_policy = recording_load_policy
     try:
-        train.main(argv)
+        train.main(train_argv(model_dir, tmp, steps, device))
     except (Exception, SystemExit) as err:        # a failed check, with the traceback (bad flags exit)
         traceback.print_exc()
         return False, f"train.main raised {type(err).__name__}: {str(err)[:150]}", []
+    finally:
+        train.load_policy = load_policy
+    if sharded != [True]:
+        return False, f"the policy was not placed by FSDP2 (is_sharded per load: {sharded})", []
     run_dir = tmp / "runs" / "gpu_check"
     rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     ckpt = run_dir / "checkpoints" / f"step_{steps:06d}"
     missing = [name for name in ("trainer_state.pt", "model.safetensors", "config.json", "tokenizer.json", "trainer")
                if not (ckpt / name).exists()]
     bad = sorted({key for row in rows for key, v in row.items() if isinstance(v, float) and not math.isfinite(v)})
-    if len(rows) != steps or missing or bad:
-        return False, f"{len(rows)}/{steps} steps logged; checkpoint missing {missing}; non-finite {bad}", rows
-    return True, f"{steps} step(s), checkpoint {ckpt.name} (DCP + export) written", rows
+    export_dtype = json.loads((ckpt / "config.json").read_text()).get("dtype") if not missing else None
+    want_dtype = "bfloat16" if device == "cuda" else "float32"
+    evaluated = (run_dir / "eval" / "after_summary.json").exists()
+    if len(rows) != steps or missing or bad or export_dtype != want_dtype or not evaluated:
+        return False, (f"{len(rows)}/{steps} steps logged; checkpoint missing {missing}; non-finite {bad}; export "
+                       f"dtype {export_dtype} (want {want_dtype}); evaluation written: {evaluated}"), rows
+    return True, (f"{steps} step(s) under FSDP2 (process group of one), evaluation, sharded checkpoint "
+                  f"{ckpt.name} (DCP + {export_dtype} export) written"), rows
+
+
+def train_argv(model_dir: Path, tmp: Path, steps: int, device: str, resume: bool = False) -> list[str]:
+    evaluation = "" if resume else ROOT / "data" / "qa_test.jsonl"
+    return TRAIN_FLAGS + [f"--model={model_dir}", f"--device={device}", f"--bf16={str(device == 'cuda').lower()}",
+                          f"--train_data={ROOT / 'data' / 'qa_train.jsonl'}", f"--steps={steps}",
+                          f"--eval_data={evaluation}", f"--resume={str(resume).lower()}", f"--save_every={steps}",
+                          f"--search_kw={json.dumps({'path': str(tmp / 'replay.json')})}", f"--out_dir={tmp / 'runs'}",
+                          f"--cache_dir={tmp / 'cache'}"]
+
+
+def run_resume(model_dir: Path, tmp: Path, steps: int, device: str) -> tuple[bool, str]:
+    """train.main --resume from the sharded checkpoint of run_training, for one more step."""
+    import train
+    try:
+        train.main(train_argv(model_dir, tmp, steps + 1, device, resume=True))
+    except (Exception, SystemExit) as err:
+        traceback.print_exc()
+        return False, f"train.main --resume raised {type(err).__name__}: {str(err)[:150]}"
+    run_dir = tmp / "runs" / "gpu_check"
+    rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    ckpt = run_dir / "checkpoints" / f"step_{steps + 1:06d}"
+    if [r["step"] for r in rows] != list(range(1, steps + 2)) or not (ckpt / "trainer_state.pt").exists():
+        return False, f"steps logged {[r['step'] for r in rows]}; {ckpt.name} written: {ckpt.exists()}"
+    return True, f"resumed from step_{steps:06d} (sharded), step {steps + 1} logged, {ckpt.name} written"
 
 
 def run_logprob_bench(args: str, device: str, max_memory_ratio: float) -> list[tuple[str, str, str]]:
@@ -240,10 +297,15 @@ def main() -> None:
         log(f"3/4 train.main, {mode['steps']} step(s) on {device} ...")
         if device == "cuda":
             torch.cuda.reset_peak_memory_stats()
+        as_one_torchrun_process()
         ok, detail, rows = run_training(Path(tmp) / "model", Path(tmp), mode["steps"], device)
-        table.append(check_row("training: train.main + DCP checkpoint", ok, detail))
+        table.append(check_row("training: train.main, FSDP2 on a group of one, DCP checkpoint", ok, detail))
         table += throughput(rows, n_params, device, mfu=not args.quick) if rows else []
         table.append(("peak memory", peak_memory(device), ""))
+        log("3b/4 train.main --resume from the sharded checkpoint ...")
+        table.append(check_row("resume: --resume from the sharded checkpoint", *(
+            run_resume(Path(tmp) / "model", Path(tmp), mode["steps"], device) if ok
+            else (False, "no checkpoint to resume from"))))
     log("4/4 bench/logprob_memory.py ...")
     table += run_logprob_bench(mode["logprob"], device, mode["max_memory_ratio"])
     results = [result for _, _, result in table if result]
@@ -254,8 +316,12 @@ def main() -> None:
     text = "\n".join(["| check / quantity | value | result |", "|---|---|---|"]
                      + [f"| {name} | {value} | {result} |" for name, value, result in table])
     print(text, flush=True)
+    print("\n".join(f"{result}: {name}" for name, _, result in table if result), flush=True)
     if os.environ.get("OUT"):
         Path(os.environ["OUT"], "gpu_check.md").write_text(text + "\n")
+        Path(os.environ["OUT"], "gpu_check.json").write_text(json.dumps(
+            {"passed": passed == len(results), "rows": [{"check": name, "value": value, "result": result}
+                                                        for name, value, result in table]}, indent=2) + "\n")
     sys.exit(0 if passed == len(results) else 1)
 
 

@@ -29,14 +29,15 @@ def tokenizer():
     return AutoTokenizer.from_pretrained(cache)
 
 
-def make_tiny_model(tokenizer, seed: int = 0):
+def make_tiny_model(tokenizer, seed: int = 0, tie: bool = True, hidden_size: int = 32):
+    """2 layers, 2 heads of hidden_size / 2 (vLLM's CPU attention needs >= 32), tied or untied LM head."""
     import torch
     from transformers import LlamaConfig, LlamaForCausalLM
     torch.manual_seed(seed)
     eos = tokenizer.eos_token_id
-    cfg = LlamaConfig(vocab_size=len(tokenizer), hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-                      num_attention_heads=2, num_key_value_heads=1, max_position_embeddings=4096,
-                      bos_token_id=tokenizer.bos_token_id, eos_token_id=eos, pad_token_id=eos, tie_word_embeddings=True)
+    cfg = LlamaConfig(vocab_size=len(tokenizer), hidden_size=hidden_size, intermediate_size=2 * hidden_size,
+                      num_hidden_layers=2, num_attention_heads=2, num_key_value_heads=1, max_position_embeddings=4096,
+                      bos_token_id=tokenizer.bos_token_id, eos_token_id=eos, pad_token_id=eos, tie_word_embeddings=tie)
     return LlamaForCausalLM(cfg).eval()
 
 

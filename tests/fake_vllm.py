@@ -1,39 +1,72 @@
-"""A stand-in for the parts of vLLM 0.32's offline API that generation.VLLMGenerator uses (vLLM has no CPU install
-here), strict where the real one is (read in the vllm==0.32.0 wheel; file:function of each rule below).
+"""A stand-in for the parts of vLLM 0.32's offline API that generation.VLLMGenerator uses, strict where the real one
+is (read in the vllm==0.32.0 wheel; file:function of each rule below). The real engine is tested too, on vLLM's CPU
+build (tests/test_vllm_engine.py); this stand-in also plays a GPU and runs in the project's own environment.
 
 - `LLM(...)` accepts only argument names vLLM 0.32 has (entrypoints/llm.py, engine/arg_utils.py:EngineArgs);
   building it re-seeds the global RNGs with `seed` (utils/torch_utils.py:set_random_seed).
+- `platforms.current_platform`: a GPU by default (sleep mode available); `use_platform("cpu")` makes it vLLM's CPU
+  build, where `enable_sleep_mode=True` raises ValueError (config/model.py:ModelConfig.__post_init__) and the LM head
+  computes with a packed copy of its weight made by process_weights_after_loading
+  (model_executor/layers/utils.py:dispatch_cpu_unquantized_gemm), which a tied head does not redo on reload.
 - Executor modes: `distributed_executor_backend="external_launcher"` needs RANK and LOCAL_RANK (KeyError
   otherwise), an initialised process group when WORLD_SIZE > 1, every rank building at the same point (vLLM makes
   subgroups: a collective, here a barrier), turns V1 multiprocessing off and places the engine on cuda:LOCAL_RANK
   (v1/executor/uniproc_executor.py, v1/worker/gpu_worker.py:Worker.init_device). Otherwise the engine is on cuda:0,
   and with VLLM_ENABLE_V1_MULTIPROCESSING unset or 1 it runs in another process: `llm.llm_engine` then has no
-  `model_executor` (v1/engine/llm_engine.py:LLMEngine.__init__).
-- The model behind `model_executor.driver_worker.worker.model_runner.get_model()` loads Hugging Face names; an
-  unknown name raises ValueError, a tied `lm_head.weight` sent without `model.embed_tokens.weight` raises
-  ValueError, a wrong shape raises AssertionError (models/utils.py:AutoWeightsLoader, weight_utils); it returns the
-  names it wrote.
+  `model_executor` (v1/engine/llm_engine.py:LLMEngine.__init__). Shutting the engine down
+  (`llm_engine.engine_core.shutdown()`) destroys the default process group, and fails if the trainer already
+  destroyed it (distributed/parallel_state.py:cleanup_dist_env_and_memory).
+- Weights: `collective_rpc(fn, args)` runs fn(worker, *args) in-process and `apply_model(fn)` fn(model)
+  (serial_utils.py:run_method). `worker.reload_weights(weights_iterator=...)` calls the model's `load_weights`, which
+  takes Hugging Face names: an unknown name raises ValueError, a tied `lm_head.weight` sent without
+  `model.embed_tokens.weight` raises ValueError, a wrong shape raises AssertionError (models/utils.py:
+  AutoWeightsLoader); it returns the names it wrote. A parameter no weight reached keeps its old value, with only a
+  log line (model_loader/reload/layerwise.py:finalize_layerwise_processing).
 - `sleep(level)`: 1 keeps the weights (offloaded), 2 drops them (here: overwritten with NaN) and the KV cache, and
   both reset the prefix cache (v1/engine/core.py:EngineCore.sleep). `wake_up(tags)` wakes "weights" and/or
   "kv_cache"; writing weights while they sleep, and generating before both are awake, fail here (vLLM would crash
   or wait forever).
 - Sampling: token-id prompts, per-request `SamplingParams` (temperature 0 = greedy, top-p, `max_tokens`,
-  `logprobs=N` = the top-N log-probs of the raw logits plus the sampled token with its true rank, stop strings kept
-  with `include_stop_str_in_output=True`, a per-request seed), `finish_reason` "stop"/"length", `stop_reason` (the
-  matched string, or None for EOS). Generation runs a transformers model token by token on the CPU; `device`
-  records where the real engine would be.
+  `logprobs=N` = the top-N log-probs of the raw logits plus the sampled token with its true rank, `flat_logprobs`,
+  stop strings kept with `include_stop_str_in_output=True`, a per-request seed that must fit an int64:
+  v1/worker/gpu/sample/states.py), `finish_reason` "stop"/"length", `stop_reason` (the matched string, or None for
+  EOS). Generation runs a transformers model token by token on the CPU; `device` records where the real engine
+  would be. `stats` counts the log-prob positions returned (vLLM detokenises each).
 """
 import os
 import random
+import sys
 from dataclasses import dataclass, field
-from types import SimpleNamespace
+from types import ModuleType, SimpleNamespace
 
 import numpy as np
 import torch
 
 ENGINE_ARGS = {"enable_sleep_mode", "enable_prefix_caching", "max_model_len", "distributed_executor_backend",
                "max_num_seqs", "max_num_batched_tokens", "logprobs_mode", "data_parallel_size", "enforce_eager",
-               "tensor_parallel_size", "dtype", "seed", "gpu_memory_utilization"}
+               "tensor_parallel_size", "dtype", "seed", "gpu_memory_utilization", "kv_cache_memory_bytes"}
+INT64 = (-2**63, 2**63 - 1)
+
+
+class _Platform:
+    def __init__(self, kind: str):
+        self.kind = kind
+
+    def is_cpu(self) -> bool:
+        return self.kind == "cpu"
+
+    def is_sleep_mode_available(self) -> bool:
+        return self.kind == "cuda"
+
+
+platforms = ModuleType(__name__ + ".platforms")     # importable as <this module>.platforms, like vllm.platforms
+platforms.current_platform = _Platform("cuda")
+sys.modules[platforms.__name__] = platforms
+
+
+def use_platform(kind: str) -> None:
+    """'cuda' (the default) or 'cpu' (vLLM's CPU build)."""
+    platforms.current_platform = _Platform(kind)
 
 
 @dataclass
@@ -42,6 +75,7 @@ class SamplingParams:
     top_p: float = 1.0
     max_tokens: int = 16
     logprobs: int | None = None
+    flat_logprobs: bool = False
     stop: list = field(default_factory=list)
     include_stop_str_in_output: bool = False
     seed: int | None = None
@@ -61,13 +95,15 @@ class Logprob:
 
 
 class _EngineModel:
-    """What model_runner.get_model() returns: load_weights with vLLM's name rules, named_parameters."""
+    """What model_runner.get_model() returns: load_weights with vLLM's name rules, named_parameters, lm_head."""
 
     def __init__(self, llm):
         self.llm, self.hf = llm, llm.model
+        self.lm_head = SimpleNamespace(weight=self.hf.lm_head.weight,
+                                       quant_method=SimpleNamespace(process_weights_after_loading=llm.pack_head))
 
-    def named_parameters(self):
-        return self.hf.named_parameters()
+    def named_parameters(self, remove_duplicate=True):
+        return self.hf.named_parameters(remove_duplicate=remove_duplicate)
 
     def load_weights(self, weights):
         if "weights" in self.llm.asleep:
@@ -90,7 +126,23 @@ class _EngineModel:
             params[name].data.copy_(tensor)
             loaded.add(name)
         self.llm.events.append(f"load_weights:{len(loaded)}")
+        if not tied and "lm_head.weight" in loaded:   # the untied head is reloaded as a layer: re-packed
+            self.llm.pack_head()
         return loaded
+
+
+class _Worker:
+    """The driver worker: its model runner, and vLLM's in-place reload (a missing weight is only logged)."""
+
+    def __init__(self, llm):
+        self.llm = llm
+        model = _EngineModel(llm)
+        self.model_runner = SimpleNamespace(get_model=lambda: model)
+
+    def reload_weights(self, weights_iterator=None, weights_path=None, is_checkpoint_format=True):
+        model = self.model_runner.get_model()
+        model.load_weights(weights_iterator)
+        self.llm.events.append("reload_weights")
 
 
 class LLM:
@@ -102,19 +154,26 @@ class LLM:
             raise TypeError(f"EngineArgs.__init__() got an unexpected keyword argument {sorted(unknown)[0]!r}")
         if kwargs.get("logprobs_mode", "raw_logprobs") != "raw_logprobs":
             raise NotImplementedError("the stand-in computes raw_logprobs only")
+        self.platform = platforms.current_platform
+        if kwargs.get("enable_sleep_mode") and not self.platform.is_sleep_mode_available():
+            raise ValueError("Sleep mode is not supported on current platform.")
         from transformers import AutoModelForCausalLM, AutoTokenizer
         self.kwargs, self.events, self.asleep = kwargs, [], set()
+        self.in_process_group = False
         if kwargs.get("distributed_executor_backend") == "external_launcher":
             rank, local_rank = int(os.environ["RANK"]), int(os.environ["LOCAL_RANK"])
             if int(os.environ.get("WORLD_SIZE", "1")) > 1 and not torch.distributed.is_initialized():
                 raise RuntimeError("external_launcher: torch.distributed must be initialised first")
             if torch.distributed.is_initialized():
                 torch.distributed.barrier()          # vLLM's new_group calls: every rank builds together
+                self.in_process_group = True
             os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
             self.device, self.rank, multiprocess = f"cuda:{local_rank}", rank, False
         else:
             self.device, self.rank = "cuda:0", 0
             multiprocess = os.environ.get("VLLM_ENABLE_V1_MULTIPROCESSING", "1") not in ("0", "false", "False")
+        if self.platform.is_cpu():
+            self.device = "cpu"
         seed = kwargs.get("seed", 0)
         random.seed(seed)
         np.random.seed(seed)
@@ -123,22 +182,50 @@ class LLM:
         self.tokenizer = AutoTokenizer.from_pretrained(model)
         import inspect  # transformers renamed past_key_values -> cache in 5.2x
         self._cache_arg = "cache" if "cache" in inspect.signature(self.model.forward).parameters else "past_key_values"
+        self.packed_head = None
+        self.pack_head()
+        self.stats = {"logprob_positions": 0}
         vocab = self.model.config.vocab_size
-        self.llm_engine = SimpleNamespace(model_config=SimpleNamespace(get_vocab_size=lambda: vocab))
+        self.llm_engine = SimpleNamespace(model_config=SimpleNamespace(get_vocab_size=lambda: vocab),
+                                          engine_core=SimpleNamespace(shutdown=self._shutdown))
+        self.shut_down = False
         if not multiprocess:
-            runner = SimpleNamespace(get_model=lambda: _EngineModel(self))
-            self.llm_engine.model_executor = SimpleNamespace(
-                driver_worker=SimpleNamespace(worker=SimpleNamespace(model_runner=runner)))
+            worker = _Worker(self)
+            self.llm_engine.model_executor = SimpleNamespace(driver_worker=SimpleNamespace(worker=worker))
         LLM.instances.append(self)
+
+    def pack_head(self, layer=None):
+        """process_weights_after_loading of the LM head: on the CPU build a packed copy the head computes with."""
+        if self.platform.is_cpu():
+            self.packed_head = self.model.lm_head.weight.detach().clone()
+
+    def _shutdown(self):
+        if self.shut_down:
+            return
+        if self.in_process_group and not torch.distributed.is_initialized():
+            raise ValueError("Invalid process group specified")   # the trainer left its process group first
+        self.shut_down = True
+        self.events.append("shutdown")
+        if torch.distributed.is_initialized():
+            torch.distributed.destroy_process_group()
 
     def get_tokenizer(self):
         return self.tokenizer
+
+    def collective_rpc(self, method, timeout=None, args=(), kwargs=None):
+        worker = self.llm_engine.model_executor.driver_worker.worker
+        return [method(worker, *args, **(kwargs or {}))]
+
+    def apply_model(self, func):
+        return [func(self.llm_engine.model_executor.driver_worker.worker.model_runner.get_model())]
 
     def reset_prefix_cache(self, reset_running_requests=False, reset_connector=False):
         self.events.append("reset_prefix_cache")
         return True
 
     def sleep(self, level=1, mode="abort"):
+        if not self.kwargs.get("enable_sleep_mode"):
+            raise ValueError("Sleep mode is not enabled")
         self.events.append(f"sleep{level}")
         if level >= 2:
             with torch.no_grad():
@@ -157,11 +244,21 @@ class LLM:
         if self.asleep:
             raise RuntimeError(f"generate while {sorted(self.asleep)} sleep: vLLM 0.32 would wait forever")
         params = params if isinstance(params, list) else [params] * len(prompts)
+        for sp in params:
+            if sp.seed is not None and not INT64[0] <= sp.seed <= INT64[1]:
+                raise OverflowError("Python int too large to convert to C long")   # numpy int64 seed array
         self.events.append(f"generate:{len(prompts)}:T={params[0].temperature:g}")
         return [self._one(p["prompt_token_ids"], sp) for p, sp in zip(prompts, params)]
 
+    def _logits(self, ctx, past):
+        if self.packed_head is None:
+            res = self.model(input_ids=ctx, use_cache=True, **{self._cache_arg: past})
+            return res.logits[0, -1].float(), getattr(res, self._cache_arg)
+        res = self.model.model(input_ids=ctx, use_cache=True, **{self._cache_arg: past})
+        return (res.last_hidden_state[0, -1] @ self.packed_head.T).float(), getattr(res, self._cache_arg)
+
     def _one(self, ids, sp):
-        gen = torch.Generator().manual_seed(sp.seed if sp.seed is not None else 0)
+        gen = torch.Generator().manual_seed(sp.seed % 2**63 if sp.seed is not None else 0)
         eos = self.model.generation_config.eos_token_id
         eos = set(eos if isinstance(eos, (list, tuple)) else [eos])
         out_ids, logprobs, text = [], [], ""
@@ -169,9 +266,7 @@ class LLM:
         ctx = torch.tensor([ids])
         past = None
         for _ in range(sp.max_tokens):
-            res = self.model(input_ids=ctx, use_cache=True, **{self._cache_arg: past})
-            past = getattr(res, self._cache_arg)
-            logits = res.logits[0, -1].float()
+            logits, past = self._logits(ctx, past)
             lp = torch.log_softmax(logits, -1)
             if sp.temperature == 0:
                 tok = int(logits.argmax())
@@ -187,6 +282,7 @@ class LLM:
                 if tok not in entry:
                     entry[tok] = Logprob(float(lp[tok]), int((lp > lp[tok]).sum()) + 1)
                 logprobs.append(entry)
+                self.stats["logprob_positions"] += 1
             out_ids.append(tok)
             ctx = torch.tensor([[tok]])
             if tok in eos:

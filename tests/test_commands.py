@@ -2,7 +2,8 @@
 training and evaluation are added, the command's own arguments are never changed. Commands run in a scratch copy of
 the repository made of links (so `runs/` lands in a temporary folder), with the real embedded model and search.
 Commands that need a GPU or several nodes cannot run on a CPU: those that name missing data must fail with one
-clear line, and every benchmark script must answer --help. A command added to the docs without a case here fails
+clear line, and every benchmark script must answer --help. The `--backend vllm --device cpu` commands need vLLM's CPU
+build: tests/test_vllm_engine.py runs them in its own environment. A command added to the docs without a case here fails
 test_every_documented_command_is_covered."""
 import ast
 import json
@@ -17,6 +18,7 @@ import pytest
 
 import train
 from tests.test_train import fake_reward, flags, setup  # noqa: F401 -- the fixture
+from tests.test_vllm_engine import VLLM_ON_CPU            # run by the real-vLLM stage (tests/vllm_stage.sh)
 
 ROOT = Path(__file__).resolve().parents[1]
 QUICK = {"--steps": "1", "--eval_limit": "1", "--eval_n": "1", "--eval_before": "false", "--cold_start_steps": "1",
@@ -56,7 +58,7 @@ def documented_commands() -> list[str]:
 
 
 def test_every_documented_command_is_covered():
-    covered = TRAIN_ON_CPU + EVAL_ON_CPU + MISSING_DATA + HELP + TREES
+    covered = TRAIN_ON_CPU + EVAL_ON_CPU + MISSING_DATA + HELP + TREES + VLLM_ON_CPU
     for command in documented_commands():
         if command.startswith("python bench/"):
             continue                                          # test_benchmark_scripts_answer_help

@@ -434,7 +434,7 @@ def test_ddp_two_processes(setup, tmp_path):  # noqa: F811 -- the fixture
 
 def test_vllm_cycle_with_periodic_evaluation(setup, monkeypatch, tokenizer):  # noqa: F811 -- the fixture
     """The vLLM backend (tests/fake_vllm.py) with --eval_every 1: per step the rollout samples at the rollout
-    temperature and top-p, the engine sleeps, wakes its weights, takes every parameter (one load each), wakes its
+    temperature and top-p, the engine sleeps, wakes its weights, reloads every parameter in place, wakes its
     KV cache and resets its prefix cache; the evaluation after step 1 samples at the evaluation temperature and
     top-p and step 2 goes back to the rollout's. Every request of a call has its own seed."""
     from tests import fake_vllm
@@ -463,8 +463,9 @@ def test_vllm_cycle_with_periodic_evaluation(setup, monkeypatch, tokenizer):  # 
     calls = [event if n == 1 or event.startswith("sample") else (event, n) for event, n in calls]
     n_params = len(list(make_tiny_model(tokenizer).named_parameters()))
     rollout_at, eval_at = "sample:T=0.8:top_p=0.9", "sample:T=0.6:top_p=0.95"
-    sync = ["sleep2", "wake_up:weights", ("load_weights:1", n_params), "wake_up:kv_cache", "reset_prefix_cache"]
-    assert calls == [rollout_at] + sync + [eval_at, rollout_at] + sync + [eval_at]
+    sync = ["sleep2", "wake_up:weights", f"load_weights:{n_params}", "reload_weights", "wake_up:kv_cache",
+            "reset_prefix_cache"]
+    assert calls == [rollout_at] + sync + [eval_at, rollout_at] + sync + [eval_at, "shutdown"]
     assert all(len(set(s)) == len(s) for s in seeds) and any(len(s) > 1 for s in seeds)
     assert (run / "eval" / "step1_summary.json").exists() and not (run / "eval" / "step2_summary.json").exists()
     assert (run / "eval" / "after_summary.json").exists()

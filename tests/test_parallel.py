@@ -99,6 +99,50 @@ def test_fsdp_loading_equals_the_checkpoint(tokenizer, tmp_path):
             torch.testing.assert_close(got["buffers"][name], b, atol=0, rtol=0, msg=name)
 
 
+def test_fsdp_on_one_process_shards_over_a_group_of_one(tokenizer, tmp_path):
+    """Under torchrun with one process (a process group of one), --parallel fsdp places the model with FSDP2: every
+    parameter a DTensor whose one shard is the whole parameter, equal to the checkpoint."""
+    model = make_tiny_model(tokenizer, seed=3)
+    model.save_pretrained(tmp_path / "m")
+    spawn(_load_worker, str(tmp_path / "m"), str(tmp_path / "out"), world=1)
+    got = torch.load(f"{tmp_path / 'out'}.0")
+    for name, p in model.named_parameters():
+        assert got["local"][f"lm.{name}"] == p.numel(), name
+        torch.testing.assert_close(got["full"][name], p.detach(), atol=0, rtol=0, msg=name)
+
+
+def test_export_config_says_the_export_dtype(tokenizer, tmp_path):
+    """A bf16 export's config.json says bfloat16 (save_pretrained alone writes the float32 master model's dtype), so
+    loaders that read the dtype from it (`dtype="auto"`: vLLM, rank 0 of an FSDP --resume) load 2 bytes per
+    parameter, not 4."""
+    from transformers import AutoModelForCausalLM
+    checkpoint.export_model(policy_mod.Policy(make_tiny_model(tokenizer)), tokenizer, tmp_path / "m", rank=0,
+                            dtype=torch.bfloat16)
+    assert json.loads((tmp_path / "m" / "config.json").read_text())["dtype"] == "bfloat16"
+    assert AutoModelForCausalLM.from_pretrained(tmp_path / "m", dtype="auto").dtype == torch.bfloat16
+
+
+def _export_worker(rank, world, model_dir, out):
+    torch.distributed.init_process_group("gloo")
+    try:
+        policy = policy_mod.load_policy(model_dir, world, torch.device("cpu"), "fsdp", rank=rank)
+        checkpoint.export_model(policy, policy_mod.load_tokenizer(model_dir), Path(out), rank, torch.bfloat16)
+    finally:
+        torch.distributed.destroy_process_group()
+
+
+def test_fsdp_export_keeps_the_generation_config(tokenizer, tmp_path):
+    """A model whose generation config has two EOS ids (Qwen3: [151645, 151643]) keeps both through an FSDP2 load
+    and export: vLLM stops on the generation config's EOS ids, so losing one changes where a resumed run stops."""
+    model = make_tiny_model(tokenizer, seed=3)
+    eos = [tokenizer.eos_token_id, tokenizer.bos_token_id]
+    model.generation_config.eos_token_id = eos
+    model.save_pretrained(tmp_path / "m")
+    tokenizer.save_pretrained(tmp_path / "m")
+    spawn(_export_worker, str(tmp_path / "m"), str(tmp_path / "export"))
+    assert json.loads((tmp_path / "export" / "generation_config.json").read_text())["eos_token_id"] == eos
+
+
 # ---------------------------------------------------------------------------------------------------------------------
 # FSDP2 training: exact resume from sharded checkpoints
 

@@ -392,7 +392,7 @@ def test_two_steps_then_resume_is_exact(setup, monkeypatch, tokenizer):
 def test_vllm_backend_loop(setup, monkeypatch):
     """The loop with the vLLM backend (the stand-in of tests/fake_vllm.py): per step rollout at the rollout
     temperature -> sleep -> update -> wake weights -> every weight written -> wake KV cache -> reset; evaluation at
-    its own temperature and back; the engine ends with the checkpoint's (bf16) weights."""
+    its own temperature and back; the engine ends with the checkpoint's (bf16) weights and is shut down."""
     from tests import fake_vllm
     monkeypatch.setattr(train.reward, "deep_research_reward", fake_reward)
     monkeypatch.setitem(sys.modules, "vllm", fake_vllm)
@@ -405,8 +405,9 @@ def test_vllm_backend_loop(setup, monkeypatch):
         kind = event.split(":")[0] + (":" + event.split(":")[-1] if event.startswith(("generate", "wake")) else "")
         if not kinds or kinds[-1] != kind:
             kinds.append(kind)
-    step = ["generate:T=0.9", "sleep2", "wake_up:weights", "load_weights", "wake_up:kv_cache", "reset_prefix_cache"]
-    assert kinds == ["generate:T=0.6"] + step + step + ["generate:T=0.6"]
+    step = ["generate:T=0.9", "sleep2", "wake_up:weights", "load_weights", "reload_weights", "wake_up:kv_cache",
+            "reset_prefix_cache"]
+    assert kinds == ["generate:T=0.6"] + step + step + ["generate:T=0.6", "shutdown"]
     assert llm.asleep == set()
     exported = weights(run / "checkpoints" / "step_000002")
     for name, p in llm.model.named_parameters():

