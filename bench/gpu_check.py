@@ -172,6 +172,7 @@ def run_training(model_dir: Path, tmp: Path, steps: int, device: str) -> tuple[b
         return policy
 
     train.load_policy = recording_load_policy
+    no_plots()
     try:
         train.main(train_argv(model_dir, tmp, steps, device))
     except (Exception, SystemExit) as err:        # a failed check, with the traceback (bad flags exit)
@@ -195,6 +196,17 @@ def run_training(model_dir: Path, tmp: Path, steps: int, device: str) -> tuple[b
                        f"dtype {export_dtype} (want {want_dtype}); evaluation written: {evaluated}"), rows
     return True, (f"{steps} step(s) under FSDP2 (process group of one), evaluation, sharded checkpoint "
                   f"{ckpt.name} (DCP + {export_dtype} export) written"), rows
+
+
+def no_plots() -> None:
+    """Without matplotlib (a bare GPU image) the end-of-run drawings (curves.png, trees.png) are skipped: this check is
+    about the GPU path, and requirements.txt installs matplotlib everywhere else."""
+    import importlib.util
+    import train
+    if importlib.util.find_spec("matplotlib") is None:
+        log("matplotlib is not installed here: the end-of-run plots are skipped")
+        train.runlog.plot_curves = lambda *args, **kwargs: None
+        train.trees.draw = lambda *args, **kwargs: None
 
 
 def train_argv(model_dir: Path, tmp: Path, steps: int, device: str, resume: bool = False) -> list[str]:
