@@ -28,10 +28,13 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Union
 
-from config import UserError, arg
-from dataset import load_dataset
+import rollout
+import tools
+from harness import checkpoint, cli, config, generation, parallel, runlog, search as search_mod, trees
+from harness.cli import UserError
+from harness.config import arg
+from harness.dataset import load_dataset
 from reward import Judge, math_equal, score_response
-from tools import build_prompt
 
 # --------------------------------------------------------------------------------------------------
 # Pass@k
@@ -55,7 +58,7 @@ def _criterion(row: dict, judge) -> str:
     return "judge" if judge is not None else ("math_equal" if row["meta"].get("kind") == "math" else "exact_match")
 
 
-def evaluate(model, tokenizer, rows: list[dict], tools, *, n: int = 5, temperature: float = 0.6,
+def evaluate(model, tokenizer, rows: list[dict], tool_runner, *, n: int = 5, temperature: float = 0.6,
              top_p: float = 0.95, max_response_tokens: int = 4096, batch_size: int = 64, out_dir=None,
              generator=None, name: str = "eval", judge: Judge | None = None, max_tool_calls: int = 6,
              seed: int = 0, config: dict | None = None, progress: bool = True, rank: int = 0,
@@ -64,7 +67,7 @@ def evaluate(model, tokenizer, rows: list[dict], tools, *, n: int = 5, temperatu
     score them. Returns the summary dict; with out_dir, writes {name}_results.jsonl (one line per
     question, full trajectories), {name}_summary.json and {name}_summary.md.
 
-    tools: a `tools.Tools`. generator: a rollout Generator (e.g. the trainer's), sampling at `temperature`
+    tool_runner: a `tools.Tools`. generator: a rollout Generator (e.g. the trainer's), sampling at `temperature`
     and `top_p` here and set back afterwards; default TransformersGenerator(model, tokenizer, batch_size).
     batch_size: trajectories generated together (each rollout call takes batch_size // n questions).
     Correct = exact_match of the boxed answer, or math_equal for rows with meta["kind"] == "math", or
@@ -73,8 +76,6 @@ def evaluate(model, tokenizer, rows: list[dict], tools, *, n: int = 5, temperatu
     rank j % world, each with the seed it has in one process, so the merged results equal one process's; every
     rank returns the summary and rank 0 writes the files.
     """
-    import generation
-    import parallel
     if generator is None:
         generator = generation.TransformersGenerator(model, tokenizer, batch_size=batch_size)
     started, sampling = time.time(), {"temperature": temperature, "top_p": top_p}
@@ -82,17 +83,17 @@ def evaluate(model, tokenizer, rows: list[dict], tools, *, n: int = 5, temperatu
     for key in saved:                            # evaluation settings on the generator, then back
         setattr(generator, key, sampling[key])
     try:
-        records, shapes, tree = _sample_and_score(generator, tokenizer, rows, tools, n, max(1, batch_size // n), judge,
+        records, shapes, tool_counts = _sample_and_score(generator, tokenizer, rows, tool_runner, n, max(1, batch_size // n), judge,
                                           max_tool_calls, max_response_tokens, seed, name, progress, rank, world)
     finally:
         for key, value in saved.items():
             setattr(generator, key, value)
-    gathered = parallel.gather((records, shapes, dict(tree)))
+    gathered = parallel.gather((records, shapes, dict(tool_counts)))
     records = sorted((rec for recs, _, _ in gathered for rec in recs), key=lambda rec: rec["index"])
     shapes = [shape for _, part, _ in gathered for shape in part]
-    tree = sum((Counter(counts) for _, _, counts in gathered), Counter())
+    tool_counts = sum((Counter(counts) for _, _, counts in gathered), Counter())
     summary = summarize(records, n, name)
-    summary.update(wall_s=round(time.time() - started, 1), tool_counts=dict(tree),
+    summary.update(wall_s=round(time.time() - started, 1), tool_counts=dict(tool_counts),
                    settings={"n": n, "temperature": temperature, "top_p": top_p, "seed": seed,
                              "max_response_tokens": max_response_tokens, "max_tool_calls": max_tool_calls,
                              "judge": None if judge is None else {"url": judge.url, "model": judge.model}},
@@ -109,15 +110,12 @@ def evaluate(model, tokenizer, rows: list[dict], tools, *, n: int = 5, temperatu
     return summary
 
 
-def _sample_and_score(generator, tokenizer, rows, tools, n, per_call, judge, max_tool_calls, max_response_tokens,
+def _sample_and_score(generator, tokenizer, rows, tool_runner, n, per_call, judge, max_tool_calls, max_response_tokens,
                       seed, name, progress, rank, world) -> tuple[list[dict], list[dict], Counter]:
     """This rank's chunks of `per_call` questions: n rollouts each, scored. Returns per-question records, tree
     records (trees.py) and tool counts."""
-    import rollout
     from tqdm import tqdm
-    import trees
-    import runlog
-    records, shapes, tree = [], [], Counter()
+    records, shapes, tool_counts = [], [], Counter()
     mine = list(range(0, len(rows), per_call))[rank::world]
     bar = tqdm(total=sum(len(rows[s:s + per_call]) for s in mine) * n, desc=f"eval {name}", unit="traj",
                disable=not progress)
@@ -133,11 +131,11 @@ def _sample_and_score(generator, tokenizer, rows, tools, n, per_call, judge, max
                 moving(rounds_done, finished, total)
 
         trajectories, stats = rollout.tree_rollout(
-            [build_prompt(tokenizer, r["question"]) for r in chunk], generator, tools, tokenizer, k=n,
+            [tools.build_prompt(tokenizer, r["question"]) for r in chunk], generator, tool_runner, tokenizer, k=n,
             dynamic_budget=False, entropy_branching=False, max_tool_calls=max_tool_calls,
             max_response_tokens=max_response_tokens, seed=seed + start, progress=tick)
         bar.update(len(trajectories) - done[0])
-        tree.update({key: v for key, v in stats.items() if key.startswith("tools/")})
+        tool_counts.update({key: v for key, v in stats.items() if key.startswith("tools/")})
         scored = [score_response(t.text, chunk[t.group_id]["golds"]) for t in trajectories]
         shapes += trees.records(name, chunk, trajectories, stats["m_per_question"], [s["reward"] for s in scored])
         for g, row in enumerate(chunk):
@@ -163,7 +161,7 @@ def _sample_and_score(generator, tokenizer, rows, tools, n, per_call, judge, max
     if moving:
         moving.detach()
     bar.close()
-    return records, shapes, tree
+    return records, shapes, tool_counts
 
 
 def summarize(records: list[dict], n: int, name: str) -> dict:
@@ -249,7 +247,6 @@ FROM_RUN = {"data": "eval_data", "limit": "eval_limit", "n": "eval_n", "temperat
 
 def run_settings(run_dir: Path) -> dict:
     """The eval.py flags a training run implies (its config.yaml, newest start), as parser defaults."""
-    import runlog
     saved = runlog.saved_config(run_dir)
     if not saved:
         raise UserError(f"--run {run_dir}: no config.yaml there (not a training run folder)")
@@ -262,7 +259,6 @@ def run_settings(run_dir: Path) -> dict:
 
 
 def run_checkpoint(run_dir: Path, step: int) -> Path:
-    import checkpoint
     ckpts = checkpoint.checkpoint_dirs(run_dir)
     if step:
         ckpts = [c for c in ckpts if c.name == f"step_{step:06d}"]
@@ -276,8 +272,8 @@ def load_model(path_or_id: str, device: str = "cpu", dtype: str = "auto"):
     """(model, tokenizer) from a local directory or a hub id (coldstart.model_source: a clear one-line error when
     neither is there), on `device` (cpu when CUDA is unavailable)."""
     import torch
-    from coldstart import model_source
-    from policy import load_lm, load_tokenizer
+    from harness.coldstart import model_source
+    from harness.policy import load_lm, load_tokenizer
     source = model_source(path_or_id)
     if device.startswith("cuda") and not torch.cuda.is_available():
         device = "cpu"
@@ -297,9 +293,6 @@ def _training_note(model: str, cfg: EvalConfig) -> str:
 
 
 def main(argv=None) -> list[dict]:
-    import config
-    import search as search_mod
-    import tools as tools_mod
     parser = config.build_parser(EvalConfig, prog="eval.py",
                                  description="Evaluate a tool-using policy (AEPO, arXiv:2510.14545): Pass@k, EM, F1")
     args = config.parse_args(parser, argv, "eval.py")
@@ -332,7 +325,7 @@ def main(argv=None) -> list[dict]:
     search = search_mod.make_search(cfg.search, **cfg.search_kw)
     search_mod.check_reachable(search)
     print(config.python_isolation(cfg.python_isolation), flush=True)
-    tool_runner = tools_mod.Tools(search, python_timeout_s=cfg.python_timeout_s,
+    tool_runner = tools.Tools(search, python_timeout_s=cfg.python_timeout_s,
                                   python_kw={"max_processes": cfg.python_max_processes})
     new_dir = not out.exists()
     out.mkdir(parents=True, exist_ok=True)
@@ -348,11 +341,11 @@ def main(argv=None) -> list[dict]:
     except KeyboardInterrupt:
         tool_runner.close()
         if summaries:
-            raise config.Interrupted(f"{len(summaries)} of {len(datasets)} data set(s) evaluated; their results are "
+            raise cli.Interrupted(f"{len(summaries)} of {len(datasets)} data set(s) evaluated; their results are "
                                      f"in {out}") from None
         if new_dir:
             shutil.rmtree(out, ignore_errors=True)
-        raise config.Interrupted("no data set was finished, so nothing was kept") from None
+        raise cli.Interrupted("no data set was finished, so nothing was kept") from None
     table = markdown_table(summaries)
     (out / "summary.md").write_text(table)
     (out / "summary.json").write_text(json.dumps(summaries, indent=2, ensure_ascii=False))
@@ -362,5 +355,4 @@ def main(argv=None) -> list[dict]:
 
 
 if __name__ == "__main__":
-    import config as _config
-    sys.exit(_config.run_cli(main))
+    sys.exit(cli.run_cli(main))

@@ -26,7 +26,7 @@ import urllib.request
 from collections import Counter
 from pathlib import Path
 
-from config import RunFailure, UserError
+from harness.cli import RunFailure, UserError
 
 # --------------------------------------------------------------------------------------------------
 # Answer normalisation, EM, F1

@@ -24,8 +24,8 @@ from collections import OrderedDict
 from concurrent.futures import ThreadPoolExecutor, TimeoutError as FutureTimeout
 from dataclasses import dataclass
 
-import sandbox
-from search import SearchError
+from harness import sandbox
+from harness.search import SearchError
 
 TOOLS = ("search", "python")
 STOP_STRINGS = ("</search>", "</python>", "</answer>")  # generation stops after any of these

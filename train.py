@@ -49,21 +49,22 @@ import numpy as np
 import torch
 
 import advantage
-import checkpoint
-import coldstart
-import config
-import dataset
+from harness import checkpoint
+from harness import coldstart
+from harness import cli
+from harness import config
+from harness import dataset
 import eval as evaluation
-import generation
+from harness import generation
 import loss
-import parallel
+from harness import parallel
 import reward
 import rollout
-import runlog
-import search as search_mod
+from harness import runlog
+from harness import search as search_mod
 import tools
-import trees
-from policy import (full_named_parameters, is_sharded, load_lm, load_policy, load_tokenizer, no_grad_sync,
+from harness import trees
+from harness.policy import (full_named_parameters, is_sharded, load_lm, load_policy, load_tokenizer, no_grad_sync,
                     optimizer_step, tensorize, unwrap)
 
 # ---------------------------------------------------------------------------------------------------------------------
@@ -80,8 +81,8 @@ def main(argv=None) -> dict:
         out = train(cfg, rank, world, device, state)
     except BaseException as err:                 # a new run that finished no step leaves no folder
         message = state.stop(cfg, rank, world)
-        if isinstance(err, KeyboardInterrupt) or config.stop_requested():     # Ctrl-C or SIGTERM, maybe mid-write
-            raise config.Interrupted(message) from None                       # one line (config.run_cli prints it)
+        if isinstance(err, KeyboardInterrupt) or cli.stop_requested():     # Ctrl-C or SIGTERM, maybe mid-write
+            raise cli.Interrupted(message) from None                       # one line (cli.run_cli prints it)
         raise
     finally:
         if state.tools is not None:
@@ -121,7 +122,7 @@ def train(cfg, rank: int, world: int, device: torch.device, state: runlog.RunSta
                                        cfg.skip_bad)[:cfg.eval_limit or None] if cfg.eval_data else []
     demos, train_rows = coldstart.demonstrations(cfg, train_rows, search)
     if len(train_rows) < cfg.questions_per_step:
-        raise config.UserError(f"--train_data has {len(train_rows)} usable questions, fewer than "
+        raise cli.UserError(f"--train_data has {len(train_rows)} usable questions, fewer than "
                                f"--questions_per_step ({cfg.questions_per_step})")
     steps = cfg.steps or cfg.epochs * len(train_rows) // cfg.questions_per_step
     state.run_dir, state.created, state.steps = run_dir, not cfg.resume, steps
@@ -282,7 +283,7 @@ def train(cfg, rank: int, world: int, device: torch.device, state: runlog.RunSta
             run_eval(f"step{step + 1}")
         if (cfg.save_every and (step + 1) % cfg.save_every == 0) or step + 1 == steps:
             checkpoint.save(run_dir, step + 1, policy, optimizer, tokenizer, rank=rank, keep=cfg.keep_checkpoints,
-                            config_yaml=config.config_yaml(cfg), info=info,
+                            config_yaml=runlog.config_yaml(cfg), info=info,
                             data_position=(step + 1) * cfg.questions_per_step,
                             export_dtype=torch.bfloat16 if cfg.bf16 else torch.float32,
                             trainer_state=cfg.save_trainer_state)
@@ -395,4 +396,4 @@ def seed_all(seed: int) -> None:
 
 
 if __name__ == "__main__":
-    sys.exit(config.run_cli(main))
+    sys.exit(cli.run_cli(main))

@@ -24,13 +24,13 @@ import torch
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
-import coldstart  # noqa: E402
-import dataset  # noqa: E402
-import generation  # noqa: E402
-import policy  # noqa: E402
+from harness import coldstart  # noqa: E402
+from harness import dataset  # noqa: E402
+from harness import generation  # noqa: E402
+from harness import policy  # noqa: E402
 import reward  # noqa: E402
 import rollout  # noqa: E402
-import search as search_mod  # noqa: E402
+from harness import search as search_mod  # noqa: E402
 import tools  # noqa: E402
 
 

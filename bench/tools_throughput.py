@@ -28,8 +28,8 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-import sandbox  # noqa: E402
-import search as search_mod  # noqa: E402
+from harness import sandbox  # noqa: E402
+from harness import search as search_mod  # noqa: E402
 import tools  # noqa: E402
 
 

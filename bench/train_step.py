@@ -26,8 +26,8 @@ def one(model: str, steps: int, out: Path, extra: list[str]) -> None:
     sys.path.insert(0, str(ROOT))
     os.chdir(ROOT)
     import torch
-    import coldstart
-    import config
+    from harness import coldstart
+    from harness import config
     import train
     argv = [f"--steps={steps}", "--eval_data=", f"--out_dir={out}", f"--run_name={model}", "--save_every=0"]
     if model == "tiny":

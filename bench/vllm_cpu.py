@@ -34,10 +34,10 @@ def generation(n_tokens: int, repeats: int) -> dict[str, float]:
     import torch
     from transformers import AutoModelForCausalLM
 
-    import coldstart
-    import config
-    import generation as gen
-    import policy
+    from harness import coldstart
+    from harness import config
+    from harness import generation as gen
+    from harness import policy
     import tools
     model_dir = coldstart.embedded_model_dir(coldstart.cache_root(config.Config()))
     tokenizer = policy.load_tokenizer(str(model_dir))

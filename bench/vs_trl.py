@@ -43,8 +43,8 @@ def make_model(kind: str, out: Path) -> Path:
     """The model both sides load: a tiny random Llama with the SmolLM2 tokenizer, or the embedded SmolLM2."""
     sys.path.insert(0, str(ROOT))
     import torch
-    import coldstart
-    import config
+    from harness import coldstart
+    from harness import config
     base = coldstart.embedded_model_dir(coldstart.cache_root(config.Config()))
     if kind == "embedded":
         return base
@@ -90,7 +90,7 @@ def run_trl(model: Path, steps: int, out: Path, gradient_checkpointing: bool) ->
     from datasets import Dataset
     from transformers import AutoModelForCausalLM, AutoTokenizer, TrainerCallback
     from trl import GRPOConfig, GRPOTrainer
-    import dataset
+    from harness import dataset
     import reward as reward_mod
     import tools
 

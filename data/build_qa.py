@@ -25,7 +25,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
-import search as search_mod  # noqa: E402
+from harness import search as search_mod  # noqa: E402
 from reward import normalize_answer  # noqa: E402
 
 

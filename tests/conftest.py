@@ -6,6 +6,12 @@ from pathlib import Path
 
 import pytest
 
+# The hub is offline in every test (a stray hub lookup would retry for ~50 s before failing).
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
+os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
 GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
 
 

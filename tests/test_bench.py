@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 
 import rollout
-import search as search_mod
+from harness import search as search_mod
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "bench"))
 import compare_algorithms  # noqa: E402

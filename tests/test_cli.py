@@ -10,10 +10,11 @@ from pathlib import Path
 import pytest
 import yaml
 
-import config
+from harness import cli
+from harness import config
 import eval as evaluation
-import generation
-import search as search_mod
+from harness import generation
+from harness import search as search_mod
 import train
 from tests._http_server import FakeServer
 from tests.test_golden_run import SearchFirst
@@ -22,9 +23,9 @@ from tests.test_train import fake_reward, flags, setup  # noqa: F401 -- the fixt
 ROOT = Path(__file__).resolve().parents[1]
 
 
-def cli(capsys, main, argv) -> tuple[int, str]:
-    """config.run_cli, as the command line runs it: (exit code, stderr)."""
-    code = config.run_cli(main, argv)
+def command(capsys, main, argv) -> tuple[int, str]:
+    """cli.run_cli, as the command line runs it: (exit code, stderr)."""
+    code = cli.run_cli(main, argv)
     return code, capsys.readouterr().err
 
 
@@ -54,7 +55,7 @@ def mistakes(root: Path, tmp: Path) -> dict:
                                   "no such model", "bad sizes", "unknown flag", "unknown backend", "too few questions"])
 def test_user_mistakes_are_one_line_and_leave_nothing(kind, setup, tmp_path, capsys):  # noqa: F811
     over, expected = mistakes(setup, tmp_path)[kind]
-    code, err = cli(capsys, train.main, flags(setup, f"mistake_{kind.replace(' ', '_')}", **over))
+    code, err = command(capsys, train.main, flags(setup, f"mistake_{kind.replace(' ', '_')}", **over))
     assert code == 2
     lines = [line for line in err.splitlines() if line.strip()]
     assert len(lines) == 1 and lines[0].startswith("error: "), err
@@ -87,7 +88,7 @@ def test_defaults_fit_any_number_of_processes():
     assert config.fit_world(config.Config(), 1) == (config.Config(), "")
     cfg, note = config.fit_world(config.Config(questions_per_step=8, mini_batch_size=4), 4)
     assert note == "" and cfg.questions_per_step == 8
-    with pytest.raises(config.UserError, match="--questions_per_step 8 --mini_batch_size 4"):
+    with pytest.raises(cli.UserError, match="--questions_per_step 8 --mini_batch_size 4"):
         config.fit_world(config.Config(questions_per_step=6, mini_batch_size=3), 4)
 
 
@@ -95,7 +96,7 @@ def test_resume_refuses_changed_settings_and_keeps_history(setup, monkeypatch, c
     monkeypatch.setattr(train.reward, "deep_research_reward", fake_reward)
     run = Path(train.main(flags(setup, "history", steps=1))["run_dir"])
     first = (run / "config.yaml").read_text()
-    code, err = cli(capsys, train.main, flags(setup, "history", steps=2, resume="true", k=3, lr=0.01))
+    code, err = command(capsys, train.main, flags(setup, "history", steps=2, resume="true", k=3, lr=0.01))
     assert code == 2
     assert "k: 2 -> 3" in err and "lr: 0.001 -> 0.01" in err and "--allow_config_change" in err
     # length, evaluation and logging settings may change; the history keeps every start, config.yaml the first
@@ -130,9 +131,9 @@ def test_eval_takes_the_runs_settings(setup, monkeypatch, capsys, tmp_path):  # 
                      "--out_dir", str(tmp_path / "b")])
     out = capsys.readouterr().out
     assert f"add --run {run}" in out and "max_response_tokens 12 (here 8)" in out
-    code, err = cli(capsys, evaluation.main, ["--run", str(run), "--step", "7"])
+    code, err = command(capsys, evaluation.main, ["--run", str(run), "--step", "7"])
     assert code == 2 and "no checkpoint of step 7 (have: step_000001)" in err
-    code, err = cli(capsys, evaluation.main, ["--model", str(setup)])
+    code, err = command(capsys, evaluation.main, ["--model", str(setup)])
     assert code == 2 and "no config.json there" in err
 
 
@@ -150,7 +151,7 @@ def test_search_backend_down_at_start(setup, tmp_path, capsys):  # noqa: F811 --
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]                                          # closed again: nobody listens
     url = f"http://127.0.0.1:{port}/retrieve"
-    code, err = cli(capsys, train.main, flags(setup, "down", search="http", search_kw=json.dumps({"url": url})))
+    code, err = command(capsys, train.main, flags(setup, "down", search="http", search_kw=json.dumps({"url": url})))
     assert code == 1 and err.startswith("error: search backend HTTPSearch(url=") and "unreachable" in err
     assert not (setup / "runs" / "down").exists()
 
@@ -244,7 +245,7 @@ def test_more_mistakes_are_caught_before_any_work(kind, setup, tmp_path, capsys,
         "abbreviated": ({}, "unrecognized arguments: --step"),
     }[kind]
     argv = flags(setup, f"more_{kind.replace(' ', '_')}", **over) + (["--step", "8"] if kind == "abbreviated" else [])
-    code, err = cli(capsys, train.main, argv)
+    code, err = command(capsys, train.main, argv)
     lines = [line for line in err.splitlines() if line.strip()]
     assert code == 2 and len(lines) == 1 and expected in lines[0], err
     assert not (setup / "runs" / f"more_{kind.replace(' ', '_')}").exists()
@@ -252,7 +253,7 @@ def test_more_mistakes_are_caught_before_any_work(kind, setup, tmp_path, capsys,
 
 def test_eval_refuses_an_empty_data_file(tmp_path, capsys, setup):  # noqa: F811 -- the fixture
     (tmp_path / "empty.jsonl").write_text("")
-    code, err = cli(capsys, evaluation.main, ["--model", str(setup / "tiny"), "--data", str(tmp_path / "empty.jsonl"),
+    code, err = command(capsys, evaluation.main, ["--model", str(setup / "tiny"), "--data", str(tmp_path / "empty.jsonl"),
                                               "--out_dir", str(tmp_path / "out")])
     assert code == 2 and err.strip() == f"error: --data {tmp_path / 'empty.jsonl'}: no questions in it"
     assert not (tmp_path / "out").exists()
@@ -274,7 +275,7 @@ def test_resume_keeps_the_runs_own_evaluation_settings(setup, monkeypatch):  # n
 def test_trees_of_a_missing_step_is_one_line(tmp_path):
     (tmp_path / "run").mkdir()
     (tmp_path / "run" / "trees.jsonl").write_text(json.dumps({"step": 1, "trajectories": []}) + "\n")
-    proc = subprocess.run([sys.executable, "trees.py", str(tmp_path / "run"), "--step", "5"], cwd=ROOT,
+    proc = subprocess.run([sys.executable, "-m", "harness.trees", str(tmp_path / "run"), "--step", "5"], cwd=ROOT,
                           capture_output=True, text=True, timeout=120)
     assert proc.returncode == 2
     assert proc.stderr.strip().splitlines() == [f"error: {tmp_path / 'run' / 'trees.jsonl'}: no trees of step 5 "

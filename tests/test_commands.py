@@ -39,14 +39,14 @@ NOT_ON_CPU = ["torchrun --nproc_per_node=8 train.py --config configs/aepo_qwen3_
               "--bf16 true", "torchrun --nproc_per_node=8 train.py --config configs/aepo_qwen3_14b.yaml --parallel fsdp",
               "torchrun --nnodes=2"]                     # 8 GPUs / several nodes
 HELP = ["python train.py --help", "python eval.py --help"]
-TREES = ["python trees.py runs/<name>", "python trees.py runs/<name> --step 3 --out t.png",
-         "python trees.py runs/<name> --eval after"]
+TREES = ["python -m harness.trees runs/<name>", "python -m harness.trees runs/<name> --step 3 --out t.png",
+         "python -m harness.trees runs/<name> --eval after"]
 
 
 def documented_commands() -> list[str]:
     """The `python ...` / `torchrun ...` lines of README.md's code blocks and of every module docstring."""
     texts = [line[4:] for line in (ROOT / "README.md").read_text().splitlines() if line.startswith("    ")]
-    for path in list(ROOT.glob("*.py")) + list(ROOT.glob("bench/*.py")):
+    for path in list(ROOT.glob("*.py")) + list(ROOT.glob("harness/*.py")) + list(ROOT.glob("bench/*.py")):
         doc = ast.get_docstring(ast.parse(path.read_text())) or ""
         texts += [line.strip() for line in doc.splitlines()]
     out = []

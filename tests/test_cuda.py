@@ -19,11 +19,11 @@ import pytest
 import torch
 import torch.multiprocessing as mp
 
-import checkpoint
-import generation
+from harness import checkpoint
+from harness import generation
 import loss
-import parallel
-import policy as policy_mod
+from harness import parallel
+from harness import policy as policy_mod
 import tools
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "bench"))

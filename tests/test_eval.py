@@ -12,11 +12,11 @@ from pathlib import Path
 
 import pytest
 
-import dataset as D
-from config import UserError
+from harness import dataset as D
+from harness.cli import UserError
 import eval as E
 import reward
-import search as search_mod
+from harness import search as search_mod
 import tools
 from tests.conftest import make_tiny_model  # the `tokenizer` fixture (real SmolLM2 tokenizer) is there too
 

@@ -20,7 +20,7 @@ from pathlib import Path
 
 import pytest
 
-import generation
+from harness import generation
 import train
 from rollout import Segment
 from tests.test_train import fake_reward, flags, setup  # noqa: F401 -- the fixture

@@ -16,12 +16,12 @@ import pytest
 import torch
 
 import advantage
-import checkpoint
-import coldstart
-import config
-import generation
+from harness import checkpoint
+from harness import coldstart
+from harness import config
+from harness import generation
 import loss
-import policy as policy_mod
+from harness import policy as policy_mod
 import tools
 import train
 from rollout import Segment

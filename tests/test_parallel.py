@@ -11,10 +11,10 @@ import pytest
 import torch
 import torch.multiprocessing as mp
 
-import checkpoint
-import config
+from harness import checkpoint
+from harness import cli
 import eval as evaluation
-import policy as policy_mod
+from harness import policy as policy_mod
 import train
 from tests.conftest import make_tiny_model
 from tests.fakes import EchoTools
@@ -236,7 +236,7 @@ def test_crash_while_saving_keeps_the_previous_checkpoint(setup, monkeypatch):  
         if len(calls) == 2:
             raise OSError(28, "No space left on device")
     monkeypatch.setattr(checkpoint, "_write_export", export_then_crash)
-    with pytest.raises(config.RunFailure) as failure:
+    with pytest.raises(cli.RunFailure) as failure:
         train.main(flags(setup, "crash"))
     message = str(failure.value)                                            # one line: what, where, how much
     assert "\n" not in message and "could not write checkpoint step_000002" in message
@@ -263,12 +263,12 @@ def test_a_full_disk_in_torchs_writer_is_reported_too(setup, monkeypatch):  # no
     usage = checkpoint.shutil.disk_usage
     monkeypatch.setattr(checkpoint.shutil, "disk_usage",
                         lambda path: usage(path)._replace(free=free["bytes"]))
-    with pytest.raises(config.RunFailure, match="basic_ios::clear.*1 MB is free|basic_ios::clear.*0 MB is free"):
+    with pytest.raises(cli.RunFailure, match="basic_ios::clear.*1 MB is free|basic_ios::clear.*0 MB is free"):
         train.main(flags(setup, "full_disk", steps=1))
     free["bytes"] = 10**15
     with pytest.raises(RuntimeError, match="basic_ios") as bug:
         train.main(flags(setup, "not_the_disk", steps=1))
-    assert not isinstance(bug.value, config.UserError)
+    assert not isinstance(bug.value, cli.UserError)
 
 
 def test_model_only_checkpoints_resume(setup, monkeypatch, capsys):  # noqa: F811 -- the fixture
@@ -291,7 +291,7 @@ def test_model_only_checkpoints_resume(setup, monkeypatch, capsys):  # noqa: F81
 
 def _metrics_worker(rank, world, out):
     import transformers
-    import parallel
+    from harness import parallel
     parallel.init("cpu", timeout_min=1)        # a collective mismatch then fails within a minute instead of hanging
     try:
         local = {"reward": 1.0 + rank, "n_traj": 4.0}

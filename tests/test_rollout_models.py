@@ -4,9 +4,9 @@ import pytest
 import torch
 
 import rollout
-import search as search_mod
+from harness import search as search_mod
 import tools
-from generation import TransformersGenerator
+from harness.generation import TransformersGenerator
 from rollout import Segment, tree_rollout
 from tests.conftest import make_tiny_model
 

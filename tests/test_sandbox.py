@@ -21,7 +21,7 @@ from pathlib import Path
 
 import pytest
 
-import sandbox
+from harness import sandbox
 import tools
 
 ROOT = Path(__file__).resolve().parents[1]

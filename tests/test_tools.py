@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 from hypothesis import given, settings, strategies as st
 
-import search
+from harness import search
 import tools
 from tools import ToolCall, ToolError, format_result, parse_tool_call, run_python
 from tests._http_server import API_KEY, FakeServer

@@ -14,9 +14,10 @@ import torch.multiprocessing as mp
 
 import rollout
 import tools
-import coldstart
-import config
-import policy as policy_mod
+from harness import coldstart
+from harness import cli
+from harness import config
+from harness import policy as policy_mod
 import train
 from tests.conftest import make_tiny_model
 
@@ -82,34 +83,34 @@ def test_yaml_configs_parse():
 
 
 def test_unknown_flag_and_key_error(tmp_path):
-    with pytest.raises(config.UserError, match="unrecognized arguments: --no_such_flag 1 .*--help"):
+    with pytest.raises(cli.UserError, match="unrecognized arguments: --no_such_flag 1 .*--help"):
         config.parse_config(["--no_such_flag", "1"])
     bad = tmp_path / "bad.yaml"
     bad.write_text("k: 4\nlearning_rate: 0.1\n")
-    with pytest.raises(config.UserError, match="learning_rate"):
+    with pytest.raises(cli.UserError, match="learning_rate"):
         config.parse_config([f"--config={bad}"])
 
 
 def test_bad_sizes():
-    with pytest.raises(config.UserError, match="--questions_per_step .6. must be a multiple of --mini_batch_size"):
+    with pytest.raises(cli.UserError, match="--questions_per_step .6. must be a multiple of --mini_batch_size"):
         config.parse_config(["--questions_per_step", "6", "--mini_batch_size", "4"])
 
 
 def test_missing_data_file(setup, tmp_path):
-    with pytest.raises(config.UserError, match="--train_data .*nope.jsonl: file not found"):
+    with pytest.raises(cli.UserError, match="--train_data .*nope.jsonl: file not found"):
         train.main(flags(setup, "missing", train_data=str(tmp_path / "nope.jsonl")))
     assert not (setup / "runs" / "missing").exists()
 
 
 def test_missing_model(setup, tmp_path):
-    with pytest.raises(config.UserError, match="not a local model directory"):
+    with pytest.raises(cli.UserError, match="not a local model directory"):
         train.main(flags(setup, "nomodel", model=str(tmp_path / "no_model")))
 
 
 def test_dataset_without_answer(setup, tmp_path):
     bad = tmp_path / "bad.jsonl"
     bad.write_text(json.dumps({"question": "Q?", "answer": ["A"]}) + "\n" + json.dumps({"question": "Q2?"}) + "\n")
-    with pytest.raises(config.UserError, match="line 2.*'answer'.*--skip_bad"):
+    with pytest.raises(cli.UserError, match="line 2.*'answer'.*--skip_bad"):
         train.main(flags(setup, "badrows", train_data=str(bad)))
     assert not (setup / "runs" / "badrows").exists()
 
@@ -117,7 +118,7 @@ def test_dataset_without_answer(setup, tmp_path):
 def test_cold_start_needs_query(setup, tmp_path):
     rows = tmp_path / "noquery.jsonl"
     rows.write_text("".join(json.dumps({"question": q, "answer": [a]}) + "\n" for q, a in QA))
-    with pytest.raises(config.UserError, match="'query' field"):
+    with pytest.raises(cli.UserError, match="'query' field"):
         train.main(flags(setup, "noquery", train_data=str(rows), cold_start="true"))
 
 
@@ -422,5 +423,5 @@ def test_existing_run_needs_resume(setup, monkeypatch):
     assert not (run / "eval" / "before_summary.json").exists() and (run / "eval" / "after_summary.json").exists()
     row = json.loads((run / "metrics.jsonl").read_text())
     assert 0.0 <= row["branch_top_chain"] <= 1.0 and (row["branch_top_chain"] > 0) == (row["branches"] > 0)
-    with pytest.raises(config.UserError, match="--resume"):
+    with pytest.raises(cli.UserError, match="--resume"):
         train.main(flags(setup, "twice", steps=1))

@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 import torch.multiprocessing as mp  # noqa: F401 -- spawn helpers come from test_parallel
 
-import trees
+from harness import trees
 from rollout import tree_rollout
 from tests.fakes import EchoTools, ScriptedGenerator
 from tests.test_parallel import spawn, _train_worker

@@ -10,8 +10,8 @@ import pytest
 import torch
 import torch.multiprocessing as mp
 
-import policy as policy_mod
-from generation import TransformersGenerator, VLLMGenerator
+from harness import policy as policy_mod
+from harness.generation import TransformersGenerator, VLLMGenerator
 from tests import fake_vllm
 from tests.conftest import make_tiny_model
 from tests.test_rollout_models import as_ids, chat_prompt
@@ -278,7 +278,7 @@ def test_stop_string_across_the_two_requests(tokenizer, tiny_model_dir, one_proc
 def _close_worker(rank, world, port, model_dir, out_dir):
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world),
                       LOCAL_RANK=str(rank))
-    import parallel
+    from harness import parallel
     torch.distributed.init_process_group("gloo")
     VLLMGenerator(model_dir, vllm_module=fake_vllm)
     llm = fake_vllm.LLM.instances[-1]

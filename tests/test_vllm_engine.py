@@ -35,7 +35,7 @@ pytestmark = pytest.mark.skipif(importlib.util.find_spec("vllm") is None,
 @pytest.fixture(scope="module")
 def cache(tmp_path_factory):
     """The embedded model, converted once (float32), under a cache the train.py runs share."""
-    import coldstart
+    from harness import coldstart
     root = Path(os.environ.get("AEPO_CACHE") or tmp_path_factory.mktemp("aepo_cache"))
     return root, coldstart.embedded_model_dir(root)
 
@@ -43,7 +43,7 @@ def cache(tmp_path_factory):
 def test_greedy_generation_equals_transformers(cache):
     """Same prompts, float32, greedy: identical tokens and stops, H_seg within 1e-4; with n_entropy small enough
     that `</search>` falls across a segment's two requests, still the same tokens and stops."""
-    import generation
+    from harness import generation
     import tools
     from transformers import AutoModelForCausalLM
     _, model_dir = cache
@@ -79,8 +79,8 @@ def test_weight_sync_matches_transformers(tie, tokenizer, tmp_path):
     """The engine takes new weights in place (as train.py syncs them: wake_up with every parameter): after an AdamW
     step and a zeroed layer, its greedy tokens, first-position top-10 log-probs and H_seg equal transformers' on the
     new weights. A sync without one parameter raises (vLLM itself only logs it and keeps the old values)."""
-    import generation
-    import policy as policy_mod
+    from harness import generation
+    from harness import policy as policy_mod
     from tests.conftest import make_tiny_model
     from tests.test_rollout_models import as_ids, chat_prompt
     lm = make_tiny_model(tokenizer, seed=3, tie=tie, hidden_size=64)

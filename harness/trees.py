@@ -7,9 +7,9 @@ keeps the shape of one question's tree without its text (samples.jsonl has texts
 token offset of its fork, its kind, its l, the token span and H_seg of every segment it generated, its tool calls
 (tool and the first 60 characters of the argument), why it ended, its reward and its length.
 
-    python trees.py runs/<name>                    # the last step's trees -> runs/<name>/trees_step_N.png
-    python trees.py runs/<name> --step 3 --out t.png
-    python trees.py runs/<name> --eval after       # the trees of evaluation 'after' (k independent samples)
+    python -m harness.trees runs/<name>            # the last step's trees -> runs/<name>/trees_step_N.png
+    python -m harness.trees runs/<name> --step 3 --out t.png
+    python -m harness.trees runs/<name> --eval after  # the trees of evaluation 'after' (k independent samples)
 
 Deviations from the paper / official code:
 1. The official code logs no trees; this is for reading the rollout, and changes nothing in it.

@@ -23,7 +23,7 @@ import contextlib
 import torch
 
 import loss
-from config import UserError
+from harness.cli import UserError
 
 
 class Policy(torch.nn.Module):

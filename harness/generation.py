@@ -26,7 +26,7 @@ import sys
 import torch
 
 import tools
-from config import UserError
+from harness.cli import UserError
 from rollout import Segment, segment_entropy
 
 

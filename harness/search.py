@@ -23,7 +23,7 @@ import urllib.request
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
-from config import RunFailure, UserError
+from harness.cli import RunFailure, UserError
 
 TOPK = 10  # snippets per search result
 SNIPPET_CHARS = 1_000  # each snippet is cut to this many characters

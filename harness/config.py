@@ -15,16 +15,12 @@ from __future__ import annotations
 
 import copy
 import dataclasses
-import datetime
-import importlib.metadata
 import importlib.util
-import os
-import signal
-import subprocess
-import sys
 import typing
 from dataclasses import dataclass, field
 from pathlib import Path
+
+from harness.cli import UserError
 
 
 def arg(default, help: str):
@@ -126,22 +122,6 @@ class Config:
     seed: int = arg(0, "random seed (data order, rollouts)")
     cache_dir: str = arg("", "cache for the converted model, cold starts and the BM25 index ('' = $AEPO_CACHE or "
                              "~/.cache/aepo)")
-
-
-class UserError(ValueError):
-    """A mistake in the command, the config or the inputs. The command line prints `error: <message>` (one line, no
-    traceback) and exits with code 2; a bug keeps its traceback."""
-    exit_code = 2
-
-
-class RunFailure(UserError):
-    """The run cannot go on for an operational reason (disk full, a backend down): one line, exit code 1."""
-    exit_code = 1
-
-
-class Interrupted(UserError):
-    """Ctrl-C (SIGINT) or SIGTERM: one line saying what was kept and how to continue, exit code 130."""
-    exit_code = 130
 
 
 def build_parser(cls=None, prog: str = "train.py", description: str = "AEPO training (arXiv:2510.14545)"):
@@ -246,119 +226,11 @@ def check_writable(directory: str, flag: str) -> None:
         raise UserError(f"--{flag} {directory}: cannot write in {existing} ({err.strerror or err})") from None
 
 
-STOP = {"signal": None}              # the SIGINT / SIGTERM that is stopping this process (set by run_cli), if any
-
-
-def stop_requested() -> bool:
-    """Whether Ctrl-C or SIGTERM has asked this process to stop (an error raised meanwhile is part of stopping)."""
-    return STOP["signal"] is not None
-
-
-def run_cli(main, argv=None) -> int:
-    """Run a command's main(argv) and return its exit code: a UserError becomes one line `error: ...` on stderr (rank
-    0 only); Ctrl-C or SIGTERM one line `interrupted: ...` (what was kept, how to continue; main raises Interrupted
-    with it) and code 130. A process that lost its peers (another rank stopped) says so in one line. With a process
-    group the process then ends at once (os._exit): a collective or a tool call in flight would otherwise hold it."""
-    stop = STOP
-    stop["signal"] = None
-
-    def on_signal(signum, frame):                # the first SIGINT/SIGTERM interrupts, later ones only count
-        first = stop["signal"] is None
-        stop["signal"] = signum
-        if first:
-            raise KeyboardInterrupt
-
-    previous = {sig: signal.signal(sig, on_signal) for sig in (signal.SIGINT, signal.SIGTERM)}
-    rank = os.environ.get("RANK", "0")
-    code = 0
-    try:
-        main(argv)
-    except Interrupted as err:
-        stop["signal"] = stop["signal"] or signal.SIGINT
-        code = _say(rank, f"interrupted: {err}", err.exit_code)
-    except UserError as err:
-        code = _say(rank, f"error: {err}", err.exit_code)
-    except KeyboardInterrupt:
-        stop["signal"] = stop["signal"] or signal.SIGINT
-        code = _say(rank, "interrupted", Interrupted.exit_code)
-    except (SystemExit, GeneratorExit):
-        raise
-    except BaseException as err:                 # noqa: BLE001 -- a peer's failure, a signal mid-collective (torch's
-                                                 # checkpoint errors are BaseExceptions)
-        if stop["signal"] is None and not lost_peer(err):
-            raise                                # a bug: keep its traceback
-        code = Interrupted.exit_code if stop["signal"] else 1
-        _say("0", f"{'interrupted' if stop['signal'] else 'error'}: rank {rank} stopped because another process "
-                  f"stopped ({' '.join(str(err).split())[:120]})", code)
-    finally:
-        for sig, handler in previous.items():
-            signal.signal(sig, handler)
-    if code and "torch.distributed" in sys.modules and sys.modules["torch.distributed"].is_initialized():
-        sys.stdout.flush()
-        sys.stderr.flush()
-        os._exit(code)
-    return code
-
-
-def _say(rank: str, line: str, code: int) -> int:
-    """Print `line` on rank 0 after closing the progress bars still open, so it stands alone as the last line."""
-    if "tqdm" in sys.modules:
-        for bar in list(getattr(sys.modules["tqdm"].tqdm, "_instances", ())):
-            bar.close()
-    if rank == "0":
-        print(line, file=sys.stderr, flush=True)
-    return code
-
-
-def lost_peer(err: BaseException) -> bool:
-    """Whether `err` is a collective failing because another process went away (gloo / nccl wording)."""
-    text = str(err).lower()
-    return any(words in text for words in ("connection reset by peer", "connection closed by peer", "broken pipe",
-                                           "connection refused", "socket closed", "nccl communicator was aborted"))
-
-
 def python_isolation(mode: str) -> str:
     """One line naming the python tool's isolation layers on this machine (sandbox.py); in strict mode a missing
     layer is a UserError."""
-    import sandbox
+    from harness import sandbox
     try:
         return sandbox.describe(sandbox.require(mode))
     except (sandbox.IsolationError, ValueError) as err:
         raise UserError(f"--python_isolation: {err}") from None
-
-
-# settings a resumed run may change: length, evaluation, logging, output, and how (not what) it computes
-RESUMABLE = {"steps", "epochs", "eval_data", "eval_limit", "eval_n", "eval_every", "eval_before", "eval_temperature",
-             "eval_top_p", "log_samples", "tensorboard", "wandb", "wandb_project", "out_dir", "run_name", "resume",
-             "save_every", "keep_checkpoints", "save_trainer_state", "device", "dist_timeout_min", "cache_dir",
-             "micro_batch_size", "gen_batch_size", "logp_chunk_size", "gradient_checkpointing", "parallel",
-             "backend", "vllm_gpu_memory_utilization", "allow_config_change"}
-
-
-def config_changes(saved: dict, cfg: Config) -> list[str]:
-    """`name: saved -> now` for every setting outside RESUMABLE that differs from the run's saved config."""
-    now = dataclasses.asdict(cfg)
-    return [f"{key}: {saved.get(key)!r} -> {now[key]!r}" for key in now
-            if key not in RESUMABLE and saved.get(key, now[key]) != now[key]]
-
-
-def config_yaml(cfg: Config) -> str:
-    import yaml
-    return yaml.safe_dump(dataclasses.asdict(cfg), sort_keys=False, allow_unicode=True)
-
-
-def run_info(world: int) -> dict:
-    """Git commit and library versions, saved next to every config."""
-    try:
-        commit = subprocess.run(["git", "rev-parse", "HEAD"], cwd=Path(__file__).parent, capture_output=True,
-                                text=True, timeout=10).stdout.strip() or None
-    except (OSError, subprocess.SubprocessError):
-        commit = None
-    versions = {}
-    for name in ("torch", "transformers", "numpy", "vllm", "bm25s", "jsonargparse"):
-        try:
-            versions[name] = importlib.metadata.version(name)
-        except importlib.metadata.PackageNotFoundError:
-            pass
-    return {"git_commit": commit, "versions": versions, "python": sys.version.split()[0], "world_size": world,
-            "argv": sys.argv, "started": datetime.datetime.now().isoformat(timespec="seconds")}

@@ -24,7 +24,7 @@ Layers, each detected once per process (`isolation()`) and used wherever availab
 - rlimits: address space (RLIMIT_AS), CPU time (RLIMIT_CPU), size of a written file (RLIMIT_FSIZE).
 `require("strict")` refuses to start a run unless every layer is there (the rlimits always are).
 
-Run as a script, this file is the launcher inside the sandbox (`python -I -S sandbox.py OPTIONS -- PROGRAM`). Every
+Run as a script, this file is the launcher inside the sandbox (`python -I -S harness/sandbox.py OPTIONS -- PROGRAM`). Every
 call starts it, so the top imports only what the launcher needs; the trainer-side functions import re, select,
 shutil, signal, subprocess, tempfile and time where they use them (about 12 ms less per call).
 
@@ -46,10 +46,9 @@ import os
 import resource
 import sys
 
-if __name__ == "__main__":  # the launcher runs under -I, which leaves this file's directory off sys.path
-    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-import landlock  # noqa: E402
-import rootfs  # noqa: E402
+if __name__ == "__main__":  # the launcher runs under -I, which leaves the repository off sys.path
+    sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from harness import landlock, rootfs  # noqa: E402
 
 # ---------------------------------------------------------------------------------------------------------------
 # Inside the sandbox: the launcher (joins the pids cgroup; as init of the PID namespace enters the minimal root and

@@ -11,14 +11,18 @@ from __future__ import annotations
 
 import dataclasses
 import datetime
+import importlib.metadata
 import json
 import shutil
+import subprocess
+import sys
 import time
 from pathlib import Path
 
-import checkpoint
-import config
-import parallel
+from harness import checkpoint
+from harness import cli
+from harness import config
+from harness import parallel
 
 # ---------------------------------------------------------------------------------------------------------------------
 # The run directory
@@ -32,7 +36,7 @@ def resumed_run(cfg) -> Path:
     runs = sorted((p for p in out.glob("*") if checkpoint.checkpoint_dirs(p)),
                   key=lambda p: checkpoint.checkpoint_dirs(p)[-1].stat().st_mtime)
     if not runs:
-        raise config.UserError(f"--resume: no run with a checkpoint under {out}/ (give --out_dir or --run_name)")
+        raise cli.UserError(f"--resume: no run with a checkpoint under {out}/ (give --out_dir or --run_name)")
     return runs[-1]
 
 
@@ -46,14 +50,14 @@ def plan_run(cfg) -> tuple[Path, list[Path]]:
         run_dir = Path(cfg.out_dir) / name
     ckpts = checkpoint.checkpoint_dirs(run_dir)
     if cfg.resume and not ckpts:
-        raise config.UserError(f"--resume: no checkpoint in {run_dir}/checkpoints")
+        raise cli.UserError(f"--resume: no checkpoint in {run_dir}/checkpoints")
     if not cfg.resume and ckpts:
-        raise config.UserError(f"{run_dir} already has checkpoints: add --resume to continue it, or give another "
+        raise cli.UserError(f"{run_dir} already has checkpoints: add --resume to continue it, or give another "
                                "--run_name")
     if cfg.resume:
-        changes = config.config_changes(saved_config(run_dir), cfg)
+        changes = config_changes(saved_config(run_dir), cfg)
         if changes and not cfg.allow_config_change:
-            raise config.UserError(f"--resume: settings differ from {run_dir}'s: " + "; ".join(changes) +
+            raise cli.UserError(f"--resume: settings differ from {run_dir}'s: " + "; ".join(changes) +
                                    " (use the run's values, or add --allow_config_change to resume with these)")
     return run_dir, ckpts
 
@@ -70,10 +74,10 @@ def saved_config(run_dir: Path) -> dict:
 def create_run(cfg, run_dir: Path, world: int, master: bool) -> dict:
     """Rank 0 writes the run's config.yaml and run_info.json (a new run) or appends this start's settings to
     config_history.yaml (a resumed run: config.yaml keeps the first start's). Returns the run info."""
-    info = config.run_info(world)
+    info = run_info(world)
     if master:
         run_dir.mkdir(parents=True, exist_ok=True)
-        text = config.config_yaml(cfg)
+        text = config_yaml(cfg)
         print(text, flush=True)
         if cfg.resume:
             with open(run_dir / "config_history.yaml", "a") as f:
@@ -305,3 +309,44 @@ def write_step(run_dir: Path, m: dict, rows, trajectories, scores, rewards, n_sa
             f.write(json.dumps({"step": m["step"], "question": rows[t.group_id]["question"],
                                 "golds": rows[t.group_id]["golds"], "traj_id": t.traj_id, "parent": t.parent,
                                 "reward": r, "em": s["em"], "text": t.text}, ensure_ascii=False) + "\n")
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# What a run records about itself: its settings (and what a --resume may change), git commit and versions
+
+
+# settings a resumed run may change: length, evaluation, logging, output, and how (not what) it computes
+RESUMABLE = {"steps", "epochs", "eval_data", "eval_limit", "eval_n", "eval_every", "eval_before", "eval_temperature",
+             "eval_top_p", "log_samples", "tensorboard", "wandb", "wandb_project", "out_dir", "run_name", "resume",
+             "save_every", "keep_checkpoints", "save_trainer_state", "device", "dist_timeout_min", "cache_dir",
+             "micro_batch_size", "gen_batch_size", "logp_chunk_size", "gradient_checkpointing", "parallel",
+             "backend", "vllm_gpu_memory_utilization", "allow_config_change"}
+
+
+def config_changes(saved: dict, cfg: config.Config) -> list[str]:
+    """`name: saved -> now` for every setting outside RESUMABLE that differs from the run's saved config."""
+    now = dataclasses.asdict(cfg)
+    return [f"{key}: {saved.get(key)!r} -> {now[key]!r}" for key in now
+            if key not in RESUMABLE and saved.get(key, now[key]) != now[key]]
+
+
+def config_yaml(cfg: config.Config) -> str:
+    import yaml
+    return yaml.safe_dump(dataclasses.asdict(cfg), sort_keys=False, allow_unicode=True)
+
+
+def run_info(world: int) -> dict:
+    """Git commit and library versions, saved next to every config."""
+    try:
+        commit = subprocess.run(["git", "rev-parse", "HEAD"], cwd=Path(__file__).parent, capture_output=True,
+                                text=True, timeout=10).stdout.strip() or None
+    except (OSError, subprocess.SubprocessError):
+        commit = None
+    versions = {}
+    for name in ("torch", "transformers", "numpy", "vllm", "bm25s", "jsonargparse"):
+        try:
+            versions[name] = importlib.metadata.version(name)
+        except importlib.metadata.PackageNotFoundError:
+            pass
+    return {"git_commit": commit, "versions": versions, "python": sys.version.split()[0], "world_size": world,
+            "argv": sys.argv, "started": datetime.datetime.now().isoformat(timespec="seconds")}

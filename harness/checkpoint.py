@@ -34,9 +34,9 @@ from pathlib import Path
 import numpy as np
 import torch
 
-import parallel
-import policy as policy_mod
-from config import RunFailure, stop_requested
+from harness import parallel
+from harness import policy as policy_mod
+from harness.cli import RunFailure, stop_requested
 
 
 def checkpoint_dirs(run_dir: Path) -> list[Path]:
