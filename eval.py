@@ -269,11 +269,10 @@ def run_checkpoint(run_dir: Path, step: int) -> Path:
 
 
 def load_model(path_or_id: str, device: str = "cpu", dtype: str = "auto"):
-    """(model, tokenizer) from a local directory or a hub id (coldstart.model_source: a clear one-line error when
+    """(model, tokenizer) from a local directory or a hub id (models.model_source: a clear one-line error when
     neither is there), on `device` (cpu when CUDA is unavailable)."""
     import torch
-    from harness.coldstart import model_source
-    from harness.policy import load_lm, load_tokenizer
+    from harness.models import load_lm, load_tokenizer, model_source
     source = model_source(path_or_id)
     if device.startswith("cuda") and not torch.cuda.is_available():
         device = "cpu"

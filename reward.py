@@ -27,6 +27,7 @@ from collections import Counter
 from pathlib import Path
 
 from harness.cli import RunFailure, UserError
+from tools import TOOLS
 
 # --------------------------------------------------------------------------------------------------
 # Answer normalisation, EM, F1
@@ -73,7 +74,6 @@ def f1_score(prediction: str | None, golds) -> float:
 # Trajectory format and the deep-research reward (SPEC §5)
 
 _TAG = re.compile(r"<(/?)(think|search|python|answer|result)>")
-TOOL_TAGS = ("search", "python")
 
 
 def extract_boxed(text: str) -> str | None:
@@ -140,7 +140,7 @@ def check_format(response_text: str) -> tuple[bool, str]:
         return False, "</answer> before <answer>"
     for j, tag in enumerate(tags):
         name = tag.strip("</>")
-        if name not in TOOL_TAGS:
+        if name not in TOOLS:
             continue
         if tag.startswith("</"):
             if j == 0 or tags[j - 1] != f"<{name}>":
@@ -159,11 +159,11 @@ def score_response(response_text: str, golds) -> dict:
     valid, reason = check_format(response_text)
     events, policy_text = _events(response_text)
     tags = [e[0] for e in events]
-    used = {name for j, tag in enumerate(tags[:-1]) for name in TOOL_TAGS
+    used = {name for j, tag in enumerate(tags[:-1]) for name in TOOLS
             if tag == f"</{name}>" and tags[j + 1] == "result"}
     prediction = _answer_boxed(response_text, events) if valid else extract_boxed(policy_text)
     f1 = f1_score(prediction, golds)
-    both = f1 > 0 and set(TOOL_TAGS) <= used
+    both = f1 > 0 and set(TOOLS) <= used
     return {"format_valid": valid, "format_reason": reason, "prediction": prediction,
             "em": exact_match(prediction, golds), "f1": f1, "tools_used": sorted(used),
             "reward": (f1 + 0.1 * both) if valid else -1.0}

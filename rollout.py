@@ -127,7 +127,7 @@ class Trajectory:
 def tree_rollout(prompts: list[list[int]], generator: Generator, tool_runner, tokenizer, *,
                  k: int = 16, beta: float = 0.5, gamma: float = 0.2, lam: float = 0.05, tau: float = 0.5,
                  dynamic_budget: bool = True, entropy_branching: bool = True, max_tool_calls: int = 6,
-                 max_response_tokens: int = 4096, seed: int = 0, progress=None
+                 max_response_tokens: int = 4096, seed: int = 0, progress=None, tool_limit_ends: bool = False
                  ) -> tuple[list[Trajectory], dict]:
     """Roll out exactly k trajectories per prompt (SPEC §2). Returns them ordered by (group, traj_id)
     and a dict of tree statistics.
@@ -172,9 +172,15 @@ def tree_rollout(prompts: list[list[int]], generator: Generator, tool_runner, to
             t.seg_entropies.append(seg.h_seg)
             if seg.finish_reason == "tool":
                 if len(t.tool_calls) >= max_tool_calls:
+                    n_limit += 1
+                    if tool_limit_ends:                  # as the official code: EOS as a policy token, the end
+                        if len(t.response_ids) < max_response_tokens:
+                            t.response_ids.append(tokenizer.eos_token_id)
+                            t.loss_mask.append(1)
+                        t.finish_reason = "eos"
+                        continue
                     call = tools.ToolError(f"tool-call limit ({max_tool_calls}) reached; "
                                            "give your final answer now")
-                    n_limit += 1
                 else:
                     call = tools.parse_tool_call(seg.text)
                 t.tool_calls.append((call.tool, call.argument) if isinstance(call, tools.ToolCall)
@@ -233,7 +239,7 @@ def _maybe_branch(t: Trajectory, step: int, group: list[Trajectory], rng: random
     up to the end of that result; l follows the path (inherited by the branch, reset by a step
     without a branch)."""
     delta_h = t.seg_entropies[step] - t.seg_entropies[0]  # segment `step` ended with this tool call
-    p = branch_probability(rng.random(), delta_h, t.l, gamma, lam)
+    p = min(1.0, max(0.0, branch_probability(rng.random(), delta_h, t.l, gamma, lam)))   # clipped, as officially
     if p < tau:
         t.l = 0
         return

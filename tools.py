@@ -24,8 +24,6 @@ from collections import OrderedDict
 from concurrent.futures import ThreadPoolExecutor, TimeoutError as FutureTimeout
 from dataclasses import dataclass
 
-from harness import sandbox
-from harness.search import SearchError
 
 TOOLS = ("search", "python")
 STOP_STRINGS = ("</search>", "</python>", "</answer>")  # generation stops after any of these
@@ -47,6 +45,10 @@ Page 1: Canberra: Canberra is the capital city of Australia.
 </result>
 <think> The capital is Canberra. </think>
 <answer> The capital of Australia is \\boxed{Canberra}. </answer>"""
+
+
+class SearchError(RuntimeError):
+    """A search backend failed for a whole batch (after retries); Tools turns it into an observation."""
 
 
 @dataclass(frozen=True)
@@ -148,6 +150,7 @@ def _run_python(code: str, timeout_s: float = 10.0, max_output_chars: int = 4_00
     except UnicodeEncodeError as e:
         return f"Error: python code is not valid UTF-8 ({e.reason})", "error"
     cpu = cpu_s if cpu_s is not None else int(timeout_s) + 1
+    from harness import sandbox               # only the python tool needs it: rollout.py + tools.py copy alone
     result = sandbox.run(code, timeout_s, memory_mb, cpu, file_size_mb, no_network, max_processes,
                          read_bytes=4 * max_output_chars)
     text = result.output

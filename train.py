@@ -1,11 +1,11 @@
 """AEPO training, end to end: tree rollouts with tools -> rewards -> entropy-aware advantages -> entropy-balanced
-clipped policy loss, on 1..N processes.
+clipped policy loss, on 1..N processes; the paper's baselines are switches of the same loop.
 
-Paper: Dong et al., "Agentic Entropy-Balanced Policy Optimization", arXiv:2510.14545, §3 (the whole training
-algorithm; SPEC §2-§6). Each step samples k trajectories per question with the dynamic entropy-balanced tree rollout
-(rollout.py), scores them with the deep-research reward (reward.py), turns rewards into group advantages reweighted
-by the old policy's token entropy (advantage.py), and takes several clipped optimiser steps on mini-batches of the
-same rollouts (loss.py).
+Paper: Dong et al., "Agentic Entropy-Balanced Policy Optimization", arXiv:2510.14545, paper §3 (the whole training
+algorithm; algorithm.md §2-§7). Each step samples k trajectories per question with the dynamic entropy-balanced tree
+rollout (rollout.py), scores them with the deep-research reward (reward.py), turns rewards into group advantages
+reweighted by the old policy's token entropy (advantage.py), and takes several clipped optimiser steps on
+mini-batches of the same rollouts (loss.py).
 
     python train.py                                    # embedded default: SmolLM2-135M + offline Wikipedia, CPU
     python train.py --config configs/aepo_qwen3_14b.yaml --backend vllm --bf16 true
@@ -16,26 +16,14 @@ same rollouts (loss.py).
     python train.py --help                             # every flag, with its meaning
 
 Multi-node: run the same command on every node (NODE_RANK 0..nnodes-1); out_dir must be on a filesystem all nodes
-share (every rank writes its shard of each checkpoint, and reads it back on --resume).
+share. One code path for 1..N processes: each rank rolls out its own share of the step's questions (all k
+trajectories of a question stay on one rank), and the only cross-rank quantities are sums: the token and sequence
+counts of each optimiser mini-batch (the loss divides by them), the batch entropy statistics (the entropy-aware
+advantage z-scores with them), gradients and logged metrics. The machinery is in harness/.
 
-One code path for 1..N processes: each rank rolls out its own share of the step's questions (all k trajectories of
-a question stay on one rank), and the only cross-rank quantities are sums: the valid-token count of each optimiser
-mini-batch (the loss divides by it), the batch entropy statistics (the entropy-aware advantage z-scores with them),
-gradients and logged metrics. What is not the algorithm lives in modules named for it: config.py (flags),
-coldstart.py (the embedded model and the supervised cold start), policy.py (the model, DDP / FSDP2), generation.py
-(transformers / vLLM), parallel.py (process group), checkpoint.py, runlog.py (run folder and logs), eval.py.
-
-Deviations from the paper / official code:
-1. Loss normalisation: the token sum of each optimiser mini-batch is divided by its valid-token count over all
-   micro-batches and ranks (SPEC §4), so micro-batching and world size never change the gradient.
-2. The entropy of the entropy-aware advantage is the old policy's, from the pass that computes the old log-probs,
-   z-scored over the whole step batch on all ranks (SPEC §3b).
-3. Optional supervised cold start (off in the official recipe, which starts from an instruct model that already
-   follows the tool format): demonstrations with tool results masked exactly as in RL. The embedded default uses it,
-   because SmolLM2-135M-Instruct never produces the tool format on its own.
-4. Under FSDP2 with the transformers backend, generation runs on an unsharded copy of the policy, refreshed after
-   every optimiser step: HF `generate` on a sharded module deadlocks when ranks need different numbers of forward
-   calls, which tree rollouts always do. The copy costs one extra set of weights per rank; use vLLM for big models.
+Deviations from the paper / official code (algorithm.md §8): D14 (old-policy entropy z-scored over the batch on all
+ranks), D16 (the loss divided by the mini-batch's global token count), D26 (optional supervised cold start), D27
+(torchrun processes; under FSDP2 the transformers backend generates with an unsharded copy of the policy).
 """
 from __future__ import annotations
 
@@ -49,23 +37,15 @@ import numpy as np
 import torch
 
 import advantage
-from harness import checkpoint
-from harness import coldstart
-from harness import cli
-from harness import config
-from harness import dataset
 import eval as evaluation
-from harness import generation
 import loss
-from harness import parallel
 import reward
 import rollout
-from harness import runlog
-from harness import search as search_mod
 import tools
-from harness import trees
-from harness.policy import (full_named_parameters, is_sharded, load_lm, load_policy, load_tokenizer, no_grad_sync,
-                    optimizer_step, tensorize, unwrap)
+from harness import (checkpoint, cli, coldstart, config, dataset, generation, models, parallel, runlog,
+                     search as search_mod, trees)
+from harness.policy import (backward_micro_batches, full_named_parameters, is_sharded, load_policy, optimizer_step,
+                            tensorize, unwrap)
 
 # ---------------------------------------------------------------------------------------------------------------------
 # The training run
@@ -109,21 +89,21 @@ def train(cfg, rank: int, world: int, device: torch.device, state: runlog.RunSta
         log(note)
     config.check_files(cfg)
     run_dir, ckpts = runlog.plan_run(cfg)
-    base_path = parallel.on_rank0(lambda: coldstart.resolve_model(cfg))   # rank 0 converts the embedded model once
-    tokenizer = load_tokenizer(base_path)
+    base_path = parallel.on_rank0(lambda: models.resolve_model(cfg))   # rank 0 converts the embedded model once
+    tokenizer = models.load_tokenizer(base_path)
     search_kw = {"cache": cfg.cache_dir, **cfg.search_kw} if cfg.search == "bm25" and cfg.cache_dir else cfg.search_kw
     search = search_mod.make_search(cfg.search, **search_kw)
     search_mod.check_reachable(search)
     log(config.python_isolation(cfg.python_isolation))                # every rank runs its own python calls
     tool_runner = state.tools = tools.Tools(search, python_timeout_s=cfg.python_timeout_s,
-                              python_kw={"max_processes": cfg.python_max_processes})
+                                            python_kw={"max_processes": cfg.python_max_processes})
     train_rows = dataset.load_questions(cfg.train_data, tokenizer, cfg.max_prompt_tokens, "train_data", cfg.skip_bad)
     eval_rows = dataset.load_questions(cfg.eval_data, tokenizer, cfg.max_prompt_tokens, "eval_data",
                                        cfg.skip_bad)[:cfg.eval_limit or None] if cfg.eval_data else []
     demos, train_rows = coldstart.demonstrations(cfg, train_rows, search)
     if len(train_rows) < cfg.questions_per_step:
         raise cli.UserError(f"--train_data has {len(train_rows)} usable questions, fewer than "
-                               f"--questions_per_step ({cfg.questions_per_step})")
+                            f"--questions_per_step ({cfg.questions_per_step})")
     steps = cfg.steps or cfg.epochs * len(train_rows) // cfg.questions_per_step
     state.run_dir, state.created, state.steps = run_dir, not cfg.resume, steps
     info = runlog.create_run(cfg, run_dir, world, master)              # everything checked: the run folder
@@ -132,7 +112,7 @@ def train(cfg, rank: int, world: int, device: torch.device, state: runlog.RunSta
 
     # -------------------------------------------------------------------------------- the policy (and its cold start)
     # start from the latest checkpoint, a cached cold start, or the base model
-    cs_dir = coldstart.cache_root(cfg) / "cold_start" / coldstart.cold_start_key(base_path, demos, cfg, world) \
+    cs_dir = config.cache_dir(cfg.cache_dir) / "cold_start" / coldstart.cold_start_key(base_path, demos, cfg, world) \
         if demos else None
     need_cold_start = bool(demos) and not (cs_dir / "config.json").exists() and not cfg.resume
     init_path = str(ckpts[-1]) if cfg.resume else (str(cs_dir) if demos and not need_cold_start else base_path)
@@ -149,7 +129,7 @@ def train(cfg, rank: int, world: int, device: torch.device, state: runlog.RunSta
     optimizer = torch.optim.AdamW(policy.parameters(), lr=cfg.lr, weight_decay=cfg.weight_decay)
 
     # -------------------------------------------------------------------------------- generator
-    # vLLM: one engine per rank; transformers: the policy itself, or an unsharded copy under FSDP2 (deviation 4)
+    # vLLM: one engine per rank; transformers: the policy itself, or an unsharded copy under FSDP2 (D27)
     gen_lm = None
     if cfg.backend == "vllm":
         generator = generation.VLLMGenerator(init_path, temperature=cfg.temperature, top_p=cfg.top_p,
@@ -159,7 +139,7 @@ def train(cfg, rank: int, world: int, device: torch.device, state: runlog.RunSta
         parallel.on_close(generator.close)       # the engine shuts down before the process group is left
         seed_all(cfg.seed + rank)                # building the engine re-seeded the global RNGs
     else:
-        gen_lm = load_lm(init_path, device) if is_sharded(policy) else unwrap(policy).lm
+        gen_lm = models.load_lm(init_path, device) if is_sharded(policy) else unwrap(policy).lm
         generator = generation.TransformersGenerator(gen_lm, tokenizer, temperature=cfg.temperature,
                                                      top_p=cfg.top_p, batch_size=cfg.gen_batch_size)
 
@@ -202,41 +182,44 @@ def train(cfg, rank: int, world: int, device: torch.device, state: runlog.RunSta
     q_local = cfg.questions_per_step // world
     n_minibatches = cfg.questions_per_step // cfg.mini_batch_size
     bar = tqdm(total=steps, initial=start_step, desc="train", unit="step", disable=not master, dynamic_ncols=True)
-    last = {}
+    metrics = {}
     for step in range(start_step, steps):
         t0 = time.time()
-        rows = step_questions(train_rows, step, cfg)[rank * q_local:(rank + 1) * q_local]
+        rows = dataset.step_questions(train_rows, step, cfg.questions_per_step, cfg.seed)[rank * q_local:
+                                                                                          (rank + 1) * q_local]
+        if cfg.dynamic_sampling:                 # DAPO: as many again, to keep the groups whose rewards differ
+            rows += dataset.spare_questions(train_rows, step, q_local, cfg.seed * world + rank)
 
-        # ---- rollout (SPEC §2): k trajectories per question, tree-structured
+        # ---- rollout (algorithm.md §2): k trajectories per question, tree-structured
         prompts = [tools.build_prompt(tokenizer, r["question"]) for r in rows]
-
         progress = runlog.RolloutProgress(bar, generator) if master else None
         with torch.no_grad(), amp():
-            trajectories, tree = rollout.tree_rollout(
+            trajectories, rollout_stats = rollout.tree_rollout(
                 prompts, generator, tool_runner, tokenizer, k=cfg.k, beta=cfg.beta, gamma=cfg.gamma, lam=cfg.lam,
                 tau=cfg.tau, dynamic_budget=cfg.dynamic_budget, entropy_branching=cfg.entropy_branching,
                 max_tool_calls=cfg.max_tool_calls, max_response_tokens=cfg.max_response_tokens,
-                seed=(cfg.seed * 100_003 + step) * world + rank, progress=progress)
+                seed=(cfg.seed * 100_003 + step) * world + rank, progress=progress,
+                tool_limit_ends=cfg.tool_limit_ends)
         if progress:
             progress.detach()
         if cfg.backend == "vllm":
             generator.sleep()
         t_rollout = time.time() - t0
 
-        # ---- reward (SPEC §5) and group advantage (SPEC §3a)
-        golds = [rows[t.group_id]["golds"] for t in trajectories]
-        scores = [reward.score_response(t.text, g) for t, g in zip(trajectories, golds)]
-        rewards = torch.tensor([reward.deep_research_reward(t.text, g) for t, g in zip(trajectories, golds)],
-                               dtype=torch.float32)
-        adv = advantage.group_advantages(rewards, torch.tensor([t.group_id for t in trajectories]))   # (N,) A_j
+        # ---- reward (algorithm.md §5) and outcome advantage (§3a; GiGPO's step advantage, §7)
+        scores, rewards = score(rows, trajectories, cfg)
+        if cfg.dynamic_sampling:
+            rows, trajectories, scores, rewards, rollout_stats = keep_varied_groups(
+                rows, trajectories, scores, rewards, rollout_stats, q_local)
+        adv = outcome_advantages(trajectories, rewards, cfg, tokenizer.pad_token_id)
 
-        # ---- old-policy log-probs and token entropies (one no-grad pass), entropy-aware advantage (SPEC §3b)
+        # ---- old-policy log-probs and token entropies (one no-grad pass), entropy-aware advantage (§3b)
         t1 = time.time()
-        batches = micro_batches(trajectories, adv, n_minibatches, cfg, tokenizer.pad_token_id, device)
+        batches = micro_batches(trajectories, adv, n_minibatches, cfg, tokenizer.pad_token_id, device, rewards)
         stats, std_h = old_policy_pass(policy, ref, batches, cfg, amp)
         t_old = time.time() - t1
 
-        # ---- policy update (SPEC §4): ppo_epochs × mini-batches, each one optimiser step
+        # ---- policy update (algorithm.md §4): ppo_epochs × mini-batches, each one optimiser step
         t2 = time.time()
         unwrap(policy).lm.train()
         sums: dict[str, float] = {}
@@ -257,23 +240,23 @@ def train(cfg, rank: int, world: int, device: torch.device, state: runlog.RunSta
         sync_generator()
         t_update = time.time() - t2
 
-        # ---- log: sums over ranks divided by global counts (definitions in the README)
-        m = runlog.step_metrics(step + 1, rows, trajectories, scores, rewards, adv, tree, stats, std_h, sums,
-                                grad_norms, cfg)
-        m.update({"lr": lr, "time/rollout": t_rollout, "time/old_logp": t_old, "time/update": t_update,
-                  "time/step": time.time() - t0,
-                  "update_tokens_per_s": m["n_valid_tokens"] * cfg.ppo_epochs / max(t_update, 1e-9)})
-        last = m
-        step_trees = parallel.gather(trees.records(step + 1, rows, trajectories, tree["m_per_question"], rewards))
+        # ---- log: sums over ranks divided by global counts (definitions in docs/reference.md)
+        metrics = runlog.step_metrics(step + 1, rows, trajectories, scores, rewards, adv, rollout_stats, stats, std_h,
+                                      sums, grad_norms)
+        metrics.update({"lr": lr, "time/rollout": t_rollout, "time/old_logp": t_old, "time/update": t_update,
+                        "time/step": time.time() - t0,
+                        "update_tokens_per_s": metrics["n_valid_tokens"] * cfg.ppo_epochs / max(t_update, 1e-9)})
+        step_trees = parallel.gather(trees.records(step + 1, rows, trajectories, rollout_stats["m_per_question"],
+                                                   rewards))
         state.steps_done = step + 1
         if master:
-            runlog.write_step(run_dir, m, rows, trajectories, scores, rewards, cfg.log_samples)
+            runlog.write_step(run_dir, metrics, rows, trajectories, scores, rewards, cfg.log_samples)
             trees.append(run_dir / "trees.jsonl", [rec for recs in step_trees for rec in recs])
-            trackers.log(m, step + 1)
+            trackers.log(metrics, step + 1)
             bar.set_postfix_str("")
             bar.update(1)
-            log(runlog.format_line(step + 1, steps, m))
-            for tool, errors, calls in runlog.failing_tools(m):
+            log(runlog.format_line(step + 1, steps, metrics))
+            for tool, errors, calls in runlog.failing_tools(metrics):
                 backend = repr(search) if tool == "search" else "the python sandbox"
                 log(f"warning: {tool} failed on {errors} of {calls} calls this step ({backend}); last error: "
                     f"{runlog.last_error(trajectories, tool) or 'on another rank'}")
@@ -298,27 +281,62 @@ def train(cfg, rank: int, world: int, device: torch.device, state: runlog.RunSta
         trees.draw(trees.load(run_dir / "trees.jsonl"), run_dir / "trees.png", f"{run_dir.name}: the last step's trees")
         log(f"run directory: {run_dir}")
     trackers.close()
-    return {"run_dir": str(run_dir), "last": last, "evals": evals, "steps": steps}
+    return {"run_dir": str(run_dir), "last": metrics, "evals": evals, "steps": steps}
 
 
 # ---------------------------------------------------------------------------------------------------------------------
-# The step's data: whole questions per rank, mini-batches of whole questions, micro-batches for memory
+# Rewards and advantages of the step's trajectories (this rank's questions; a question's k trajectories are all here)
 
 
-def step_questions(rows: list[dict], step: int, cfg) -> list[dict]:
-    """The step's global batch: positions step·Q .. step·Q+Q−1 of a sequence of seeded per-epoch permutations."""
-    out = []
-    for pos in range(step * cfg.questions_per_step, (step + 1) * cfg.questions_per_step):
-        epoch, i = divmod(pos, len(rows))
-        perm = list(range(len(rows)))
-        random.Random(cfg.seed * 1_000_003 + epoch).shuffle(perm)
-        out.append(rows[perm[i]])
-    return out
+def score(rows: list[dict], trajectories, cfg) -> tuple[list[dict], torch.Tensor]:
+    """(score_response of each trajectory, (N,) rewards): the deep-research reward against the trajectory's own
+    question's golds, plus DAPO's soft overlong penalty when --overlong_cache is set."""
+    golds = [rows[t.group_id]["golds"] for t in trajectories]
+    scores = [reward.score_response(t.text, g) for t, g in zip(trajectories, golds)]
+    rewards = torch.tensor([reward.deep_research_reward(t.text, g) for t, g in zip(trajectories, golds)],
+                           dtype=torch.float32)
+    if cfg.overlong_cache:
+        lengths = torch.tensor([len(t.response_ids) for t in trajectories])
+        rewards = rewards + advantage.overlong_penalty(lengths, cfg.max_response_tokens, cfg.overlong_cache)
+    return scores, rewards
 
 
-def micro_batches(trajectories, adv: torch.Tensor, n_minibatches: int, cfg, pad_id: int, device):
+def keep_varied_groups(rows, trajectories, scores, rewards, rollout_stats, n_keep: int):
+    """DAPO's dynamic sampling over the 2·n_keep questions rolled out: the first n_keep groups whose rewards differ
+    (then, if too few differ, equal-reward groups, whose advantage is 0) in their rollout order, renumbered 0..n-1."""
+    groups = torch.tensor([t.group_id for t in trajectories])
+    varied = advantage.dynamic_sampling_mask(rewards, groups)
+    order = sorted(range(len(rows)), key=lambda g: (not bool(varied[groups == g].any()), g))[:n_keep]
+    new_id = {g: i for i, g in enumerate(order)}
+    keep = [i for i, t in enumerate(trajectories) if t.group_id in new_id]
+    keep.sort(key=lambda i: (new_id[trajectories[i].group_id], trajectories[i].traj_id))
+    for i in keep:
+        trajectories[i].group_id = new_id[trajectories[i].group_id]
+    stats = {**rollout_stats, "m_per_question": [rollout_stats["m_per_question"][g] for g in order],
+             "kept_varied": sum(bool(varied[groups == g].any()) for g in order)}
+    return ([rows[g] for g in order], [trajectories[i] for i in keep], [scores[i] for i in keep], rewards[keep],
+            stats)
+
+
+def outcome_advantages(trajectories, rewards: torch.Tensor, cfg, pad_id: int) -> torch.Tensor:
+    """(N,) group advantages A_j (§3a; Dr. GRPO without the std), or with --gigpo (N, W) per-token A^E + ω·A^S in
+    the layout of one tensorize of all the rank's trajectories (micro_batches cuts each micro-batch's columns)."""
+    groups = torch.tensor([t.group_id for t in trajectories])
+    if not cfg.gigpo:
+        return advantage.group_advantages(rewards, groups, std_norm=cfg.std_norm)
+    full = tensorize([(t.prompt_ids, t.response_ids, t.loss_mask) for t in trajectories], pad_id, "cpu")
+    return advantage.gigpo_advantages(full.input_ids[:, 1:], full.mask, groups, rewards, omega=cfg.gigpo_omega,
+                                      std_norm=cfg.std_norm)
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# Mini-batches of whole questions, micro-batches for memory; the old-policy pass (§3b) and one optimiser mini-batch (§4)
+
+
+def micro_batches(trajectories, adv: torch.Tensor, n_minibatches: int, cfg, pad_id: int, device,
+                  rewards: torch.Tensor | None = None):
     """Split this rank's trajectories (ordered by question) into n_minibatches mini-batches of whole questions, each
-    into micro-batches of <= micro_batch_size trajectories. Returns a list (per mini-batch) of lists of dicts."""
+    into micro-batches of <= micro_batch_size trajectories. Returns a list (per mini-batch) of lists of MicroBatch."""
     per_mini = len(trajectories) // n_minibatches
     out = []
     for j in range(n_minibatches):
@@ -328,65 +346,62 @@ def micro_batches(trajectories, adv: torch.Tensor, n_minibatches: int, cfg, pad_
             idx = chunk[s:s + cfg.micro_batch_size]
             mb = tensorize([(trajectories[i].prompt_ids, trajectories[i].response_ids, trajectories[i].loss_mask)
                             for i in idx], pad_id, device)
-            mb["adv"] = adv[idx].to(device)                                  # (b,) outcome advantage A_j
+            width = mb.mask.shape[1]
+            mb.adv = (adv[idx] if adv.dim() == 1 else adv[idx, :width]).to(device)     # (b,) A_j or (b, L-1)
+            mb.reward = None if rewards is None else rewards[idx].to(device)
             mbs.append(mb)
         out.append(mbs)
     return out
 
 
-# ---------------------------------------------------------------------------------------------------------------------
-# The old-policy pass (SPEC §3b) and one optimiser mini-batch (SPEC §4)
-
-
 @torch.no_grad()
-def old_policy_pass(policy, ref, batches: list[list[dict]], cfg, amp) -> tuple[torch.Tensor, float]:
+def old_policy_pass(policy, ref, batches: list[list], cfg, amp) -> tuple[torch.Tensor, float]:
     """Fill every micro-batch with old_logp and entropy (π_old at the rollout temperature), ref_logp (with a
-    reference), and adv_tok = Ã (SPEC §3b) z-scored with entropy statistics over all ranks. Returns the local
-    [count, ΣH, ΣH²] and the global std of H."""
+    reference), and adv_tok = Ã (§3b) z-scored with entropy statistics over all ranks; with --reinforce_pp the
+    advantage is first the batch-normalised per-token return (§7). Returns the local [count, ΣH, ΣH²] and the global
+    std of H."""
     unwrap(policy).eval()
     stats = torch.zeros(3, dtype=torch.float64)
     flat = [mb for mbs in batches for mb in mbs]
     with amp():
         for mb in flat:
-            mb["old_logp"], mb["entropy"] = policy(mb["input_ids"], mb["attention_mask"], mb["mask"],
-                                                   cfg.temperature, cfg.logp_chunk_size)
+            mb.old_logp, mb.entropy = policy(mb.input_ids, mb.attention_mask, mb.mask, cfg.temperature,
+                                             cfg.logp_chunk_size)
             if ref is not None:
-                mb["ref_logp"], _ = ref(mb["input_ids"], mb["attention_mask"], mb["mask"], cfg.temperature,
-                                        cfg.logp_chunk_size)
-            stats += advantage.entropy_stats(mb["entropy"], mb["mask"]).cpu()
+                mb.ref_logp, _ = ref(mb.input_ids, mb.attention_mask, mb.mask, cfg.temperature, cfg.logp_chunk_size)
+            stats += advantage.entropy_stats(mb.entropy, mb.mask).cpu()
     mean_h, std_h = advantage.mean_std(parallel.all_reduce_sum(stats))                  # over all ranks
+    if cfg.reinforce_pp:                        # returns with the KL in the reward, normalised over all ranks
+        kl = cfg.kl_coef if cfg.kl_in_reward else 0.0
+        returns = [advantage.reinforce_pp_returns(mb.reward, mb.mask, *((mb.old_logp, mb.ref_logp) if kl else ()),
+                                                  beta=kl) for mb in flat]
+        ret_stats = sum(advantage.token_stats(g, mb.mask, "returns").cpu() for g, mb in zip(returns, flat))
+        mean_g, std_g = advantage.mean_std(parallel.all_reduce_sum(ret_stats))
+        for g, mb in zip(returns, flat):
+            mb.adv = advantage.reinforce_pp_advantages(g, mb.mask, mean_g, std_g)
     for mb in flat:
         if cfg.entropy_advantage:
-            mb["adv_tok"] = advantage.entropy_weighted_advantages(mb["adv"], mb["entropy"], mb["mask"],
-                                                                  mean_h, std_h, cfg.alpha)
+            mb.adv_tok = advantage.entropy_weighted_advantages(mb.adv, mb.entropy, mb.mask, mean_h, std_h, cfg.alpha)
         else:
-            mb["adv_tok"] = mb["adv"][:, None] * mb["mask"]
+            mb.adv_tok = (mb.adv[:, None] if mb.adv.dim() == 1 else mb.adv) * mb.mask
     return stats, std_h
 
 
-def accumulate_gradients(policy, mbs: list[dict], cfg, world: int, amp, where: str) -> dict:
-    """Backward of loss.policy_loss over the micro-batches of one mini-batch. Each micro-batch dict holds input_ids,
-    attention_mask, mask, old_logp, adv_tok (Ã, (b, L-1)) and optionally ref_logp. Returns summed loss metrics."""
-    n_valid = parallel.all_reduce_sum(sum(mb["mask"].sum() for mb in mbs).double()).item()   # N_valid over ranks
-    sums: dict[str, float] = {}
-    for i, mb in enumerate(mbs):
-        with no_grad_sync(policy, last=i == len(mbs) - 1):
-            with amp():
-                logp, _ = policy(mb["input_ids"], mb["attention_mask"], mb["mask"], cfg.temperature,
-                                 cfg.logp_chunk_size)
-            try:                                     # non-finite inputs raise in loss.py: add where it happened
-                loss_value, metrics = loss.policy_loss(
-                    logp, mb["old_logp"], mb["adv_tok"], mb["mask"], n_valid, eps_low=cfg.eps_low,
-                    eps_high=cfg.eps_high, clip_c=cfg.clip_c, sg_clip=cfg.sg_clip, ref_logp=mb.get("ref_logp"),
-                    kl_coef=cfg.kl_coef)
-            except ValueError as err:
-                raise ValueError(f"{where}, micro-batch {i}: {err}") from err
-            if not torch.isfinite(loss_value):
-                raise FloatingPointError(f"non-finite loss {loss_value.item()} at {where}, micro-batch {i}")
-            (loss_value * world).backward()          # DDP / FSDP2 average gradients over ranks; the loss is a sum
-        for key, v in metrics.items():
-            sums[key] = sums.get(key, 0.0) + float(v)
-    return sums
+def accumulate_gradients(policy, mbs: list, cfg, world: int, amp, where: str) -> dict:
+    """Backward of loss.policy_loss over the micro-batches of one mini-batch, normalised by the mini-batch's token
+    and sequence counts over all ranks (N_valid, N_seq). Returns the loss metrics summed."""
+    counts = torch.stack([sum(mb.mask.sum() for mb in mbs).double(),
+                          torch.tensor(float(sum(len(mb.mask) for mb in mbs)), dtype=torch.float64)])
+    n_valid, n_seqs = parallel.all_reduce_sum(counts).tolist()
+
+    def objective(mb, logp, entropy):
+        return loss.policy_loss(
+            logp, mb.old_logp, mb.adv_tok, mb.mask, n_valid, eps_low=cfg.eps_low, eps_high=cfg.eps_high,
+            clip_c=cfg.clip_c, sg_clip=cfg.sg_clip, ref_logp=mb.ref_logp, kl_coef=0.0 if cfg.kl_in_reward else cfg.kl_coef,
+            sg_clip_low=cfg.sg_clip_low, cispo=cfg.cispo, entropy=entropy if cfg.entropy_coeff else None,
+            entropy_coeff=cfg.entropy_coeff, loss_agg=cfg.loss_agg, n_seqs=n_seqs, max_len=cfg.max_response_tokens)
+
+    return backward_micro_batches(policy, mbs, world, amp, cfg.temperature, cfg.logp_chunk_size, objective, where)
 
 
 def seed_all(seed: int) -> None:

@@ -24,10 +24,9 @@ import torch
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
-from harness import coldstart  # noqa: E402
+from harness import models
 from harness import dataset  # noqa: E402
 from harness import generation  # noqa: E402
-from harness import policy  # noqa: E402
 import reward  # noqa: E402
 import rollout  # noqa: E402
 from harness import search as search_mod  # noqa: E402
@@ -47,10 +46,10 @@ def load_policy(spec: str):
                              "(it caches one) or pass --model DIR")
         path = str(found[-1])
     elif spec == "raw":
-        path = str(coldstart.embedded_model_dir(cache))
+        path = str(models.embedded_model_dir(cache))
     else:
         path = spec
-    return policy.load_lm(path, torch.device("cpu")), policy.load_tokenizer(path)
+    return models.load_lm(path, torch.device("cpu")), models.load_tokenizer(path)
 
 
 def main():

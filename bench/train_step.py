@@ -26,13 +26,13 @@ def one(model: str, steps: int, out: Path, extra: list[str]) -> None:
     sys.path.insert(0, str(ROOT))
     os.chdir(ROOT)
     import torch
-    from harness import coldstart
+    from harness import models
     from harness import config
     import train
     argv = [f"--steps={steps}", "--eval_data=", f"--out_dir={out}", f"--run_name={model}", "--save_every=0"]
     if model == "tiny":
         from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
-        tok = AutoTokenizer.from_pretrained(coldstart.embedded_model_dir(coldstart.cache_root(config.Config())))
+        tok = AutoTokenizer.from_pretrained(models.embedded_model_dir(config.cache_dir()))
         cfg = LlamaConfig(vocab_size=len(tok), hidden_size=64, intermediate_size=128, num_hidden_layers=2,
                           num_attention_heads=2, num_key_value_heads=1, eos_token_id=tok.eos_token_id,
                           pad_token_id=tok.eos_token_id, bos_token_id=tok.bos_token_id, tie_word_embeddings=True)

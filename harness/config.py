@@ -16,11 +16,13 @@ from __future__ import annotations
 import copy
 import dataclasses
 import importlib.util
+import os
 import typing
 from dataclasses import dataclass, field
 from pathlib import Path
 
 from harness.cli import UserError
+from loss import LOSS_AGGS
 
 
 def arg(default, help: str):
@@ -53,6 +55,8 @@ class Config:
     python_max_processes: int = arg(64, "python tool: most processes and threads one call may run at once, the "
                                         "sandbox's own included (a pids cgroup, or RLIMIT_NPROC when not root)")
     max_tool_calls: int = arg(6, "tool calls per trajectory (official 6)")
+    tool_limit_ends: bool = arg(False, "past max_tool_calls, end the trajectory with EOS as the official code does "
+                                       "(False: the policy is told no more tools are allowed and goes on)")
     # supervised cold start (optional; see deviation 3)
     cold_start: bool = arg(True, "supervised cold start on tool-format demonstrations before RL [embedded]")
     cold_start_data: str = arg("", "demonstrations JSONL ({'messages': [...]}); '' = build them from the first "
@@ -97,6 +101,25 @@ class Config:
     sg_clip: bool = arg(True, "SWITCH: AEPO stop-gradient upper clip keeps bounded gradients (False: PPO clip)")
     entropy_advantage: bool = arg(True, "SWITCH: entropy-aware advantage (False: Ã = A)")
     kl_coef: float = arg(0.0, "KL(π_θ‖π_ref) penalty to a frozen copy of the initial policy (official 0)")
+    # the baselines' switches (algorithm.md §7; configs/<algorithm>.yaml set them)
+    sg_clip_low: bool = arg(False, "SWITCH (GPPO): the lower clip bound keeps a gradient too, weight 1−ε_l")
+    cispo: bool = arg(False, "SWITCH (CISPO): J = sg(clip(r, 1−ε_l, 1+ε_h))·Ã·log π, every token keeps a gradient")
+    std_norm: bool = arg(True, "divide the group advantage by the group's std (False: Dr. GRPO)")
+    reinforce_pp: bool = arg(False, "SWITCH (REINFORCE++): per-token returns normalised over the whole batch "
+                                    "instead of group advantages")
+    kl_in_reward: bool = arg(False, "put kl_coef·KL_t to the reference into the per-token reward (REINFORCE++) "
+                                    "instead of the loss")
+    gigpo: bool = arg(False, "SWITCH (GiGPO): add a step advantage over the trajectories that share a state (a "
+                             "tree's token prefix)")
+    gigpo_omega: float = arg(1.0, "GiGPO's step-advantage weight ω")
+    dynamic_sampling: bool = arg(False, "SWITCH (DAPO): roll out twice the questions, keep the groups whose rewards "
+                                        "differ (equal-reward groups fill the batch only when too few differ)")
+    overlong_cache: int = arg(0, "DAPO's soft overlong penalty: the last N tokens before max_response_tokens cost up "
+                                 "to −1 reward (0 = off)")
+    entropy_coeff: float = arg(0.0, "entropy bonus: loss − entropy_coeff·H of the current policy (official switch; "
+                                    "0 = off)")
+    loss_agg: str = arg("token-mean", "loss aggregation (verl's names): token-mean, seq-mean-token-sum, "
+                                      "seq-mean-token-mean, seq-mean-token-sum-norm")
     logp_chunk_size: int = arg(1024, "tokens per chunk of the memory-bounded log-prob/entropy computation")
     # distribution and precision
     parallel: str = arg("ddp", "with several processes: ddp (replicated weights) | fsdp (FSDP2, sharded)")
@@ -171,6 +194,10 @@ def parse_config(argv=None, defaults: dict | None = None) -> Config:
                                                      f"{cfg.python_isolation!r}"),
         (cfg.python_max_processes >= 3, "--python_max_processes must be >= 3 (the sandbox's own processes count)"),
         (cfg.steps > 0 or cfg.epochs > 0, "give --steps > 0 or --epochs > 0"),
+        (cfg.loss_agg in LOSS_AGGS, f"--loss_agg must be one of {', '.join(LOSS_AGGS)}, got {cfg.loss_agg!r}"),
+        (not (cfg.reinforce_pp and cfg.gigpo), "--reinforce_pp and --gigpo are two different advantages: pick one"),
+        (not cfg.kl_in_reward or cfg.kl_coef > 0, "--kl_in_reward needs --kl_coef > 0 (the KL's weight)"),
+        (not cfg.sg_clip_low or cfg.sg_clip, "--sg_clip_low (GPPO's lower bound) needs --sg_clip (its upper one)"),
         (not cfg.tensorboard or importlib.util.find_spec("tensorboard") is not None,
          "--tensorboard needs the tensorboard package: pip install tensorboard (or leave --tensorboard false)"),
         (not cfg.wandb or importlib.util.find_spec("wandb") is not None,
@@ -199,6 +226,12 @@ def fit_world(cfg: Config, world: int) -> tuple[Config, str]:
     raise UserError(f"with {world} processes --questions_per_step ({cfg.questions_per_step}) and --mini_batch_size "
                     f"({cfg.mini_batch_size}) must be multiples of {world}: e.g. --questions_per_step "
                     f"{up(cfg.questions_per_step)} --mini_batch_size {up(cfg.mini_batch_size)}")
+
+
+def cache_dir(path: str | os.PathLike | None = None) -> Path:
+    """The on-disk cache of converted models, cold starts, the corpus and the BM25 index: `path` (--cache_dir), else
+    $AEPO_CACHE, else ~/.cache/aepo."""
+    return Path(path or os.environ.get("AEPO_CACHE") or Path.home() / ".cache" / "aepo")
 
 
 def check_files(cfg: Config) -> None:

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import ast
 import json
+import random
 import sys
 from pathlib import Path
 
@@ -146,3 +147,21 @@ def load_questions(path: str, tokenizer, max_prompt_tokens: int, what: str, skip
         print(f"warning: {what} {path}: dropped {len(rows) - len(kept)} question(s) whose prompt is longer than "
               f"max_prompt_tokens={max_prompt_tokens}", file=sys.stderr)
     return kept
+
+
+def step_questions(rows: list[dict], step: int, questions_per_step: int, seed: int) -> list[dict]:
+    """The step's global batch: positions step·Q .. step·Q+Q−1 of a sequence of seeded per-epoch permutations (every
+    question once per epoch, a new order each epoch; a resumed run continues the same sequence)."""
+    out = []
+    for pos in range(step * questions_per_step, (step + 1) * questions_per_step):
+        epoch, i = divmod(pos, len(rows))
+        perm = list(range(len(rows)))
+        random.Random(seed * 1_000_003 + epoch).shuffle(perm)
+        out.append(rows[perm[i]])
+    return out
+
+
+def spare_questions(rows: list[dict], step: int, n: int, seed: int) -> list[dict]:
+    """n more questions for DAPO's dynamic sampling at `step`, drawn with a seeded RNG of their own (so the main
+    sequence of step_questions, and a resume, are unchanged)."""
+    return random.Random(seed * 1_000_033 + step).sample(rows, n)

@@ -19,11 +19,13 @@ Deviations from the paper / official code:
 from __future__ import annotations
 
 import contextlib
+from dataclasses import dataclass
 
 import torch
 
 import loss
 from harness.cli import UserError
+from harness.models import load_lm
 
 
 class Policy(torch.nn.Module):
@@ -56,27 +58,6 @@ def is_sharded(policy) -> bool:
     """Placed by FSDP2 (its parameters are DTensors), on any number of processes."""
     from torch.distributed.fsdp import FSDPModule
     return isinstance(unwrap(policy), FSDPModule)
-
-
-def load_tokenizer(path: str):
-    from transformers import AutoTokenizer
-    try:
-        tokenizer = AutoTokenizer.from_pretrained(path)
-    except OSError as err:                       # e.g. a hub id that does not exist
-        raise UserError(f"could not load the tokenizer of {path}: {' '.join(str(err).split())[:200]}") from None
-    if tokenizer.pad_token_id is None:
-        tokenizer.pad_token = tokenizer.eos_token
-    return tokenizer
-
-
-def load_lm(path: str, device, dtype=torch.float32):
-    """A whole transformers causal LM on `device`, in eval mode."""
-    from transformers import AutoModelForCausalLM
-    try:
-        lm = AutoModelForCausalLM.from_pretrained(path, dtype=dtype)
-    except OSError as err:
-        raise UserError(f"could not load the model {path}: {' '.join(str(err).split())[:200]}") from None
-    return lm.to(device).eval()
 
 
 @contextlib.contextmanager
@@ -156,9 +137,26 @@ def load_policy(path: str, world: int, device, parallel: str = "ddp", bf16: bool
     return policy.eval()
 
 
-def tensorize(items: list[tuple[list[int], list[int], list[int]]], pad_id: int, device) -> dict:
-    """items: (prompt_ids, response_ids, loss_mask) per trajectory. Returns input_ids (B, L) right-padded,
-    attention_mask (B, L), and mask (B, L-1): 1 where the *next* token was sampled by the policy (scored)."""
+@dataclass
+class MicroBatch:
+    """The trajectories of one forward/backward, right-padded to the longest. `tensorize` fills the first three; the
+    trainer adds the rest. input_ids, attention_mask: (b, L); mask: (b, L-1), 1 where the *next* token was sampled by
+    the policy (it is scored); adv: (b,) outcome advantage A_j, or (b, L-1) per token (GiGPO, REINFORCE++); reward:
+    (b,) R_j; old_logp, entropy, ref_logp: (b, L-1) the old policy's log-probs and token entropies and the reference's
+    log-probs (old-policy pass); adv_tok: (b, L-1) Ã per token."""
+    input_ids: torch.Tensor
+    attention_mask: torch.Tensor
+    mask: torch.Tensor
+    adv: torch.Tensor | None = None
+    reward: torch.Tensor | None = None
+    old_logp: torch.Tensor | None = None
+    entropy: torch.Tensor | None = None
+    ref_logp: torch.Tensor | None = None
+    adv_tok: torch.Tensor | None = None
+
+
+def tensorize(items: list[tuple[list[int], list[int], list[int]]], pad_id: int, device) -> MicroBatch:
+    """items: (prompt_ids, response_ids, loss_mask) per trajectory -> a MicroBatch of input_ids, attention_mask, mask."""
     width = max(len(p) + len(r) for p, r, _ in items)
     ids = torch.full((len(items), width), pad_id, dtype=torch.long)
     attn = torch.zeros((len(items), width), dtype=torch.long)
@@ -167,7 +165,29 @@ def tensorize(items: list[tuple[list[int], list[int], list[int]]], pad_id: int, 
         ids[i, :len(p) + len(r)] = torch.tensor(p + r)
         attn[i, :len(p) + len(r)] = 1
         mask[i, len(p) - 1:len(p) - 1 + len(r)] = torch.tensor(m, dtype=torch.float32)
-    return {"input_ids": ids.to(device), "attention_mask": attn.to(device), "mask": mask.to(device)}
+    return MicroBatch(ids.to(device), attn.to(device), mask.to(device))
+
+
+def backward_micro_batches(policy, mbs: list[MicroBatch], world: int, amp, temperature: float, chunk_size: int,
+                           loss_of, where: str = "") -> dict:
+    """Forward and backward over the micro-batches of one optimiser mini-batch, accumulating gradients (DDP syncs
+    them on the last). loss_of(mb, logp, entropy) -> (loss 0-d, metrics): a sum over the micro-batch divided by the
+    mini-batch's global normaliser, so ×world undoes the ranks' gradient average. Returns the metrics summed."""
+    sums: dict[str, float] = {}
+    for i, mb in enumerate(mbs):
+        with no_grad_sync(policy, last=i == len(mbs) - 1):
+            with amp():
+                logp, entropy = policy(mb.input_ids, mb.attention_mask, mb.mask, temperature, chunk_size)
+            try:                                     # non-finite inputs raise in loss.py: add where it happened
+                value, metrics = loss_of(mb, logp, entropy)
+            except ValueError as err:
+                raise ValueError(f"{where}, micro-batch {i}: {err}") from err
+            if not torch.isfinite(value):
+                raise FloatingPointError(f"non-finite loss {value.item()} at {where}, micro-batch {i}")
+            (value * world).backward()
+        for key, v in metrics.items():
+            sums[key] = sums.get(key, 0.0) + float(v)
+    return sums
 
 
 def optimizer_step(policy, optimizer, grad_clip: float) -> float:

@@ -148,7 +148,8 @@ LINE = [("reward", "reward", "{:.3f}"), ("acc", "acc", "{:.2f}"), ("entropy", "e
         ("resp_len", "resp_len", "{:.0f}")]
 
 
-def step_metrics(step, rows, trajectories, scores, rewards, adv, tree, stats, std_h, sums, grad_norms, cfg) -> dict:
+def step_metrics(step, rows, trajectories, scores, rewards, adv, rollout_stats, stats, std_h, sums,
+                 grad_norms) -> dict:
     """This rank's sums -> one all-reduce -> means over all trajectories / questions / scored tokens."""
     local = {f"loss/{key}": v for key, v in sums.items()}
     local.update({"n_traj": len(trajectories), "reward": float(rewards.sum()), "acc": sum(s["em"] for s in scores),
@@ -158,12 +159,14 @@ def step_metrics(step, rows, trajectories, scores, rewards, adv, tree, stats, st
                   "resp_len": sum(len(t.response_ids) for t in trajectories),
                   "seq_len": sum(len(t.prompt_ids) + len(t.response_ids) for t in trajectories),
                   "gen_len": sum(sum(t.loss_mask) for t in trajectories),
-                  "truncated": sum(t.truncated for t in trajectories), "adv_nonzero": float((adv != 0).sum()),
-                  "m": tree["m"] * len(rows), "branches": tree["branches_per_tree"] * len(rows),
-                  "top_chain": tree["branch_top_chain_share"] * tree["trees_with_branches"],
-                  "trees_branched": tree["trees_with_branches"],
+                  "truncated": sum(t.truncated for t in trajectories),
+                  "adv_nonzero": float((adv.reshape(len(trajectories), -1) != 0).any(1).sum()),
+                  "m": rollout_stats["m"] * len(rows), "branches": rollout_stats["branches_per_tree"] * len(rows),
+                  "top_chain": rollout_stats["branch_top_chain_share"] * rollout_stats["trees_with_branches"],
+                  "trees_branched": rollout_stats["trees_with_branches"],
                   "questions": len(rows)})
-    local.update({key: float(v) for key, v in tree.items() if key.startswith("tools/")})
+    local.update({f"div_{key}": v for key, v in diversity(trajectories, scores).items()})
+    local.update({key: float(v) for key, v in rollout_stats.items() if key.startswith("tools/")})
     g = parallel.reduce_metrics(local)
     n, n_tok = g["n_traj"], max(1.0, g["loss/n_tokens"])
     m = {"step": step, "trajectories": n}
@@ -177,8 +180,39 @@ def step_metrics(step, rows, trajectories, scores, rewards, adv, tree, stats, st
               "approx_kl": g["loss/approx_kl"] / n_tok, "ratio": g["loss/ratio"] / n_tok,
               "kl_ref": g["loss/kl_ref"] / n_tok, "pg_loss": g["loss/pg_loss"] / len(grad_norms),
               "grad_norm": sum(grad_norms) / len(grad_norms)})
+    m.update({"out_hi": g["loss/out_high"] / n_tok, "out_lo": g["loss/out_low"] / n_tok,
+              "grad_kept": (g["loss/sg_kept"] + g["loss/clip_low_kept"]) / n_tok,
+              "grad_dropped": g["loss/grad_dropped"] / n_tok, "entropy_loss": g["loss/entropy_loss"] / len(grad_norms)})
+    m.update({f"diversity/{key[4:]}": g[key] / g["questions"] for key in sorted(g) if key.startswith("div_")})
     m.update({key: v for key, v in g.items() if key.startswith("tools/")})
     return m
+
+
+def diversity(trajectories, scores) -> dict[str, float]:
+    """Rollout diversity of this rank's groups, summed over questions (step_metrics divides by the questions):
+    answers: distinct normalised predictions / k (no prediction counts as one answer); tool_seqs: distinct sequences
+    of tool calls (tool and argument) / k; tokens: mean over pairs of 1 − Jaccard similarity of the sets of policy
+    token bigrams (0: the k trajectories wrote the same bigrams, 1: no bigram in common)."""
+    from reward import normalize_answer
+    groups: dict[int, list[int]] = {}
+    for i, t in enumerate(trajectories):
+        groups.setdefault(t.group_id, []).append(i)
+    out = {"answers": 0.0, "tool_seqs": 0.0, "tokens": 0.0}
+    for idx in groups.values():
+        k = len(idx)
+        answers = {normalize_answer(scores[i]["prediction"]) if scores[i]["prediction"] is not None else None
+                   for i in idx}
+        out["answers"] += len(answers) / k
+        out["tool_seqs"] += len({tuple(trajectories[i].tool_calls) for i in idx}) / k
+        bigrams = [_policy_bigrams(trajectories[i]) for i in idx]
+        pairs = [(a, b) for n, a in enumerate(bigrams) for b in bigrams[n + 1:]]
+        out["tokens"] += sum(1 - len(a & b) / max(1, len(a | b)) for a, b in pairs) / len(pairs) if pairs else 0.0
+    return out
+
+
+def _policy_bigrams(t) -> set[tuple[int, int]]:
+    ids = [tok for tok, m in zip(t.response_ids, t.loss_mask) if m]
+    return set(zip(ids, ids[1:]))
 
 
 class RolloutProgress:

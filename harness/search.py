@@ -24,13 +24,11 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 from harness.cli import RunFailure, UserError
+from harness.config import cache_dir
+from tools import SearchError
 
 TOPK = 10  # snippets per search result
 SNIPPET_CHARS = 1_000  # each snippet is cut to this many characters
-
-
-class SearchError(RuntimeError):
-    """A search backend failed for a whole batch (after retries); Tools turns it into an observation."""
 
 
 def format_pages(snippets: list[str], topk: int = TOPK, max_chars: int = SNIPPET_CHARS) -> str:
@@ -45,11 +43,6 @@ def format_pages(snippets: list[str], topk: int = TOPK, max_chars: int = SNIPPET
         if len(pages) == topk:
             break
     return "\n".join(pages) if pages else "No results found."
-
-
-def cache_dir(path: str | os.PathLike | None = None) -> Path:
-    """The on-disk cache: `path`, else $AEPO_CACHE, else ~/.cache/aepo."""
-    return Path(path or os.environ.get("AEPO_CACHE") or Path.home() / ".cache" / "aepo")
 
 
 def _sha256(path: Path) -> str:

@@ -16,6 +16,7 @@ import pytest
 import torch
 
 import advantage
+from harness import dataset
 from harness import checkpoint
 from harness import coldstart
 from harness import config
@@ -55,8 +56,8 @@ class Spy:
             self.losses.append((kw["sg_clip"], advantages.detach().clone(), mask.clone()))
             return real_loss(logp, old_logp, advantages, mask, n_valid, **kw)
 
-        def group_advantages(rewards, group_ids):
-            out = real_adv(rewards, group_ids)
+        def group_advantages(rewards, group_ids, **kw):
+            out = real_adv(rewards, group_ids, **kw)
             self.groups.append((rewards.tolist(), group_ids.tolist(), out.tolist()))
             return out
 
@@ -108,9 +109,9 @@ def batch_with_advantages(tokenizer, cfg):
 def sequence_logprobs(policy, mb) -> torch.Tensor:
     """Σ log π over each trajectory's policy tokens, from the plain model's full softmax (not Policy.forward)."""
     with torch.no_grad():
-        logits = policy.lm(input_ids=mb["input_ids"], attention_mask=mb["attention_mask"]).logits[:, :-1].float()
-        logp = torch.log_softmax(logits, -1).gather(-1, mb["input_ids"][:, 1:, None]).squeeze(-1)
-    return (logp * mb["mask"]).sum(1)
+        logits = policy.lm(input_ids=mb.input_ids, attention_mask=mb.attention_mask).logits[:, :-1].float()
+        logp = torch.log_softmax(logits, -1).gather(-1, mb.input_ids[:, 1:, None]).squeeze(-1)
+    return (logp * mb.mask).sum(1)
 
 
 def test_one_step_raises_positive_and_lowers_negative_trajectories(tokenizer):
@@ -134,10 +135,10 @@ def test_sg_clip_keeps_the_gradient_of_tokens_past_the_upper_bound(tokenizer):
     cfg = config.Config(micro_batch_size=4, entropy_advantage=False)
     policy, batches, adv = batch_with_advantages(tokenizer, cfg)
     mb = batches[0][0]
-    positive = (adv > 0).float()[:, None] * mb["mask"]
-    mb["mask"] = positive                                         # keep only the positive trajectories' tokens
-    mb["adv_tok"] = mb["adv_tok"] * positive
-    mb["old_logp"] = mb["old_logp"] - 1.0 * positive               # r = e > 1 + ε_h at every kept token
+    positive = (adv > 0).float()[:, None] * mb.mask
+    mb.mask = positive                                         # keep only the positive trajectories' tokens
+    mb.adv_tok = mb.adv_tok * positive
+    mb.old_logp = mb.old_logp - 1.0 * positive               # r = e > 1 + ε_h at every kept token
     n_valid = positive.sum()
     grads = {}
     for sg_clip in (True, False):
@@ -148,9 +149,9 @@ def test_sg_clip_keeps_the_gradient_of_tokens_past_the_upper_bound(tokenizer):
         grads[sg_clip] = {name: (p.grad if p.grad is not None else torch.zeros_like(p)).clone()
                           for name, p in policy.named_parameters()}
     policy.zero_grad(set_to_none=True)
-    logits = policy.lm(input_ids=mb["input_ids"], attention_mask=mb["attention_mask"]).logits[:, :-1].float()
-    logp = torch.log_softmax(logits, -1).gather(-1, mb["input_ids"][:, 1:, None]).squeeze(-1)
-    (-(1.2 * mb["adv_tok"] * logp * positive).sum() / n_valid).backward()
+    logits = policy.lm(input_ids=mb.input_ids, attention_mask=mb.attention_mask).logits[:, :-1].float()
+    logp = torch.log_softmax(logits, -1).gather(-1, mb.input_ids[:, 1:, None]).squeeze(-1)
+    (-(1.2 * mb.adv_tok * logp * positive).sum() / n_valid).backward()
     for name, p in policy.named_parameters():
         assert torch.count_nonzero(grads[False][name]) == 0, name
         torch.testing.assert_close(grads[True][name], p.grad, atol=1e-6, rtol=1e-4, msg=name)
@@ -321,16 +322,14 @@ def test_long_prompts_dropped_and_demonstrations_from_file(setup, monkeypatch, t
 
 
 def test_each_question_once_per_epoch():
-    """train.step_questions: the steps of an epoch cover every question exactly once (also when the epoch does not
+    """dataset.step_questions: the steps of an epoch cover every question exactly once (also when the epoch does not
     divide into whole steps), epochs are reshuffled, and the order depends on the seed."""
     rows = [{"question": f"q{i}"} for i in range(5)]
-    cfg = config.Config(questions_per_step=2, seed=1)
-    order = [r["question"] for step in range(10) for r in train.step_questions(rows, step, cfg)]   # 4 epochs
+    order = [r["question"] for step in range(10) for r in dataset.step_questions(rows, step, 2, seed=1)]   # 4 epochs
     epochs = [order[i:i + 5] for i in range(0, 20, 5)]
     assert all(sorted(e) == [f"q{i}" for i in range(5)] for e in epochs)
     assert len({tuple(e) for e in epochs}) > 1
-    other = [r["question"] for step in range(3) for r in train.step_questions(rows, step, config.Config(
-        questions_per_step=2, seed=2))]
+    other = [r["question"] for step in range(3) for r in dataset.step_questions(rows, step, 2, seed=2)]
     assert other != order[:6]
 
 
@@ -391,9 +390,9 @@ def _ddp_worker(rank, world, argv, model_dir, out):
         record["questions"].append([next(q for q in GOLD if q in tokenizer.decode(p)) for p in prompts])
         return real_rollout(prompts, *args, **kw)
 
-    def group_advantages(rewards, group_ids):
+    def group_advantages(rewards, group_ids, **kw):
         record["rewards"].append(rewards.tolist())
-        return real_adv(rewards, group_ids)
+        return real_adv(rewards, group_ids, **kw)
 
     def optimizer_step(policy, optimizer, grad_clip):
         norm = real_step(policy, optimizer, grad_clip)

@@ -11,6 +11,8 @@ import pytest
 import torch
 import torch.multiprocessing as mp
 
+from harness import models
+
 from harness import checkpoint
 from harness import cli
 import eval as evaluation
@@ -126,7 +128,7 @@ def _export_worker(rank, world, model_dir, out):
     torch.distributed.init_process_group("gloo")
     try:
         policy = policy_mod.load_policy(model_dir, world, torch.device("cpu"), "fsdp", rank=rank)
-        checkpoint.export_model(policy, policy_mod.load_tokenizer(model_dir), Path(out), rank, torch.bfloat16)
+        checkpoint.export_model(policy, models.load_tokenizer(model_dir), Path(out), rank, torch.bfloat16)
     finally:
         torch.distributed.destroy_process_group()
 
@@ -192,7 +194,7 @@ def _eval_worker(rank, world, model_dir, out_dir):
     torch.distributed.init_process_group("gloo")
     try:
         tokenizer = AutoTokenizer.from_pretrained(model_dir)
-        model = policy_mod.load_lm(model_dir, "cpu")
+        model = models.load_lm(model_dir, "cpu")
         summary = evaluation.evaluate(model, tokenizer, _eval_rows(), EchoTools(), n=2, temperature=1.0,
                                       max_response_tokens=10, batch_size=4, out_dir=out_dir, name="split",
                                       rank=rank, world=world, progress=False)
@@ -207,7 +209,7 @@ def test_evaluation_split_over_ranks_equals_one_process(tokenizer, tmp_path):
     model = make_tiny_model(tokenizer, seed=7)
     model.save_pretrained(tmp_path / "m")
     tokenizer.save_pretrained(tmp_path / "m")
-    one = evaluation.evaluate(policy_mod.load_lm(str(tmp_path / "m"), "cpu"), tokenizer, _eval_rows(), EchoTools(),
+    one = evaluation.evaluate(models.load_lm(str(tmp_path / "m"), "cpu"), tokenizer, _eval_rows(), EchoTools(),
                               n=2, temperature=1.0, max_response_tokens=10, batch_size=4, out_dir=tmp_path / "one",
                               name="split", progress=False)
     (tmp_path / "two").mkdir()                   # each rank writes its summary there (rank 0 its results too)

@@ -129,9 +129,9 @@ def test_cold_start_needs_query(setup, tmp_path):
 def test_tensorize_scores_policy_tokens_only():
     batch = policy_mod.tensorize([([5, 6, 7], [10, 11, 12, 13], [1, 0, 0, 1]), ([5], [20, 21], [1, 1])], pad_id=0,
                             device="cpu")
-    ids, mask = batch["input_ids"], batch["mask"]
+    ids, mask = batch.input_ids, batch.mask
     assert ids.tolist() == [[5, 6, 7, 10, 11, 12, 13], [5, 20, 21, 0, 0, 0, 0]]
-    assert batch["attention_mask"].tolist() == [[1] * 7, [1, 1, 1, 0, 0, 0, 0]]
+    assert batch.attention_mask.tolist() == [[1] * 7, [1, 1, 1, 0, 0, 0, 0]]
     # mask[i, t] = 1  <=>  token ids[i, t+1] was sampled by the policy
     assert mask.tolist() == [[0, 0, 1, 0, 0, 1], [1, 1, 0, 0, 0, 0]]
 
@@ -168,11 +168,11 @@ def test_policy_logp_matches_full_softmax(tokenizer):
     lm = make_tiny_model(tokenizer)
     policy = policy_mod.Policy(lm)
     batch = policy_mod.tensorize([([5, 6, 7], [10, 11, 12, 13], [1, 0, 0, 1]), ([5, 9], [20, 21], [1, 1])], 0, "cpu")
-    logp, entropy = policy(batch["input_ids"], batch["attention_mask"], batch["mask"], temperature=0.7)
-    logits = lm(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits[:, :-1].float() / 0.7
-    ref = torch.log_softmax(logits, -1).gather(-1, batch["input_ids"][:, 1:, None]).squeeze(-1)
+    logp, entropy = policy(batch.input_ids, batch.attention_mask, batch.mask, temperature=0.7)
+    logits = lm(input_ids=batch.input_ids, attention_mask=batch.attention_mask).logits[:, :-1].float() / 0.7
+    ref = torch.log_softmax(logits, -1).gather(-1, batch.input_ids[:, 1:, None]).squeeze(-1)
     ref_h = -(torch.softmax(logits, -1) * torch.log_softmax(logits, -1)).sum(-1)
-    m = batch["mask"].bool()
+    m = batch.mask.bool()
     torch.testing.assert_close(logp[m], ref[m], atol=1e-5, rtol=1e-5)
     torch.testing.assert_close(entropy[m], ref_h[m], atol=1e-4, rtol=1e-5)
     assert (logp[~m] == 0).all() and (entropy[~m] == 0).all()
@@ -218,7 +218,7 @@ def gradients(policy, trajectories, rewards, cfg, world, n_minibatches=1):
     batches = train.micro_batches(trajectories, adv, n_minibatches, cfg, 0, "cpu")
     train.old_policy_pass(policy, None, batches, cfg, train.contextlib.nullcontext)
     for mb in (mb for mbs in batches for mb in mbs):              # a deterministic function of the token
-        mb["old_logp"] = mb["old_logp"] + 0.4 * torch.sin(mb["input_ids"][:, 1:].float()) * mb["mask"]
+        mb.old_logp = mb.old_logp + 0.4 * torch.sin(mb.input_ids[:, 1:].float()) * mb.mask
     metrics = train.accumulate_gradients(policy, batches[0], cfg, world, train.contextlib.nullcontext, "test")
     grads = {}
     for name, p in policy_mod.unwrap(policy).named_parameters():
@@ -329,7 +329,7 @@ def test_bf16_and_gradient_checkpointing_update(tokenizer, single_process_gradie
                                   config.Config(micro_batch_size=3), 0, "cpu")
     bf16 = lambda: torch.autocast("cpu", dtype=torch.bfloat16)        # noqa: E731
     train.old_policy_pass(policy, None, batches, config.Config(), bf16)
-    assert all(mb["old_logp"].dtype == torch.float32 for mb in batches[0])
+    assert all(mb.old_logp.dtype == torch.float32 for mb in batches[0])
     lm.train()
     train.accumulate_gradients(policy, batches[0], config.Config(), 1, bf16, "test")
     grads = dict(policy.named_parameters())
@@ -347,7 +347,7 @@ def test_non_finite_loss_raises(tokenizer):
     adv = train.advantage.group_advantages(rewards, torch.tensor([t.group_id for t in trajectories]))
     batches = train.micro_batches(trajectories, adv, 1, cfg, 0, "cpu")
     train.old_policy_pass(policy, None, batches, cfg, train.contextlib.nullcontext)
-    batches[0][0]["adv_tok"][0, 3] = float("nan")
+    batches[0][0].adv_tok[0, 3] = float("nan")
     with pytest.raises(ValueError, match="step 7, mini-batch 0, micro-batch 0: advantages.*non-finite"):
         train.accumulate_gradients(policy, batches[0], cfg, 1, train.contextlib.nullcontext, "step 7, mini-batch 0")
 

@@ -35,9 +35,9 @@ pytestmark = pytest.mark.skipif(importlib.util.find_spec("vllm") is None,
 @pytest.fixture(scope="module")
 def cache(tmp_path_factory):
     """The embedded model, converted once (float32), under a cache the train.py runs share."""
-    from harness import coldstart
+    from harness import models
     root = Path(os.environ.get("AEPO_CACHE") or tmp_path_factory.mktemp("aepo_cache"))
-    return root, coldstart.embedded_model_dir(root)
+    return root, models.embedded_model_dir(root)
 
 
 def test_greedy_generation_equals_transformers(cache):
@@ -92,7 +92,7 @@ def test_weight_sync_matches_transformers(tie, tokenizer, tmp_path):
         contexts = [as_ids(chat_prompt(tokenizer, q)) for q in ("What is the capital of France?", "Who wrote it?")]
         batch = policy_mod.tensorize([(c, c[-5:], [1] * 5) for c in contexts], tokenizer.pad_token_id, "cpu")
         optimizer = torch.optim.AdamW(policy.parameters(), lr=0.05)
-        logp, _ = policy(batch["input_ids"], batch["attention_mask"], batch["mask"])
+        logp, _ = policy(batch.input_ids, batch.attention_mask, batch.mask)
         (-logp.sum()).backward()
         optimizer.step()
         with torch.no_grad():

