@@ -198,6 +198,9 @@ def parse_config(argv=None, defaults: dict | None = None) -> Config:
         (not (cfg.reinforce_pp and cfg.gigpo), "--reinforce_pp and --gigpo are two different advantages: pick one"),
         (not cfg.kl_in_reward or cfg.kl_coef > 0, "--kl_in_reward needs --kl_coef > 0 (the KL's weight)"),
         (not cfg.sg_clip_low or cfg.sg_clip, "--sg_clip_low (GPPO's lower bound) needs --sg_clip (its upper one)"),
+        (0 <= cfg.overlong_cache < cfg.max_response_tokens, f"--overlong_cache ({cfg.overlong_cache}) must be >= 0 and "
+                                                            f"less than --max_response_tokens ({cfg.max_response_tokens})"),
+        (not cfg.kl_in_reward or cfg.reinforce_pp, "--kl_in_reward belongs to --reinforce_pp (the per-token returns)"),
         (not cfg.tensorboard or importlib.util.find_spec("tensorboard") is not None,
          "--tensorboard needs the tensorboard package: pip install tensorboard (or leave --tensorboard false)"),
         (not cfg.wandb or importlib.util.find_spec("wandb") is not None,

@@ -61,53 +61,77 @@ def test_tree_stats_branch_concentration():
     assert stats["branches_per_tree"] == pytest.approx(4 / 3)
 
 
-def fake_run(run_dir: Path, rewards, before=None, after=0.5, branches=1.0):
+def fake_run(run_dir: Path, rewards, before=None, after=0.5, branches=1.0, step4=None, argv=None):
     (run_dir / "eval").mkdir(parents=True)
-    rows = [{"step": i + 1, "reward": r, "entropy": 0.5 + 0.01 * i, "clip_hi": 0.01, "preserved": 0.002,
-             "branches": branches if i else 0.0, "branch_top_chain": 0.75 if (branches and i) else 0.0,
-             "tool_calls": 1.2, "tools/search/calls": 10.0, "time/step": 30.0} for i, r in enumerate(rewards)]
+    rows = [{"step": i + 1, "reward": r, "entropy": 0.5 + 0.01 * i, "clip_hi": 0.01, "clip_lo": 0.002,
+             "grad_kept": 0.01, "grad_dropped": 0.003, "branches": branches if i else 0.0, "tool_calls": 1.2,
+             "diversity/answers": 0.5, "diversity/tokens": 0.25 + 0.1 * i, "diversity/tool_seqs": 1.0,
+             "tools/search/calls": 10.0, "time/step": 30.0} for i, r in enumerate(rewards)]
     (run_dir / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
-    for name, v in (("before", before), ("after", after)):
+    for name, v in (("before", before), ("after", after), ("step4", step4)):
         if v is not None:
             (run_dir / "eval" / f"{name}_summary.json").write_text(
                 json.dumps({"pass@1": v, "pass@4": min(1.0, 2 * v), "f1": v, "tool_calls": 1.1}))
+    if argv is not None:
+        (run_dir.parent.parent / "logs").mkdir(exist_ok=True)
+        (run_dir.parent.parent / "logs" / f"{run_dir.name}.argv.json").write_text(json.dumps(argv))
 
 
 def test_compare_report_aggregates_every_seed(tmp_path):
     args = compare_algorithms.main_parser().parse_args(
-        ["--work", str(tmp_path / "work"), "--out", str(tmp_path / "out"), "--seeds", "0,1", "--eval_n", "4"])
+        ["--work", str(tmp_path / "work"), "--out", str(tmp_path / "out"), "--seeds", "0,1", "--eval_n", "4",
+         "--steps", "8", "--eval_every", "4", "--backend", "transformers"])
     task = lookup_task.make_task(tmp_path / "work" / "task", n_train=4, n_test=2, n_cold=2)
-    after = {("grpo", 0): 0.2, ("grpo", 1): 0.4, ("arpo", 0): 0.3, ("arpo", 1): 0.3, ("aepo", 0): 0.5,
-             ("aepo", 1): 0.1}
+    after = {("grpo", 0): 0.2, ("grpo", 1): 0.4, ("aepo", 0): 0.5, ("aepo", 1): 0.1}
     for (algo, seed), v in after.items():
-        fake_run(tmp_path / "work" / "runs" / f"{algo}-s{seed}", [0.0, 0.5, 1.0, 1.0],
-                 before=0.25 if algo == "grpo" else None, after=v, branches=0.0 if algo == "grpo" else 1.5)
-    res = compare_algorithms.report(args, [0, 1], task)
+        fake_run(tmp_path / "work" / "runs" / f"{algo}-s{seed}", [0.0, 0.5, 1.0, 1.0, 0.0, 0.5, 1.0, 1.0],
+                 before=0.25 if algo == "grpo" else None, after=v, step4=v / 2,
+                 argv=compare_algorithms.train_argv(algo, seed, task, args))
+    res = compare_algorithms.report(args, ["grpo", "aepo"], [0, 1])
     grpo, aepo = res["algos"]["grpo"], res["algos"]["aepo"]
     assert grpo["mean_sd"]["pass@1"] == pytest.approx((0.3, math.sqrt(0.02)))
     assert aepo["mean_sd"]["pass@1"] == pytest.approx((0.3, math.sqrt(0.08)))
     assert aepo["per_seed"][1]["pass@4"] == pytest.approx(0.2)
-    assert grpo["mean_sd"]["train_reward_2nd_half"][0] == pytest.approx(1.0)      # steps 3-4
-    assert grpo["mean_sd"]["branch_top_chain"] is None                            # never branched
-    assert aepo["mean_sd"]["branch_top_chain"][0] == pytest.approx(0.75)          # steps with branches only
+    assert grpo["mean_sd"]["train_reward_2nd_half"][0] == pytest.approx(0.625)    # steps 5-8
+    assert grpo["mean_sd"]["diversity_tokens"][0] == pytest.approx(0.25 + 0.1 * 3.5)
     assert res["before"][0]["pass@1"] == 0.25
     md = (tmp_path / "out" / "results.md").read_text()
     assert "| AEPO | 0.300 ± 0.283 [0.500, 0.100]" in md
-    assert (tmp_path / "out" / "compare_algorithms.png").stat().st_size > 10_000
-    assert "--seed=0" in res["train_command_example"] and "configs/aepo.yaml" in res["train_command_example"]
+    for key, _ in compare_algorithms.MECHANISMS:
+        assert (tmp_path / "out" / f"{key}.png").stat().st_size > 5_000, key
+    run = compare_algorithms.load_run(tmp_path / "work" / "runs" / "aepo-s0")
+    assert compare_algorithms.pass1_curve(run, 8, 4) == [(4, 0.25), (8, 0.5)]
+    assert "--seed=0" in res["train_commands"]["aepo"] and "configs/aepo.yaml" in res["train_commands"]["aepo"]
 
 
 def test_compare_report_names_a_missing_run(tmp_path):
     args = compare_algorithms.main_parser().parse_args(["--work", str(tmp_path), "--out", str(tmp_path / "o")])
     with pytest.raises(FileNotFoundError, match="grpo-s0"):
-        compare_algorithms.report(args, [0], {"train": "t", "test": "e", "corpus": "c"})
+        compare_algorithms.report(args, ["grpo"], [0])
+
+
+def test_every_algorithm_and_experiment_has_its_config(tmp_path):
+    """Each compared algorithm is a configs/<name>.yaml overlay that parses; each entropy-fall experiment is AEPO
+    with one flag changed."""
+    from harness import config
+    args = compare_algorithms.main_parser().parse_args(["--work", str(tmp_path), "--backend", "transformers"])
+    task = {"train": "t", "test": "e", "corpus": "c"}
+    for name in [*compare_algorithms.ALGOS, *compare_algorithms.EXPERIMENTS]:
+        argv = compare_algorithms.train_argv(name, 0, task, args)
+        cfg = config.parse_config(argv[1:])
+        assert cfg.seed == 0 and cfg.backend == "transformers", name
+    aepo = config.parse_config(compare_algorithms.train_argv("aepo", 0, task, args)[1:])
+    for name, flags in compare_algorithms.EXPERIMENTS.items():
+        cfg = config.parse_config(compare_algorithms.train_argv(name, 0, task, args)[1:])
+        differ = {f for f in config.Config.__dataclass_fields__ if getattr(cfg, f) != getattr(aepo, f)}
+        assert differ == {"run_name", flags[0].split("=")[0][2:]}, (name, differ)
 
 
 def test_compare_refuses_a_finished_run_with_other_settings(tmp_path):
     args = compare_algorithms.main_parser().parse_args(["--work", str(tmp_path), "--steps", "3"])
     task = {"train": "t", "test": "e", "corpus": "c"}
     fake_run(tmp_path / "runs" / "grpo-s0", [0.0], before=0.1)
-    (tmp_path / "logs").mkdir()
+    (tmp_path / "logs").mkdir(exist_ok=True)
     argv = compare_algorithms.train_argv("grpo", 0, task, args)
     (tmp_path / "logs" / "grpo-s0.argv.json").write_text(json.dumps(argv))
     assert "reused" in compare_algorithms.run_one("grpo", 0, task, args)        # same settings: not run again
