@@ -1,37 +1,17 @@
-"""Group-relative outcome advantage and the entropy-aware advantage of AEPO.
+"""Group-relative outcome advantage and the entropy-aware advantage of AEPO, and the baselines' advantages.
 
-Paper: Dong et al., "Agentic Entropy-Balanced Policy Optimization", arXiv:2510.14545, §3.3
-(entropy-aware advantage estimation); SPEC §3.
+Paper: Dong et al., "Agentic Entropy-Balanced Policy Optimization", arXiv:2510.14545, paper §3.3 (entropy-aware
+advantage estimation); algorithm.md §3 and §7. Each trajectory's reward is z-scored within the group of k
+trajectories of its question (GRPO) and broadcast to its policy tokens. AEPO then scales each token's advantage by
+1 + alpha·sg(z(H)), where z(H) is the token's entropy z-scored over the batch, so confident-but-wrong and
+uncertain-but-right tokens are weighted apart. The baselines the paper compares against are here too, as pure
+functions: Dr. GRPO (`std_norm=False`), REINFORCE++, DAPO's dynamic sampling and overlong penalty, and GiGPO's step
+advantage over the tree's shared states. Batch statistics are passed in (the trainer sums them over ranks), so this
+file copies alone (torch only).
 
-Mechanism: each trajectory's reward is z-scored within the group of k trajectories of its question
-(GRPO) and broadcast to its policy tokens. AEPO then scales each token's advantage by
-1 + alpha·sg(z(H)), where z(H) is the token's entropy z-scored over the batch, so confident-but-wrong
-and uncertain-but-right tokens are weighted apart. The baselines the paper compares against (SPEC §7)
-are here too, as pure functions: Dr. GRPO (`std_norm=False`), REINFORCE++, DAPO's dynamic sampling and
-overlong penalty, and GiGPO's step-level advantage over the tree's shared states.
-
-Deviations from the paper / official code:
-1. H is the old-policy token entropy from the old-log-prob pass, and its mean/std are taken over
-   all loss-mask-1 tokens of the training batch on all ranks (the trainer all-reduces
-   `entropy_stats` and passes mean/std in), so the advantage does not depend on micro-batch size or
-   world size. The official code z-scores current-policy entropy per micro-batch, and since it only
-   computes entropy when entropy_coeff != 0 (0 in both released scripts) the reweighting never ran
-   in the released runs.
-2. std of the batch entropy is the sample (Bessel-corrected) std, like the outcome std; with fewer
-   than two tokens or zero spread every z is 0.
-3. A group whose rewards are all equal gets exactly 0, not a rounding residue divided by 1e-6; a group of one
-   also gets 0 (SPEC §3a: nothing to compare with), where the official code takes the std of one element as 1
-   and gives A = R / (1 + 1e-6). The same holds with `std_norm=False` (Dr. GRPO) and for GiGPO's step groups.
-4. REINFORCE++ (arXiv:2501.03262): the return sums r_t over policy tokens only, so a tool result neither
-   adds to it nor cuts it (verl resets the running return at every mask-0 token, which in a multi-turn
-   trajectory would cut it at each tool result). The batch mean/std are passed in (Bessel std + 1e-6; verl
-   whitens with rsqrt(var + 1e-8), OpenRLHF with the population variance).
-5. DAPO dynamic sampling (arXiv:2503.14476) looks at the reward and also drops groups of one, which have A = 0
-   here (verl's DAPO recipe filters on a configurable metric and keeps groups of one).
-6. GiGPO (arXiv:2505.10978): γ = 1 and the reward is the outcome only, so a step's return is its trajectory's
-   reward (GiGPO discounts with γ = 0.95 over steps); a step is a run of policy tokens between tool results; the
-   anchor state of a step is its exact token prefix (no similarity grouping); the episode statistics are over
-   trajectories (verl-agent's default takes them over step rows).
+Deviations from the paper / official code (algorithm.md §8): D14 (the old policy's entropy, z-scored over the batch
+on all ranks, Bessel-corrected), D15 (equal rewards and groups of one give exactly 0), D20 (the REINFORCE++ return
+over policy tokens only, DAPO's dynamic sampling, GiGPO with γ = 1 and token-prefix states).
 """
 import torch
 
@@ -44,7 +24,7 @@ def check_finite(name: str, tensor: torch.Tensor) -> None:
 
 
 # ---------------------------------------------------------------------------------------------
-# Outcome advantage (SPEC §3a) and the entropy-aware advantage (SPEC §3b)
+# Outcome advantage (algorithm.md §3a) and the entropy-aware advantage (algorithm.md §3b)
 
 
 def group_advantages(rewards: torch.Tensor, group_ids: torch.Tensor, std_norm: bool = True) -> torch.Tensor:
@@ -201,7 +181,7 @@ def dynamic_sampling_mask(rewards: torch.Tensor, group_ids: torch.Tensor) -> tor
 
 
 def overlong_penalty(lengths: torch.Tensor, max_len: int, cache_len: int) -> torch.Tensor:
-    """Eq. (DAPO §3.4, soft overlong punishment), added to the reward:
+    """Eq. (DAPO, arXiv:2503.14476 §3.4, soft overlong punishment), added to the reward:
          R_len(L) = 0 if L <= L_max - L_cache;  ((L_max - L_cache) - L) / L_cache if L_max - L_cache < L <= L_max;
                     -1 if L > L_max;  i.e. clamp(((L_max - L_cache) - L) / L_cache, -1, 0).
 

@@ -1,20 +1,16 @@
-"""Evaluation: n rollouts per held-out question, Pass@1 and unbiased Pass@k (arXiv:2510.14545, §4; SPEC §6).
+"""Evaluation: n rollouts per held-out question, Pass@1 and unbiased Pass@k, EM, F1 and the reward.
 
-Paper: Dong et al., "Agentic Entropy-Balanced Policy Optimization", arXiv:2510.14545, §4 experimental setup: each
-question gets n independent trajectories from the training rollout code (no branching) at temperature 0.6 and
-top-p 0.95; Pass@1 is the mean correctness and Pass@k the unbiased estimator. Correct is exact match of the boxed
-answer, `reward.math_equal` for math questions, or an LLM judge; EM, F1 and the training reward (reward.py) are
-reported too.
+Paper: Dong et al., "Agentic Entropy-Balanced Policy Optimization", arXiv:2510.14545, paper §4 experimental setup;
+algorithm.md §6: each question gets n independent trajectories from the training rollout code (no branching) at
+temperature 0.6 and top-p 0.95; Pass@1 is the mean correctness and Pass@k the unbiased estimator. Correct is exact
+match of the boxed answer, `reward.math_equal` for math questions, or an LLM judge.
 
+    python eval.py --run runs/<name>                   # a run's latest checkpoint, evaluated the way it trained
     python eval.py --model PATH --data data/qa_test.jsonl --n 5
     python eval.py --model PATH --data '[data/qa_test.jsonl, ../shared/data/benchmarks/bamboogle.jsonl]'
 
-Deviations from the paper / official code:
-1. "Correct" is explicit and recorded per dataset: exact match of the boxed answer (QA), math_equal
-   (rows marked math: aime24/25, math500, gsm8k, parquet rows with ability == "math"), or an
-   OpenAI-compatible LLM judge when one is configured.
-2. Several processes split the questions in whole chunks, each with the seed it has in one process, so the merged
-   numbers equal one process's.
+Deviations from the paper / official code (algorithm.md §8): D24 ("correct" explicit per data set), D25 (several
+processes split the questions in whole chunks, each with its one-process seed).
 """
 from __future__ import annotations
 
@@ -24,7 +20,7 @@ import shutil
 import sys
 import time
 from collections import Counter
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, fields
 from pathlib import Path
 from typing import Union
 
@@ -32,7 +28,7 @@ import rollout
 import tools
 from harness import checkpoint, cli, config, generation, parallel, runlog, search as search_mod, trees
 from harness.cli import UserError
-from harness.config import arg
+from harness.config import arg, like
 from harness.dataset import load_dataset
 from reward import Judge, math_equal, score_response
 
@@ -208,23 +204,22 @@ class EvalConfig:
     model: str = arg("", "a model directory (e.g. runs/<name>/checkpoints/step_000016) or hub id, evaluated with "
                          "the defaults below unless flags change them")
     data: Union[str, list[str]] = arg("data/qa_test.jsonl", "dataset file(s), .jsonl or verl .parquet; several: "
-                                                            "--data '[a.jsonl, b.jsonl]'")
-    limit: int = arg(0, "evaluate only the first N questions of each file (0 = all)")
-    n: int = arg(5, "samples per question (Pass@k for every k <= n; SPEC §6: 5)")
-    temperature: float = arg(0.6, "sampling temperature (SPEC §6)")
-    top_p: float = arg(0.95, "nucleus sampling (SPEC §6)")
-    max_response_tokens: int = arg(4096, "response budget per trajectory: policy tokens + tool results")
-    max_tool_calls: int = arg(6, "tool calls per trajectory (official 6)")
-    batch_size: int = arg(64, "trajectories generated together (batch_size // n questions per rollout call)")
-    skip_bad: bool = arg(False, "skip malformed dataset rows (with a warning) instead of stopping")
-    search: str = arg("bm25", "search backend for search.make_search: bm25 (embedded Wikipedia), replay, http, web")
-    search_kw: dict = arg({}, "keyword arguments for search.make_search (default: 10 snippets, as the official code)")
-    python_timeout_s: float = arg(10.0, "python tool timeout per call, seconds")
-    python_isolation: str = arg("auto", "python tool sandbox: auto (every layer this machine has) or strict (refuse "
-                                        "to start unless every layer is active: PID and network namespaces, minimal "
-                                        "root, Landlock, process limit)")
-    python_max_processes: int = arg(64, "python tool: most processes and threads one call may run at once, the "
-                                        "sandbox's own included (a pids cgroup, or RLIMIT_NPROC when not root)")
+                                                            "--data '[a.jsonl, b.jsonl]'", train_key="eval_data")
+    limit: int = like("eval_limit", 0, "evaluate only the first N questions of each file (0 = all)")
+    n: int = like("eval_n", 5, "samples per question (Pass@k for every k <= n; algorithm.md §6: 5)")
+    temperature: float = like("eval_temperature")
+    top_p: float = like("eval_top_p")
+    max_response_tokens: int = like("max_response_tokens", 4096)
+    max_tool_calls: int = like("max_tool_calls")
+    batch_size: int = like("gen_batch_size", help="trajectories generated together (batch_size // n questions per "
+                                                  "rollout call)")
+    skip_bad: bool = like("skip_bad")
+    search: str = like("search")
+    search_kw: dict = like("search_kw", {}, "keyword arguments for search.make_search (default: 10 snippets, as the "
+                                            "official code)")
+    python_timeout_s: float = like("python_timeout_s")
+    python_isolation: str = like("python_isolation")
+    python_max_processes: int = like("python_max_processes")
     judge: bool = arg(False, "correctness by an OpenAI-compatible LLM judge instead of EM / math_equal")
     judge_url: str = arg("", "the judge's base URL (default $AEPO_JUDGE_URL)")
     judge_model: str = arg("", "the judge's model name (default $AEPO_JUDGE_MODEL)")
@@ -232,17 +227,13 @@ class EvalConfig:
     judge_cache: str = arg("", "JSON file of cached verdicts (default <out_dir>/judge_cache.json)")
     device: str = arg("cuda", "torch device (cpu when CUDA is unavailable)")
     dtype: str = arg("auto", "model dtype: auto / float32 / bfloat16 / float16")
-    seed: int = arg(0, "rollout seed")
+    seed: int = like("seed", help="rollout seed")
     out_dir: str = arg("", "output directory (default: <run>/eval/<checkpoint>-<time> with --run, else "
                            "runs/eval/<time>)")
 
 
 # eval.py flag <- the run's config.yaml key
-FROM_RUN = {"data": "eval_data", "limit": "eval_limit", "n": "eval_n", "temperature": "eval_temperature",
-            "top_p": "eval_top_p", "max_response_tokens": "max_response_tokens", "max_tool_calls": "max_tool_calls",
-            "batch_size": "gen_batch_size", "skip_bad": "skip_bad", "search": "search", "search_kw": "search_kw",
-            "python_timeout_s": "python_timeout_s", "python_isolation": "python_isolation",
-            "python_max_processes": "python_max_processes", "seed": "seed"}
+FROM_RUN = {f.name: f.metadata["train_key"] for f in fields(EvalConfig) if "train_key" in f.metadata}
 
 
 def run_settings(run_dir: Path) -> dict:

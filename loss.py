@@ -1,31 +1,20 @@
-"""Token entropy, token log-probs and the entropy-balanced policy loss of AEPO.
+"""Token entropy and log-probs (chunked over the vocabulary) and the entropy-balanced policy loss of AEPO, with the
+baselines' objectives as switches of the same function.
 
-Paper: Dong et al., "Agentic Entropy-Balanced Policy Optimization", arXiv:2510.14545, §3.3
-(entropy-balanced policy optimisation); SPEC §1 (token entropy) and §4 (loss).
+Paper: Dong et al., "Agentic Entropy-Balanced Policy Optimization", arXiv:2510.14545, paper §3.3 (entropy-balanced
+policy optimisation); algorithm.md §1 (token entropy), §4 (loss) and §7 (baselines). The PPO/GRPO clipped surrogate
+drops the gradient of every token whose ratio overshoots the upper bound, and those are mostly high-entropy,
+exploratory tokens. AEPO writes the upper bound as (1+eps_high)·r/sg(r), which equals 1+eps_high in value but keeps a
+bounded gradient (weight 1+eps_high) for those tokens; everything else is the dual-clip PPO objective. GPPO's lower sg
+bound, CISPO, the entropy bonus and verl's loss aggregations are arguments of `policy_loss`. This file copies alone
+(torch only).
 
-Mechanism: the PPO/GRPO clipped surrogate drops the gradient of every token whose ratio overshoots
-the upper bound, and those are mostly high-entropy, exploratory tokens. AEPO writes the upper bound
-as (1+eps_high)·r/sg(r), which equals 1+eps_high in value but keeps a bounded gradient (weight
-1+eps_high) for those tokens; everything else is the dual-clip PPO objective. The baselines the paper
-compares against (SPEC §7) are switches of the same function: GPPO's lower sg bound, CISPO, the entropy
-bonus and verl's loss aggregations.
-
-Deviations from the paper / official code:
-1. The loss is a token sum divided by `n_valid`, the number of loss-mask-1 tokens of the whole
-   optimiser mini-batch on all ranks (passed in), so micro-batching and world size never change the
-   gradient; verl 0.4 averages per micro-batch and rescales.
-2. The log-ratio is clamped to [-20, 20] before exp (as verl does) and is set to 0 at mask-0
-   tokens, so garbage at padding can never turn into inf/nan gradients. Inside the clamp range the
-   gradient table of SPEC §4 holds exactly.
-3. Token entropy is over the full vocabulary, in float32, computed chunk by chunk from the hidden
-   states (`logprobs_and_entropy`) so no (T, V) tensor exists for the whole sequence; verl
-   materialises the full logits.
-4. The optional KL term (off by default, as in the paper) is verl's `low_var_kl`: the k3 estimate clamped to
-   [-10, 10], as in the official code.
-5. The baselines' switches (SPEC §7: GPPO's lower sg bound, CISPO, the entropy bonus, verl's loss
-   aggregations) follow the same rule as 1: every normaliser (N_valid, the sequence count N_seq, the constant
-   length L of seq-mean-token-sum-norm) is global and passed in. verl 0.4 aggregates per micro-batch and, for
-   seq-mean-token-sum-norm, divides by the padded length of the micro-batch rather than by a constant.
+Deviations from the paper / official code (algorithm.md §8): D16 (every normaliser of a mini-batch, N_valid, N_seq
+and seq-mean-token-sum-norm's constant length, global and passed in; verl 0.4 aggregates per micro-batch and, for
+seq-mean-token-sum-norm, divides by the micro-batch's padded length), D17 (the log-ratio clamped to [-20, 20] before
+exp and 0 at mask-0 tokens, a safeguard neither official loss has; k3 clamped to [-10, 10] as the official
+low_var_kl), D18 (token entropy over the full vocabulary in float32, chunk by chunk from the hidden states), D19 (the
+entropy bonus a setting of its own), D20 (CISPO's lower bound off through eps_low = 1).
 """
 import torch
 
@@ -41,7 +30,7 @@ def check_finite(name: str, tensor: torch.Tensor) -> None:
 
 
 # ---------------------------------------------------------------------------------------------
-# Entropy and log-probs (SPEC §1)
+# Entropy and log-probs (algorithm.md §1)
 
 
 def token_entropy(logits: torch.Tensor, temperature: float = 1.0) -> torch.Tensor:
@@ -146,7 +135,7 @@ class _ChunkedLogprobEntropy(torch.autograd.Function):
 
 def logprobs_and_entropy(hidden: torch.Tensor, weight: torch.Tensor, ids: torch.Tensor,
                          temperature: float = 1.0, chunk_size: int = 1024):
-    """Memory-bounded log p(y_t) and H_t (SPEC §1) from the final hidden states.
+    """Memory-bounded log p(y_t) and H_t (algorithm.md §1) from the final hidden states.
 
     Eq.: z_t = h_t·Wᵀ / T,  logp_t = log softmax(z_t)[y_t],  H_t = -Σ_v p_t(v) log p_t(v).
     hidden: (N, D) final hidden states (any float dtype); weight: (V, D) LM-head weight;
@@ -166,7 +155,7 @@ def logprobs_and_entropy(hidden: torch.Tensor, weight: torch.Tensor, ids: torch.
 
 
 # ---------------------------------------------------------------------------------------------
-# Entropy-balanced policy loss (SPEC §4)
+# Entropy-balanced policy loss (algorithm.md §4)
 
 
 LOSS_AGGS = ("token-mean", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm")

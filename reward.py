@@ -1,18 +1,12 @@
-"""The deep-research reward (SPEC §5) and the answer checks evaluation counts as correct.
+"""The deep-research reward and the answer checks evaluation counts as correct.
 
-Paper: Dong et al., "Agentic Entropy-Balanced Policy Optimization", arXiv:2510.14545, §4 setup; SPEC §5: −1 for a
-malformed trajectory, otherwise the token F1 (SQuAD normalisation) of the \\boxed{} answer against the best gold
-alias, +0.1 when the answer scores and the trajectory used both search and python. Evaluation also counts exact
-match, and for math questions `math_equal`, a thin wrapper around Hugging Face's math-verify.
+Paper: Dong et al., "Agentic Entropy-Balanced Policy Optimization", arXiv:2510.14545, paper §4 setup; algorithm.md
+§5: −1 for a malformed trajectory, otherwise the token F1 (SQuAD normalisation) of the \\boxed{} answer against the
+best gold alias, +0.1 when the answer scores and the trajectory used both search and python. Evaluation also counts
+exact match, for math questions `math_equal` (a thin wrapper around Hugging Face's math-verify), or an LLM judge.
 
-Deviations from the paper / official code:
-1. The text inside <result> blocks (tool output, inserted by the environment) is opaque to the format
-   check: tags printed by a tool can neither break nor satisfy it (SPEC §5 leaves this open). A
-   block ends at its first </result>, so a tool output containing "</result>" still ends it early.
-2. The evaluation prediction (EM, F1, Pass@k) is the last \\boxed{} inside <answer> or, when the
-   format check fails, the last \\boxed{} in the policy's own text; the reward is −1 in that case.
-3. math_equal drops a trailing period and trailing unit words ("18 dollars", "204.") before math-verify, which
-   would otherwise call them different from 18 and 204.
+Deviations from the paper / official code (algorithm.md §8): D21 (the text of `<result>` blocks opaque to the format
+check), D22 (the evaluation prediction when the format check fails), D23 (`math_equal` drops trailing unit words).
 """
 from __future__ import annotations
 
@@ -71,7 +65,7 @@ def f1_score(prediction: str | None, golds) -> float:
 
 
 # --------------------------------------------------------------------------------------------------
-# Trajectory format and the deep-research reward (SPEC §5)
+# Trajectory format and the deep-research reward (algorithm.md §5)
 
 _TAG = re.compile(r"<(/?)(think|search|python|answer|result)>")
 
@@ -119,7 +113,7 @@ def _answer_boxed(text: str, events: list[tuple[str, int, int]]) -> str | None:
 
 
 def check_format(response_text: str) -> tuple[bool, str]:
-    """SPEC §5 format check → (valid, reason). Invalid when <think> is unbalanced, there is not exactly
+    """algorithm.md §5 format check → (valid, reason). Invalid when <think> is unbalanced, there is not exactly
     one <answer>…</answer>, a tool tag is not followed in order by its closing tag and a <result>
     block, or the answer holds no \\boxed{}."""
     events, _ = _events(response_text)
@@ -170,7 +164,7 @@ def score_response(response_text: str, golds) -> dict:
 
 
 def deep_research_reward(response_text: str, golds) -> float:
-    """SPEC §5: −1 if the format is invalid, else F1(boxed answer, best gold) + 0.1·[F1 > 0 and both
+    """algorithm.md §5: −1 if the format is invalid, else F1(boxed answer, best gold) + 0.1·[F1 > 0 and both
     search and python were used]. response_text: the policy response only (after the prompt)."""
     return score_response(response_text, golds)["reward"]
 

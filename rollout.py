@@ -1,32 +1,19 @@
-"""Dynamic entropy-balanced tree rollout (AEPO, arXiv:2510.14545, Sec. 3.2; SPEC §1-§2).
+"""Dynamic entropy-balanced tree rollout: the pre-monitor sets the global budget m, branching after tool calls
+spends the rest, with a penalty on consecutive branches.
 
-Each question gets a budget of k trajectories. One pre-monitor trajectory measures how uncertain the
-policy is at the start (H_root) and after tool results (H_tool); that sets how many of the k are
-independent global samples (m) and how many come from branching the tree after tool calls whose
-segment entropy rose, with a penalty that stops one chain from taking every branch.
+Paper: Dong et al., "Agentic Entropy-Balanced Policy Optimization", arXiv:2510.14545, paper §3.2; algorithm.md §1
+(segment entropy) and §2 (the rollout). Each question gets a budget of k trajectories. One pre-monitor trajectory
+measures how uncertain the policy is at the start (H_root) and after tool results (H_tool); that sets how many of
+the k are independent global samples (m) and how many come from branching the tree after tool calls whose segment
+entropy rose, with a penalty that stops one chain from taking every branch. The generator and the tools are passed
+in (`Generator`, `tools.Tools`), so the rollout runs with a scripted model and fake tools (tests/fakes.py); this
+file and tools.py copy alone.
 
-Deviations from the paper / official code:
-1. Pre-monitoring reuses one trajectory and keeps it as one of the m global samples. The official code runs two
-   probes per question and keeps neither: a generation of at most 50 tokens for H_root, then a whole trajectory
-   for H_tool, so it pays more than one extra rollout per question.
-2. H_tool is the mean entropy of the pre-monitor's segments that follow a tool result (its first segment
-   excluded), and H_tool = H_root when it called no tool; the official code averages all segments of its second
-   probe, the first included.
-3. m = ceil(k*sigmoid(beta*(h_root - h_tool))) clipped to [1, k] (SPEC); the official code uses
-   floor(.) + 1. `dynamic_budget=False` gives m = k // 2, what both official launch scripts ran.
-4. The consecutive-branch count l is kept per path (a branch inherits its parent's count, a tool step without a
-   branch resets it) and every call starts from fresh state. The official code keeps l per question, adds one
-   whenever the question gained any trajectory in a round (fresh completion samples included), resets it only in
-   rounds where some question gained one, and never resets its first-segment entropy cache between steps.
-5. A branch measures ΔH against its path's first segment (it inherits its parent's reference); an official branch
-   takes its own first post-fork segment as reference, so its first decision has ΔH = 0.
-6. Groups are completed with fresh global samples, never by duplicating a finished trajectory.
-7. With dynamic_budget=False the pre-monitor is skipped (m does not depend on it), so the m global
-   samples start together, as in ARPO.
-8. m is only known once the pre-monitor has finished, so the branching decisions at its tool steps are
-   made then, in order, from its recorded segment entropies (same rule, same fork points). Without
-   this a small m would leave nothing to branch from and the budget would go to fresh samples.
-9. H_seg's top-10 and normaliser: see generation.py (deviations 1-2).
+Deviations from the paper / official code (algorithm.md §8): D1 (one pre-monitor, kept as a global sample), D2
+(H_tool over its post-tool segments), D3 (m rounded up; no pre-monitor without the dynamic budget), D4 (the
+consecutive-branch count per path, fresh every step), D5 (a branch's ΔH reference is its path's first segment), D6
+(the pre-monitor's branching decisions taken when it finishes), D7 (groups completed with fresh samples), D10 (a
+notice at the tool-call limit; `tool_limit_ends` does what the official code does).
 """
 from __future__ import annotations
 
@@ -38,7 +25,7 @@ from typing import Protocol
 import tools
 
 # --------------------------------------------------------------------------------------------------
-# The three formulas (SPEC §1, §2a, §2b)
+# The three formulas (algorithm.md §1, §2a, §2b)
 
 
 def segment_entropy(topk_logprobs: list[list[float]], vocab_size: int, n: int = 20) -> float:
@@ -94,7 +81,7 @@ class Generator(Protocol):
 
 
 # --------------------------------------------------------------------------------------------------
-# The tree (SPEC §2)
+# The tree (algorithm.md §2)
 
 
 @dataclass
@@ -129,7 +116,7 @@ def tree_rollout(prompts: list[list[int]], generator: Generator, tool_runner, to
                  dynamic_budget: bool = True, entropy_branching: bool = True, max_tool_calls: int = 6,
                  max_response_tokens: int = 4096, seed: int = 0, progress=None, tool_limit_ends: bool = False
                  ) -> tuple[list[Trajectory], dict]:
-    """Roll out exactly k trajectories per prompt (SPEC §2). Returns them ordered by (group, traj_id)
+    """Roll out exactly k trajectories per prompt (algorithm.md §2). Returns them ordered by (group, traj_id)
     and a dict of tree statistics.
 
     prompts: token ids per question (chat template applied). tool_runner: `tools.Tools`-like, with
@@ -235,7 +222,7 @@ def tree_rollout(prompts: list[list[int]], generator: Generator, tool_runner, to
 
 def _maybe_branch(t: Trajectory, step: int, group: list[Trajectory], rng: random.Random, rnd: int,
                   gamma: float, lam: float, tau: float) -> None:
-    """One branching decision after tool result `step` of t (SPEC §2b). The branch copies t's context
+    """One branching decision after tool result `step` of t (algorithm.md §2b). The branch copies t's context
     up to the end of that result; l follows the path (inherited by the branch, reset by a step
     without a branch)."""
     delta_h = t.seg_entropies[step] - t.seg_entropies[0]  # segment `step` ended with this tool call

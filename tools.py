@@ -1,19 +1,15 @@
-"""Tools the policy calls inside its generation: search and python (arXiv:2510.14545, §3 setting and §2b).
+"""The tools the policy calls inside its generation, search and python: parsing a call, running a round of calls
+concurrently, and the python tool.
 
-Paper: Dong et al., "Agentic Entropy-Balanced Policy Optimization", arXiv:2510.14545. Section: the agentic RL
-setting (the policy interleaves reasoning with `<search>` / `<python>` calls, results come back in `<result>`
-blocks) and the parallel tool execution of a rollout round. Generation stops at a closing tool tag; this module
-parses the call out of the segment, runs every call of a round concurrently, and returns observation text that
-the rollout wraps with `format_result` and appends with loss mask 0. The search backends are in search.py.
+Paper: Dong et al., "Agentic Entropy-Balanced Policy Optimization", arXiv:2510.14545, paper §3 (the agentic
+setting: the policy interleaves reasoning with `<search>` / `<python>` calls whose results come back in `<result>`
+blocks); algorithm.md §0. Generation stops at a closing tool tag; this module parses the call out of the segment,
+runs every call of a round concurrently, and returns observation text that the rollout wraps with `format_result`
+and appends with loss mask 0. The search backends are in harness/search.py; the python tool's sandbox in
+harness/sandbox.py, imported only when a program runs, so this file copies alone with rollout.py.
 
-Deviations from the paper / official code:
-1. Malformed calls (unclosed/nested tags, empty or oversized arguments, unknown tools, U+FFFD) become
-   "Error: ..." observations the policy can read; the official code passes such text on or drops it.
-2. The python tool runs the code in a sandbox (sandbox.py: rlimits, a private working directory and, where the
-   machine allows, PID and network namespaces, a minimal root, Landlock and a process limit); the official code only
-   runs a subprocess with a timeout.
-3. Results are cached by (tool, argument) within a process, so identical python code returns the cached output
-   (code that draws random numbers gives every branch the same draw).
+Deviations from the paper / official code (algorithm.md §8): D11 (malformed calls become `Error: ...`
+observations), D12 (the python tool runs in a sandbox; results cached by tool and argument).
 """
 from __future__ import annotations
 

@@ -9,7 +9,7 @@ tool call with a probability that depends on how many tool results its path alre
 `measured` (the embedded model's own: about one search per trajectory) and `deep` (a call after each of the first
 six segments with probability 0.8, up to the official limit of 6, as deep-research agents do).
 
-Variants (SPEC §6): ARPO (λ = 0, dynamic_budget off: m = k/2), AEPO without the dynamic budget (λ = 0.05,
+Variants (algorithm.md §6): ARPO (λ = 0, dynamic_budget off: m = k/2), AEPO without the dynamic budget (λ = 0.05,
 m = k/2) and AEPO (λ = 0.05, m from the pre-monitor); and, to show what the penalty does when it bites, AEPO with
 λ = 0.5. Per variant and k (12 and 16, the official values), over
 `--questions` questions: the share of a tree's branches that descend from its most-branched global sample (top-1

@@ -1,6 +1,6 @@
 """Peak memory and time of token log-probs + entropies, forward and backward: direct vs. chunked.
 
-Paper: arXiv:2510.14545 (AEPO); SPEC §1 says the 150k-vocabulary entropy is computed in chunks.
+Paper: arXiv:2510.14545 (AEPO); algorithm.md §1 says the 150k-vocabulary entropy is computed in chunks.
 This compares `loss.token_logprobs`/`loss.token_entropy` on full (T, V) logits ("direct") with
 `loss.logprobs_and_entropy` ("chunked"), both from hidden (T, D) and an LM-head weight (V, D) that
 require grad; the backward pass goes through the log-probs (entropy used detached, as the trainer

@@ -1,4 +1,4 @@
-"""Tree rollout vs. k independent samples on the same prompts and budget (AEPO, arXiv:2510.14545, §3.2).
+"""Tree rollout vs. k independent samples on the same prompts and budget (AEPO, arXiv:2510.14545, paper §3.2).
 
 For the same questions, k and seed, runs `rollout.tree_rollout` three ways -- AEPO (dynamic budget +
 branching with the penalty), ARPO-style branching (m = k/2, λ = 0) and k independent samples (GRPO) --

@@ -1,7 +1,7 @@
 """Checkpoints: sharded trainer state (torch.distributed.checkpoint) plus a save_pretrained export, written atomically.
 
 Paper: Dong et al., "Agentic Entropy-Balanced Policy Optimization", arXiv:2510.14545. No equation lives here: this
-is how a run of §3's training survives a crash and hands its model to evaluation and to vLLM.
+is how a run of paper §3's training survives a crash and hands its model to evaluation and to vLLM.
 
 A checkpoint `runs/<name>/checkpoints/step_NNNNNN/` holds
 - the exported model at its top level (config.json, generation_config.json, model.safetensors, tokenizer files):
@@ -15,9 +15,8 @@ Size per parameter: 4 B model shard + 8 B AdamW moments + 4 B (2 B with --bf16) 
 resume restarts the AdamW moments. Everything is written into `.tmp_step_NNNNNN/` and renamed when complete, so a
 crash mid-write keeps the previous checkpoint intact.
 
-Deviations from the paper / official code:
-1. verl saves one file per rank of its own format plus an optional HF export; here the export is always written and
-   is what evaluation, vLLM and the cold-start cache read.
+Deviations from the paper / official code (algorithm.md §8): D28 (every checkpoint also exports the model in
+save_pretrained form, which evaluation, vLLM and the cold-start cache read).
 """
 from __future__ import annotations
 

@@ -1,10 +1,10 @@
 """The run's configuration: one dataclass of every setting, filled from YAML files and flags, checked before compute.
 
-Paper: Dong et al., "Agentic Entropy-Balanced Policy Optimization", arXiv:2510.14545, §4 and SPEC §6: the defaults
+Paper: Dong et al., "Agentic Entropy-Balanced Policy Optimization", arXiv:2510.14545, paper §4; algorithm.md §6: the defaults
 are the paper's and the official launch scripts' values, except the ones marked [embedded], which size the
 no-argument run for 2 CPU cores (configs/aepo_qwen3_14b.yaml and configs/aepo_qwen25_7b.yaml restore the official
-ones). The four ablation switches of SPEC §6 (dynamic_budget, entropy_branching, sg_clip, entropy_advantage) are
-plain booleans, each read in one place.
+ones). The four ablation switches of algorithm.md §6 (dynamic_budget, entropy_branching, sg_clip, entropy_advantage) and
+the baselines' switches of §7 are plain settings, each read in one place.
 
     python train.py --help                                 # every flag with its meaning
     python train.py --config configs/aepo_qwen3_14b.yaml --config configs/grpo.yaml --k 8   # later ones win
@@ -25,9 +25,10 @@ from harness.cli import UserError
 from loss import LOSS_AGGS
 
 
-def arg(default, help: str):
-    return field(default_factory=lambda: copy.deepcopy(default), metadata={"help": help}) \
-        if isinstance(default, (dict, list)) else field(default=default, metadata={"help": help})
+def arg(default, help: str, **metadata):
+    metadata = {"help": help, **metadata}
+    return field(default_factory=lambda: copy.deepcopy(default), metadata=metadata) \
+        if isinstance(default, (dict, list)) else field(default=default, metadata=metadata)
 
 
 @dataclass
@@ -41,8 +42,8 @@ class Config:
     eval_n: int = arg(2, "samples per held-out question (Pass@k for k <= eval_n; official 5) [embedded]")
     eval_every: int = arg(0, "also evaluate every N steps (0 = only before and after)")
     eval_before: bool = arg(True, "evaluate the starting policy before training (false: only after)")
-    eval_temperature: float = arg(0.6, "evaluation sampling temperature (SPEC §6)")
-    eval_top_p: float = arg(0.95, "evaluation nucleus sampling (SPEC §6)")
+    eval_temperature: float = arg(0.6, "evaluation sampling temperature (algorithm.md §6)")
+    eval_top_p: float = arg(0.95, "evaluation nucleus sampling (algorithm.md §6)")
     skip_bad: bool = arg(False, "skip malformed dataset rows (with a warning) instead of stopping")
     max_prompt_tokens: int = arg(2000, "questions whose prompt is longer are dropped, with a warning (official 2000)")
     # tools
@@ -65,7 +66,7 @@ class Config:
     cold_start_steps: int = arg(8, "cold-start optimiser steps")
     cold_start_batch: int = arg(3, "demonstrations per cold-start step")
     cold_start_lr: float = arg(5e-5, "cold-start AdamW learning rate")
-    # rollout (SPEC §2)
+    # rollout (algorithm.md §2)
     k: int = arg(4, "trajectories per question (official 12 for 14B, 16 for 7B) [embedded]")
     beta: float = arg(0.5, "global-budget slope: m = clip(ceil(k·σ(beta·(H_root − H_tool))), 1, k)")
     gamma: float = arg(0.2, "branch weight of the segment-entropy rise ΔH")
@@ -82,7 +83,7 @@ class Config:
     gen_batch_size: int = arg(64, "contexts per transformers generate call")
     vllm_gpu_memory_utilization: float = arg(0.4, "fraction of GPU memory the colocated vLLM engine may take (vLLM's "
                                                   "CPU build: a 2 GiB KV cache instead)")
-    # optimisation (SPEC §3-§4, §6)
+    # optimisation (algorithm.md §3-§4, §6)
     questions_per_step: int = arg(2, "questions per training step, all ranks together (official 64 / 128) [embedded]")
     mini_batch_size: int = arg(1, "questions per optimiser step; questions_per_step / mini_batch_size optimiser "
                                   "steps per rollout batch (official 8 / 16) [embedded]")
@@ -270,3 +271,13 @@ def python_isolation(mode: str) -> str:
         return sandbox.describe(sandbox.require(mode))
     except (sandbox.IsolationError, ValueError) as err:
         raise UserError(f"--python_isolation: {err}") from None
+
+
+def like(key: str, default=dataclasses.MISSING, help: str = ""):
+    """A field of another command's config (eval.py) that is the training setting `key`: Config's help unless `help`
+    is given, Config's default unless `default` is, and metadata "train_key" (eval.py --run reads the run's value of
+    `key` into it)."""
+    source = {f.name: f for f in dataclasses.fields(Config)}[key]
+    if default is dataclasses.MISSING:
+        default = source.default_factory() if source.default_factory is not dataclasses.MISSING else source.default
+    return arg(default, help or source.metadata["help"].replace(" [embedded]", ""), train_key=key)

@@ -1,14 +1,13 @@
 """Questions and gold answers from every format the project meets, and the training / held-out question lists.
 
-Paper: Dong et al., "Agentic Entropy-Balanced Policy Optimization", arXiv:2510.14545, §4 datasets: the benchmark
+Paper: Dong et al., "Agentic Entropy-Balanced Policy Optimization", arXiv:2510.14545, paper §4 datasets: the benchmark
 JSONL files of the authors' release (`question` | `Question` | `problem`, `answer` a string, a number or a list of
 aliases; gsm8k solutions cut at '####'), their verl parquet training sets (extra_info.question,
 reward_model.ground_truth) and the project's own QA set (data/qa_*.jsonl). Every row becomes {"question", "golds",
 "meta"}; meta["kind"] is "math" or "qa" (which correctness check evaluation uses).
 
-Deviations from the paper / official code:
-1. A malformed row stops the run with its file and line; skip_bad=True skips it with a warning and keeps the
-   message (the official loaders drop or crash on such rows).
+Deviations from the paper / official code (algorithm.md §8): D29 (a malformed row stops the run with its file and
+line; skip_bad=True skips it with a warning and keeps the message).
 """
 from __future__ import annotations
 

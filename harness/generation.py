@@ -1,7 +1,7 @@
 """Generation backends for the tree rollout: transformers (any device) and vLLM (GPUs and vLLM's CPU build, one
 engine per rank).
 
-Paper: Dong et al., "Agentic Entropy-Balanced Policy Optimization", arXiv:2510.14545, §3.2 and SPEC §1: both
+Paper: Dong et al., "Agentic Entropy-Balanced Policy Optimization", arXiv:2510.14545, paper §3.2; algorithm.md §1: both
 backends return, per context, the segment the policy generated up to the next tool stop, `</answer>`, EOS or the
 token budget, with its segment entropy H_seg (`rollout.segment_entropy` over the top-10 log-probs of the first 20
 positions). Both read the top-10 of the raw (temperature 1) distribution, so a tree does not depend on the backend.
@@ -11,11 +11,9 @@ builds its own engine in its own process (under torchrun `distributed_executor_b
 parallel size 1); after each optimiser step the trainer streams the new weights into vLLM's in-place reload, and on
 GPUs the engine sleeps while the trainer updates.
 
-Deviations from the paper / official code:
-1. H_seg keeps ranks 1..10 of what vLLM returns at a position; vLLM adds the sampled token when it is outside the
-   top-10, and the official code sums that one too (0.3-2.5% higher on synthetic distributions).
-2. H_seg is normalised by log of the model config's vocabulary size; the official code uses
-   log(len(tokenizer.get_vocab())).
+Deviations from the paper / official code (algorithm.md §8): D8 (H_seg keeps ranks 1..10 of vLLM's log-probs at a
+position, not the sampled token outside them), D9 (H_seg normalised by log of the model configuration's vocabulary
+size).
 """
 from __future__ import annotations
 
@@ -165,7 +163,12 @@ class VLLMGenerator:
       (`kv_cache_memory_bytes`; VLLM_CPU_KVCACHE_SPACE, in GiB, overrides it: platforms/cpu.py), because on the CPU
       `gpu_memory_utilization` is a share of the machine's memory taken by every engine. Threads: an in-process CPU
       engine computes with torch's thread pool (torchrun sets OMP_NUM_THREADS=1 per process), and after it is built
-      `torch.set_num_threads` only warns (v1/worker/cpu_worker.py:CPUWorker.init_device).
+      `torch.set_num_threads` only warns (v1/worker/cpu_worker.py:CPUWorker.init_device). Chunked prefill is off on the
+      CPU (`enable_chunked_prefill=False`, a token budget of at least max_model_len): when a prompt's prefill is split
+      over steps, the runner rewinds the request's seeded generator with `set_offset`, which a CPU generator does not
+      have ("CPU Generator does not use offset": v1/worker/gpu_model_runner.py:GPUModelRunner._bookkeeping_sync, met
+      on a 20-question evaluation); unchunked, the scheduler waits to prefill a prompt whole
+      (v1/core/sched/scheduler.py:Scheduler.schedule). GPUs keep vLLM's default.
     - Log-probs: vLLM detokenises every log-prob it returns (v1/engine/logprobs.py:LogprobsProcessor.
       _update_sample_logprobs, ~0.1 ms per position for the top 10; `flat_logprobs` only saves the dicts), so
       `generate` asks for them on a segment's first n_entropy positions only and samples the rest in a second
@@ -198,6 +201,8 @@ class VLLMGenerator:
             _check_cpu_build()
             llm_kwargs.setdefault("enforce_eager", True)
             llm_kwargs.setdefault("kv_cache_memory_bytes", self.CPU_KV_CACHE_BYTES)
+            llm_kwargs.setdefault("enable_chunked_prefill", False)      # a seeded request's chunk crashes the CPU build
+            llm_kwargs.setdefault("max_num_batched_tokens", max(max_model_len or 0, 8192))
         if torch.distributed.is_available() and torch.distributed.is_initialized():
             llm_kwargs.setdefault("distributed_executor_backend", "external_launcher")
             llm_kwargs.setdefault("tensor_parallel_size", 1)

@@ -1,12 +1,12 @@
 """One code path for 1..N processes: the process group, sums over ranks, objects gathered from ranks.
 
 Paper: Dong et al., "Agentic Entropy-Balanced Policy Optimization", arXiv:2510.14545. No equation lives here: this
-is the plumbing that lets the training of §3 run on several processes (torchrun), with the only cross-rank
+is the plumbing that lets the training of paper §3 run on several processes (torchrun), with the only cross-rank
 quantities being sums (valid-token counts, entropy statistics, logged metrics) and gathered lists (evaluation
 records, RNG states). Without a process group every function is the identity, so one process needs no launcher.
 
-Deviations from the paper / official code:
-1. The official code runs verl's Ray workers; this project uses torchrun processes with gloo (CPU) or nccl (GPU).
+Deviations from the paper / official code (algorithm.md §8): D27 (torchrun processes, gloo on CPUs and nccl on
+GPUs, instead of verl's Ray workers).
 """
 from __future__ import annotations
 

@@ -1,8 +1,8 @@
 """The policy LM as one torch module, loaded and placed on 1..N processes (DDP or FSDP2).
 
-Paper: Dong et al., "Agentic Entropy-Balanced Policy Optimization", arXiv:2510.14545, §3.3 and SPEC §1: the
-training side needs log π(y_t) of every policy-sampled token (the ratio of §4) and the token entropy H_t over the
-full vocabulary (the entropy-aware advantage of §3b). `Policy.forward` computes both in one pass, only at those
+Paper: Dong et al., "Agentic Entropy-Balanced Policy Optimization", arXiv:2510.14545, paper §3.3; algorithm.md §1: the
+training side needs log π(y_t) of every policy-sampled token (the ratio of algorithm.md §4) and the token entropy H_t over the
+full vocabulary (the entropy-aware advantage of algorithm.md §3b). `Policy.forward` computes both in one pass, only at those
 tokens, through `loss.logprobs_and_entropy` (chunked, float32), so data-parallel hooks fire on every pass.
 
 Placement: one process holds the whole model; DDP replicates it; FSDP2 (`fully_shard` per decoder layer, the rest in
@@ -10,11 +10,12 @@ the root group) shards parameters, gradients and optimiser state. A sharded mode
 filled from rank 0's copy of the checkpoint (`broadcast_from_rank0`), read in the checkpoint's own dtype (bfloat16
 for released models), so no rank but 0 ever holds the full model. Parameters stay float32 (the optimiser's master
 weights); `--bf16` computes in bfloat16 (FSDP2 mixed precision, autocast elsewhere). Also here: the inputs' layout
-(`tensorize`: padded ids and the loss mask), the tokenizer and the optimiser step (gradient-norm clip over shards).
+(`MicroBatch`, `tensorize`: padded ids and the loss mask), the forward/backward over a mini-batch's micro-batches
+(`backward_micro_batches`, for RL and the cold start) and the optimiser step (gradient-norm clip over shards).
 
-Deviations from the paper / official code:
-1. Under FSDP2 gradient accumulation reduce-scatters every micro-batch (only DDP skips the sync until the last):
-   skipping it under FSDP2 keeps whole unsharded float32 gradients on every rank.
+Deviations from the paper / official code (algorithm.md §8): D27 (under FSDP2 every micro-batch reduce-scatters its
+gradients: only DDP skips the sync until the last, since skipping it under FSDP2 keeps whole unsharded float32
+gradients on every rank).
 """
 from __future__ import annotations
 
@@ -30,7 +31,7 @@ from harness.models import load_lm
 
 class Policy(torch.nn.Module):
     """Wraps a causal LM. forward(input_ids (B, L), attention_mask (B, L), mask (B, L-1)) -> (logp, entropy),
-    both (B, L-1) float32: log π(input_ids[:, t+1] | input_ids[:, :t+1]) and the token entropy H_t (SPEC §1) at
+    both (B, L-1) float32: log π(input_ids[:, t+1] | input_ids[:, :t+1]) and the token entropy H_t (algorithm.md §1) at
     positions where mask is 1, 0 elsewhere. Only masked positions go through the LM head (loss.logprobs_and_entropy,
     chunked), so prompts and tool results cost no (T, V) logits."""
 
@@ -41,7 +42,7 @@ class Policy(torch.nn.Module):
     def forward(self, input_ids, attention_mask, mask, temperature: float = 1.0, chunk_size: int = 1024):
         hidden = self.lm.get_decoder()(input_ids=input_ids, attention_mask=attention_mask).last_hidden_state
         sel = mask.bool()
-        with torch.autocast(hidden.device.type, enabled=False):      # the LM head in float32 (SPEC §1)
+        with torch.autocast(hidden.device.type, enabled=False):      # the LM head in float32 (algorithm.md §1)
             logp_sel, entropy_sel = loss.logprobs_and_entropy(
                 hidden[:, :-1][sel], self.lm.get_output_embeddings().weight, input_ids[:, 1:][sel], temperature,
                 chunk_size)

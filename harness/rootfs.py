@@ -1,6 +1,6 @@
 """A minimal root filesystem for the python sandbox's program: only the paths it needs, then pivot_root into it.
 
-Paper: Dong et al., "Agentic Entropy-Balanced Policy Optimization", arXiv:2510.14545, §3 (the agentic RL setting,
+Paper: Dong et al., "Agentic Entropy-Balanced Policy Optimization", arXiv:2510.14545, paper §3 (the agentic RL setting,
 where the policy's `<python>` calls run during every rollout). This module implements no equation: it is what
 sandbox.py's launcher does, as init of the sandbox's PID and mount namespace, before it forks the program. `enter`
 mounts a small tmpfs, binds into it the paths the program may use (the interpreter, the system's libraries, a few
@@ -8,9 +8,8 @@ devices, its own /proc and working directory), recreates the symlinks on their w
 private /dev/shm, makes it the namespace's root with pivot_root and detaches the old root. Whatever else exists on
 the machine (/tmp, /run, /var, home directories, and the unix sockets listening there) no longer has a path.
 
-Deviations from the paper / official code:
-1. None here; the sandbox as a whole is a deviation (sandbox.py, deviation 1): the official code has no root of its
-   own for the program.
+Deviations from the paper / official code (algorithm.md §8): D12 (the sandbox as a whole; the official code has no
+root of its own for the program).
 """
 import ctypes
 import os

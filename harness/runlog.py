@@ -1,9 +1,9 @@
 """A run's directory and logs: the run folder, one line per step, metrics.jsonl, samples.jsonl, curves.png.
 
 Paper: Dong et al., "Agentic Entropy-Balanced Policy Optimization", arXiv:2510.14545. No equation lives here; the
-metrics are the paper's quantities (reward, accuracy, token entropy, clipped fractions, tool calls, branching) as
-the README defines them. Every rank contributes sums; one all-reduce turns them into means over all ranks, and rank 0
-writes.
+metrics are the paper's quantities (reward, accuracy, token entropy, clipped fractions, tool calls, branching, rollout
+diversity) as docs/reference.md defines them. Every rank contributes sums; one all-reduce turns them into means over
+all ranks, and rank 0 writes. Also here: the settings a run records about itself and what a --resume may change.
 
 Deviations from the paper / official code: None.
 """

@@ -1,6 +1,6 @@
 """The python tool's sandbox: namespaces, a minimal root, Landlock, a process limit and rlimits around each program.
 
-Paper: Dong et al., "Agentic Entropy-Balanced Policy Optimization", arXiv:2510.14545, §3 (the agentic RL setting:
+Paper: Dong et al., "Agentic Entropy-Balanced Policy Optimization", arXiv:2510.14545, paper §3 (the agentic RL setting:
 the policy's `<python>` calls run during every rollout, thousands of times per training step, written by a policy
 that is being pushed to try things). `run` makes a pids cgroup for the call and starts the program through `unshare`
 into new namespaces, where a small init process joins the cgroup, pivots into a minimal root (rootfs.py) and forks
@@ -28,17 +28,14 @@ Run as a script, this file is the launcher inside the sandbox (`python -I -S har
 call starts it, so the top imports only what the launcher needs; the trainer-side functions import re, select,
 shutil, signal, subprocess, tempfile and time where they use them (about 12 ms less per call).
 
-Deviations from the paper / official code:
-1. The official code runs the program in a plain subprocess with a timeout. Here it also runs under rlimits, in a
-   fresh temporary working directory with a minimal environment, in new user, PID, mount and network namespaces, in
-   a minimal root, under Landlock and a process limit, wherever the machine allows each (see the layers above); the
-   trainer logs which are active.
-2. So the program may read only the interpreter, its packages, the system's programs and libraries and its own
-   directory: code that reads other files (a data set, the user's home) gets FileNotFoundError (no such path in the
-   minimal root) or PermissionError (Landlock) where the official code would read them; multiprocessing works only
-   with the PID namespace (which gives it a private /dev/shm); a program that starts more than `max_processes`
-   processes and threads gets BlockingIOError from fork and "Error: the program hit the process limit" after its
-   output.
+What the program meets: it may read only the interpreter, its packages, the system's programs and libraries and its
+own directory: code that reads other files (a data set, the user's home) gets FileNotFoundError (no such path in the
+minimal root) or PermissionError (Landlock) where the official code would read them; multiprocessing works only with
+the PID namespace (which gives it a private /dev/shm); a program that starts more than `max_processes` processes and
+threads gets BlockingIOError from fork and "Error: the program hit the process limit" after its output.
+
+Deviations from the paper / official code (algorithm.md §8): D12 (the official code runs the program in a plain
+subprocess with a timeout; here every layer above that the machine allows, logged at start).
 """
 import collections
 import functools

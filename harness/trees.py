@@ -1,6 +1,6 @@
 """Rollout trees, recorded and drawn: one record per question of every training step (and of every evaluation).
 
-Paper: Dong et al., "Agentic Entropy-Balanced Policy Optimization", arXiv:2510.14545, §3.2 (Figure 2's tree): the
+Paper: Dong et al., "Agentic Entropy-Balanced Policy Optimization", arXiv:2510.14545, paper §3.2 (Figure 2's tree): the
 pre-monitor sets how many of the k trajectories are global samples (m), the others branch off after tool calls whose
 segment entropy rose, and the consecutive-branch penalty keeps the branches from piling onto one chain. A record
 keeps the shape of one question's tree without its text (samples.jsonl has texts): per trajectory its parent, the

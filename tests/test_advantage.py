@@ -120,7 +120,7 @@ def test_advantage_module_imports_alone():
 
 
 # ---------------------------------------------------------------------------------------------
-# Baselines (SPEC §7)
+# Baselines (algorithm.md §7)
 
 
 def test_dr_grpo_subtracts_the_mean_without_dividing_by_the_std():

@@ -1,4 +1,4 @@
-"""Tests for eval.py: Pass@k, EM/F1, the SPEC §5 reward, math_equal, dataset loaders, the QA set, the
+"""Tests for eval.py: Pass@k, EM/F1, the algorithm.md §5 reward, math_equal, dataset loaders, the QA set, the
 LLM judge (against a local fake server) and an end-to-end evaluation."""
 import http.server
 import importlib.util
@@ -96,7 +96,7 @@ def test_extract_boxed_balanced_braces():
 
 
 # --------------------------------------------------------------------------------------------------
-# Format check and reward (SPEC §5)
+# Format check and reward (algorithm.md §5)
 
 SEARCH = traj("<think> I should search. </think> <search> Kubrick 1968 film </search>",
               R.format("Page 1: 2001: A Space Odyssey: a 1968 film."))

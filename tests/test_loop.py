@@ -91,7 +91,7 @@ class Spy:
 
 
 # ---------------------------------------------------------------------------------------------------------------------
-# The basic promise of RL: one optimiser step follows the advantages (SPEC §3a, §4)
+# The basic promise of RL: one optimiser step follows the advantages (algorithm.md §3a, §4)
 
 
 def batch_with_advantages(tokenizer, cfg):
@@ -129,7 +129,7 @@ def test_one_step_raises_positive_and_lowers_negative_trajectories(tokenizer):
 
 
 def test_sg_clip_keeps_the_gradient_of_tokens_past_the_upper_bound(tokenizer):
-    """SPEC §4: positive-advantage tokens whose ratio is past 1 + ε_h (here r = e) keep a gradient of weight 1 + ε_h
+    """algorithm.md §4: positive-advantage tokens whose ratio is past 1 + ε_h (here r = e) keep a gradient of weight 1 + ε_h
     with sg_clip: exactly 1.2 × the gradient of −Σ Ã·log π / N, computed from the model's full softmax; standard
     PPO clipping (sg_clip=False) leaves them none."""
     cfg = config.Config(micro_batch_size=4, entropy_advantage=False)
@@ -159,7 +159,7 @@ def test_sg_clip_keeps_the_gradient_of_tokens_past_the_upper_bound(tokenizer):
 
 
 # ---------------------------------------------------------------------------------------------------------------------
-# The real reward inside the loop (SPEC §5 -> §3a)
+# The real reward inside the loop (algorithm.md §5 -> §3a)
 
 
 class AnswerAtOnce(generation.TransformersGenerator):
@@ -207,7 +207,7 @@ def test_real_reward_scores_each_question_against_its_own_golds(setup, monkeypat
 
 def test_aepo_switches_and_activation_checkpointing_in_the_loop(setup, monkeypatch):  # noqa: F811 -- the fixture
     """Defaults (AEPO) with --gradient_checkpointing: the loss gets sg_clip=True and entropy-weighted advantages
-    (they vary along a trajectory, SPEC §3b), and each of the 4 backward passes (2 steps × 2 mini-batches of one
+    (they vary along a trajectory, algorithm.md §3b), and each of the 4 backward passes (2 steps × 2 mini-batches of one
     micro-batch) recomputes both decoder layers: 8 MLP forwards inside backward."""
     monkeypatch.setattr(train.reward, "deep_research_reward", fake_reward)
     spy = Spy(monkeypatch)

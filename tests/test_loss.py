@@ -343,7 +343,7 @@ def test_pg_loss_metric_excludes_the_kl_term():
 
 
 # ---------------------------------------------------------------------------------------------
-# Baselines (SPEC §7): GPPO, CISPO, the entropy bonus, verl's loss aggregations
+# Baselines (algorithm.md §7): GPPO, CISPO, the entropy bonus, verl's loss aggregations
 
 VARIANTS = {"ppo": dict(sg_clip=False), "aepo": dict(sg_clip=True),
             "gppo": dict(sg_clip=True, sg_clip_low=True), "cispo": dict(sg_clip=False, cispo=True)}

@@ -1,4 +1,4 @@
-"""Tree rollout (SPEC §1-§2): the formulas, and the tree driven by a scripted generator whose tool
+"""Tree rollout (algorithm.md §1-§2): the formulas, and the tree driven by a scripted generator whose tool
 calls and segment entropies the test controls."""
 import math
 import random
@@ -104,7 +104,7 @@ def test_m_follows_the_premonitor():
 
 
 def test_h_tool_is_the_mean_of_the_post_tool_segments():
-    """SPEC §2a: H_tool = mean segment entropy of the pre-monitor's segments after a tool result. H_root = 3 and
+    """algorithm.md §2a: H_tool = mean segment entropy of the pre-monitor's segments after a tool result. H_root = 3 and
     post-tool segments (0, 4): the mean 2 gives m = ceil(12·σ(0.5)) = ceil(7.47) = 8; the last one alone would give
     ceil(12·σ(-0.5)) = ceil(4.53) = 5, the first alone ceil(12·σ(1.5)) = ceil(9.81) = 10."""
     entropies = {0: 3.0, 1: 0.0, 2: 4.0}
@@ -113,7 +113,7 @@ def test_h_tool_is_the_mean_of_the_post_tool_segments():
 
 
 def test_dynamic_budget_off_gives_half_the_budget_whatever_the_entropies():
-    """SPEC §2a switch: dynamic_budget=False -> m = k // 2 global samples started together, no pre-monitor. The
+    """algorithm.md §2a switch: dynamic_budget=False -> m = k // 2 global samples started together, no pre-monitor. The
     entropies (H_root = 0, H_tool = 20) would give the dynamic m = ceil(12·σ(-10)) = ceil(0.0005) = 1."""
     gen = ScriptedGenerator(n_tools=2, entropy=lambda s: 0.0 if s == 0 else 20.0)
     trajs, stats = run(n_q=2, k=12, gen=gen, dynamic_budget=False)
@@ -192,7 +192,7 @@ def results_before_fork(t):
 
 
 def test_consecutive_branch_count_resets_and_is_inherited(monkeypatch):
-    """SPEC §2b: l counts the consecutive branch-creating tool steps on the path: a step without a branch resets it
+    """algorithm.md §2b: l counts the consecutive branch-creating tool steps on the path: a step without a branch resets it
     to 0, a branch starts with its parent's count. Worked by hand (tool steps 0..3 of each path):
     - pre-monitor (its decisions taken when it finishes, m = 1): step 0 l=0 branch (B1, l=1); step 1 l=1 no (reset);
       step 2 l=0 branch (B2, l=1); step 3 l=1 no.
@@ -259,7 +259,7 @@ class NumberedAnswers:
 
 
 def test_completion_adds_fresh_samples_not_duplicates():
-    """SPEC §2c: a group short of k after every trajectory finished gets fresh global samples, generated from the
+    """algorithm.md §2c: a group short of k after every trajectory finished gets fresh global samples, generated from the
     prompt, never copies of a finished trajectory (duplicates distort the group statistics)."""
     gen = NumberedAnswers()
     trajs, stats = tree_rollout(prompts(2), gen, EchoTools(), TOK, k=6)   # no tools -> no branching; m = 3

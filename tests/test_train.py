@@ -67,7 +67,7 @@ def weights(path):
 def test_config_defaults_and_flags():
     cfg = config.parse_config(["--k", "8", "--sg_clip", "false", "--search_kw", "{topk: 5}"])
     assert cfg.k == 8 and cfg.sg_clip is False and cfg.search_kw == {"topk": 5}
-    assert cfg.eps_low == cfg.eps_high == 0.2 and cfg.clip_c == 3.0 and cfg.alpha == 0.2   # SPEC defaults
+    assert cfg.eps_low == cfg.eps_high == 0.2 and cfg.clip_c == 3.0 and cfg.alpha == 0.2   # the paper's defaults (algorithm.md §4)
     assert (cfg.beta, cfg.gamma, cfg.lam, cfg.tau) == (0.5, 0.2, 0.05, 0.5)
 
 

@@ -38,7 +38,7 @@ def one_process(monkeypatch):
 
 
 def test_vllm_adapter_matches_transformers_backend(tokenizer, tiny_model_dir, one_process):
-    """Greedy decoding: both backends sample the same ids and compute the same H_seg (SPEC §1)."""
+    """Greedy decoding: both backends sample the same ids and compute the same H_seg (algorithm.md §1)."""
     from transformers import AutoModelForCausalLM
     vgen = VLLMGenerator(str(tiny_model_dir), temperature=0.0, vllm_module=fake_vllm)
     tgen = TransformersGenerator(AutoModelForCausalLM.from_pretrained(tiny_model_dir).eval(), tokenizer,

@@ -74,6 +74,27 @@ def test_greedy_generation_equals_transformers(cache):
     assert cuts, "no n_entropy split a tool tag: the test no longer covers the cut"
 
 
+def test_a_sampled_batch_larger_than_one_prefill_step(cache):
+    """Seeded sampling of more prompt tokens than one engine step prefills (24 different prompts): on the CPU
+    build a prompt split over steps crashed vLLM ("CPU Generator does not use offset") in the first real evaluation;
+    the same seed must give the same segments, another seed others."""
+    from harness import generation
+    import tools
+    _, model_dir = cache
+    vgen = generation.VLLMGenerator(str(model_dir), temperature=1.0, dtype="float32", max_model_len=1024)
+    try:
+        rows = [json.loads(line) for line in (ROOT / "data" / "qa_test.jsonl").read_text().splitlines()[:24]]
+        words = [vgen.tokenizer.encode(f" {r['question']}", add_special_tokens=False) for r in rows]
+        contexts = [words[i] * 8 + list(tools.build_prompt(vgen.tokenizer, r["question"]))   # no shared prefix first
+                    for i, r in enumerate(rows)]
+        assert sum(map(len, contexts)) > 2 * 2048                     # vLLM's default step budget, twice
+        first, again, other = (vgen.generate(contexts, [8] * len(contexts), seed=s) for s in (1, 1, 2))
+    finally:
+        vgen.close()
+    assert [x.token_ids for x in first] == [x.token_ids for x in again]
+    assert [x.token_ids for x in first] != [x.token_ids for x in other]
+
+
 @pytest.mark.parametrize("tie", [True, False], ids=["tied", "untied"])
 def test_weight_sync_matches_transformers(tie, tokenizer, tmp_path):
     """The engine takes new weights in place (as train.py syncs them: wake_up with every parameter): after an AdamW
