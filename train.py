@@ -8,18 +8,13 @@ reweighted by the old policy's token entropy (advantage.py), and takes several c
 mini-batches of the same rollouts (loss.py).
 
     python train.py                                    # embedded default: SmolLM2-135M + offline Wikipedia, CPU
-    python train.py --config configs/aepo_qwen3_14b.yaml --backend vllm --bf16 true
-    torchrun --nproc_per_node=8 train.py --config configs/aepo_qwen3_14b.yaml --parallel fsdp
-    torchrun --nnodes=2 --node_rank=$NODE_RANK --nproc_per_node=8 --rdzv_backend=c10d \\
-        --rdzv_endpoint=$MASTER_ADDR:29500 train.py --config configs/aepo_qwen3_14b.yaml --parallel fsdp
-    python train.py --resume true                      # continue the latest run from its latest checkpoint
-    python train.py --help                             # every flag, with its meaning
+    torchrun --nproc_per_node=8 train.py --config configs/aepo_qwen3_14b.yaml --parallel fsdp --backend vllm
+    python train.py --help                             # every flag, with its meaning (README: every command)
 
-Multi-node: run the same command on every node (NODE_RANK 0..nnodes-1); out_dir must be on a filesystem all nodes
-share. One code path for 1..N processes: each rank rolls out its own share of the step's questions (all k
-trajectories of a question stay on one rank), and the only cross-rank quantities are sums: the token and sequence
-counts of each optimiser mini-batch (the loss divides by them), the batch entropy statistics (the entropy-aware
-advantage z-scores with them), gradients and logged metrics. The machinery is in harness/.
+One code path for 1..N processes: each rank rolls out its own share of the step's questions (all k trajectories of a
+question stay on one rank), and the only cross-rank quantities are sums: the token and sequence counts of each
+optimiser mini-batch (the loss divides by them), the batch entropy statistics (the entropy-aware advantage z-scores
+with them), gradients and logged metrics. The machinery is in harness/.
 
 Deviations from the paper / official code (algorithm.md §8): D14 (old-policy entropy z-scored over the batch on all
 ranks), D16 (the loss divided by the mini-batch's global token count), D26 (optional supervised cold start), D27
@@ -29,11 +24,9 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import random
 import sys
 import time
 
-import numpy as np
 import torch
 
 import advantage
@@ -81,7 +74,7 @@ def train(cfg, rank: int, world: int, device: torch.device, state: runlog.RunSta
             tqdm.write(line)
 
     amp = (lambda: torch.autocast(device.type, dtype=torch.bfloat16)) if cfg.bf16 else contextlib.nullcontext
-    seed_all(cfg.seed + rank)
+    parallel.seed_all(cfg.seed + rank)
 
     # -------------------------------------------------------------------------------- checks, tools, data (no run yet)
     cfg, note = config.fit_world(cfg, world)
@@ -137,7 +130,7 @@ def train(cfg, rank: int, world: int, device: torch.device, state: runlog.RunSta
                                              seed=cfg.seed + rank,
                                              max_model_len=cfg.max_prompt_tokens + cfg.max_response_tokens)
         parallel.on_close(generator.close)       # the engine shuts down before the process group is left
-        seed_all(cfg.seed + rank)                # building the engine re-seeded the global RNGs
+        parallel.seed_all(cfg.seed + rank)                # building the engine re-seeded the global RNGs
     else:
         gen_lm = models.load_lm(init_path, device) if is_sharded(policy) else unwrap(policy).lm
         generator = generation.TransformersGenerator(gen_lm, tokenizer, temperature=cfg.temperature,
@@ -312,10 +305,8 @@ def keep_varied_groups(rows, trajectories, scores, rewards, rollout_stats, n_kee
     keep.sort(key=lambda i: (new_id[trajectories[i].group_id], trajectories[i].traj_id))
     for i in keep:
         trajectories[i].group_id = new_id[trajectories[i].group_id]
-    stats = {**rollout_stats, "m_per_question": [rollout_stats["m_per_question"][g] for g in order],
-             "kept_varied": sum(bool(varied[groups == g].any()) for g in order)}
-    return ([rows[g] for g in order], [trajectories[i] for i in keep], [scores[i] for i in keep], rewards[keep],
-            stats)
+    stats = {**rollout_stats, "m_per_question": [rollout_stats["m_per_question"][g] for g in order]}
+    return [rows[g] for g in order], [trajectories[i] for i in keep], [scores[i] for i in keep], rewards[keep], stats
 
 
 def outcome_advantages(trajectories, rewards: torch.Tensor, cfg, pad_id: int) -> torch.Tensor:
@@ -402,12 +393,6 @@ def accumulate_gradients(policy, mbs: list, cfg, world: int, amp, where: str) ->
             entropy_coeff=cfg.entropy_coeff, loss_agg=cfg.loss_agg, n_seqs=n_seqs, max_len=cfg.max_response_tokens)
 
     return backward_micro_batches(policy, mbs, world, amp, cfg.temperature, cfg.logp_chunk_size, objective, where)
-
-
-def seed_all(seed: int) -> None:
-    random.seed(seed)
-    np.random.seed(seed)
-    torch.manual_seed(seed)
 
 
 if __name__ == "__main__":

@@ -112,3 +112,13 @@ def on_rank0(fn):
     if kind == "error":
         raise value
     return value
+
+
+def seed_all(seed: int) -> None:
+    """Seed this process's python, numpy and torch RNGs (the trainer gives each rank seed + rank)."""
+    import random
+
+    import numpy as np
+    random.seed(seed)
+    np.random.seed(seed)
+    torch.manual_seed(seed)

@@ -1,51 +1,121 @@
-"""The README stays true to the code: its flag table is the Config (names, defaults, meanings), every `file.py:name`
-it cites resolves to a function or class in that file, and every module opens with the docstring form the project
-uses (paper, deviations list) and stays within one sitting (<= 400 lines)."""
+"""The documents stay true to the code: the reference's flag tables are the Config and EvalConfig dataclasses (names,
+defaults, meanings), every metric train.py logs has a row in its metrics table, every `file.py:name` the documents
+cite resolves to a function or class in that file, every § citation in the code and documents resolves to a heading
+of docs/algorithm.md (or names another paper's section), every deviation number D<n> exists, every module opens with
+the docstring form the project uses (paper, deviations) and stays within one sitting (<= 400 lines), the top level
+holds the paper's files and entry points only, and the README stays a reader's guide (<= 350 lines)."""
 import ast
 import dataclasses
+import json
 import re
+import subprocess
 from pathlib import Path
 
 import pytest
 
+import eval as evaluation
 from harness import config
 
 ROOT = Path(__file__).resolve().parents[1]
 README = (ROOT / "README.md").read_text(encoding="utf-8")
+REFERENCE = (ROOT / "docs" / "reference.md").read_text(encoding="utf-8")
+ALGORITHM = (ROOT / "docs" / "algorithm.md").read_text(encoding="utf-8")
 MODULES = sorted([*ROOT.glob("*.py"), *(p for p in ROOT.glob("harness/*.py") if p.name != "__init__.py")])
+PAPER_FILES = {"rollout.py", "loss.py", "advantage.py", "reward.py", "tools.py", "train.py", "eval.py"}
 
 
-def flag_rows() -> dict[str, tuple[str, str]]:
+def flag_rows(section: str) -> dict[str, tuple[str, str]]:
+    """{flag: (default, meaning)} of the table under the reference's heading `section`."""
+    text = REFERENCE.split(section, 1)[1].split("\n## ", 1)[0]
     rows = {}
-    for line in README.splitlines():
+    for line in text.splitlines():
         m = re.fullmatch(r"\| `--(\w+)` \| `(.*?)` \| (.*) \|", line)
         if m:
             rows[m.group(1)] = (m.group(2), m.group(3))
     return rows
 
 
-def test_flag_table_is_the_config():
-    rows = flag_rows()
-    fields = {f.name: f for f in dataclasses.fields(config.Config)}
+@pytest.mark.parametrize("section, cls", [("## `train.py` flags", config.Config),
+                                          ("## `eval.py` flags", evaluation.EvalConfig)], ids=["train", "eval"])
+def test_flag_tables_are_the_configs(section, cls):
+    rows = flag_rows(section)
+    fields = {f.name: f for f in dataclasses.fields(cls)}
     assert set(rows) == set(fields)
-    defaults = config.Config()
+    defaults = cls()
     for name, (default, meaning) in rows.items():
         assert default == repr(getattr(defaults, name)), name
         assert meaning == fields[name].metadata["help"].replace("|", "/"), name
 
 
+def test_every_logged_metric_is_defined():
+    """Every key of a real run's metrics.jsonl (the golden run's) is named in the metrics table; tools/… and time/…
+    keys by their family."""
+    table = REFERENCE.split("## The step line and `metrics.jsonl`", 1)[1].split("\n## ", 1)[0]
+    named = set(re.findall(r"`([\w/…]+)`", table))
+    keys = json.loads((ROOT / "tests" / "golden" / "tiny_two_steps.jsonl").read_text().splitlines()[0])
+    keys = set(keys) | {"time/rollout", "time/old_logp", "time/update", "time/step", "update_tokens_per_s"}
+    for key in keys:
+        family = key.split("/")[0] + "/…"
+        assert key in named or (key.startswith("tools/") and family in named), key
+
+
+def cited_functions() -> set[tuple[str, str]]:
+    return set(re.findall(r"`([\w/]+)\.py:(\w+)`", README + REFERENCE + ALGORITHM))
+
+
 def test_cited_functions_exist():
-    cited = set(re.findall(r"`([\w/]+)\.py:(\w+)`", README))
+    cited = cited_functions()
     assert len(cited) >= 15
     for module, name in sorted(cited):
         tree = ast.parse((ROOT / f"{module}.py").read_text(encoding="utf-8"))
         names = {n.name for n in ast.walk(tree) if isinstance(n, (ast.FunctionDef, ast.ClassDef))}
-        assert name in names, f"README cites {module}.py:{name}, which does not exist"
+        assert name in names, f"the documents cite {module}.py:{name}, which does not exist"
 
 
-@pytest.mark.parametrize("path", MODULES, ids=lambda p: p.name)
+def texts() -> dict[str, str]:
+    """Every tracked text file that can cite the algorithm (code, documents, configs, scripts)."""
+    files = subprocess.run(["git", "ls-files"], cwd=ROOT, capture_output=True, text=True, check=True).stdout.split()
+    return {f: (ROOT / f).read_text(encoding="utf-8") for f in files
+            if f.endswith((".py", ".md", ".yaml", ".sh")) and (ROOT / f).exists()}
+
+
+def test_every_section_citation_resolves():
+    """A § citation names a section of docs/algorithm.md unless it follows `paper ` (arXiv:2510.14545's own sections)
+    or another paper's arXiv id; every one of the algorithm's must be a heading there."""
+    headings = set(re.findall(r"^#+ §(\w+)", ALGORITHM, re.M))
+    assert {"1", "2a", "2b", "3b", "4", "7", "8"} <= headings
+    for path, text in texts().items():
+        for m in re.finditer(r"§(\w+)", text):
+            before = text[max(0, m.start() - 24):m.start()]
+            if re.search(r"(paper |arXiv:\d{4}\.\d{5},? )$", before):
+                continue
+            assert m.group(1) in headings, f"{path}: §{m.group(1)} is not a section of docs/algorithm.md"
+        spec = "S" + "PEC"                       # the steering document, which is not in the repository
+        assert spec not in text.replace(spec + "IAL", ""), f"{path} cites the {spec}"
+
+
+def test_every_deviation_number_exists():
+    listed = set(re.findall(r"^- (D\d+)\. ", ALGORITHM, re.M))
+    assert listed == {f"D{i}" for i in range(1, len(listed) + 1)}
+    for path, text in texts().items():
+        for number in re.findall(r"\b(D\d+)\b", text):
+            assert number in listed, f"{path} cites deviation {number}, which docs/algorithm.md does not list"
+
+
+def test_the_top_level_is_the_paper_and_the_entry_points():
+    files = subprocess.run(["git", "ls-files"], cwd=ROOT, capture_output=True, text=True, check=True).stdout.split()
+    top = {f for f in files if "/" not in f and f.endswith(".py")}
+    assert top == PAPER_FILES
+
+
+def test_the_readme_is_a_readers_guide():
+    assert len(README.splitlines()) <= 350
+    assert "PLACEHOLDER" not in README
+
+
+@pytest.mark.parametrize("path", MODULES, ids=lambda p: str(p.relative_to(ROOT)))
 def test_module_docstring_and_size(path):
     text = path.read_text(encoding="utf-8")
     doc = ast.get_docstring(ast.parse(text)) or ""
-    assert "arXiv:2510.14545" in doc and "Deviations from the paper / official code:" in doc, path.name
+    assert "arXiv:2510.14545" in doc and "Deviations from the paper / official code" in doc, path.name
     assert len(text.splitlines()) <= 400, f"{path.name}: {len(text.splitlines())} lines"
