@@ -1,6 +1,7 @@
 """AEPO against the paper's RL baselines at small scale: same model, data, budget and seeds; only the switches differ.
 
     python bench/compare_algorithms.py                      # 8 algorithms x 3 seeds, then the entropy-fall experiments
+    python bench/compare_algorithms.py --only experiments --seeds 0,1   # what bench/results/compare/experiments holds
     python bench/compare_algorithms.py --only algorithms --seeds 0,1,2,3,4 --jobs 1 --threads 2
     python bench/compare_algorithms.py --report_only        # re-aggregate the finished runs
 
@@ -9,7 +10,8 @@ Model: the embedded SmolLM2-135M-Instruct, cold-started once per seed on the sam
 a seed starts from the same weights. Algorithms: configs/<name>.yaml (algorithm.md §7): GRPO, REINFORCE++, DAPO, GPPO,
 CISPO, GiGPO, ARPO, AEPO. The entropy-fall experiments are AEPO with one mechanism changed each (--only
 experiments): `aepo-noentadv` (entropy-aware advantage off), `aepo-nosg` (PPO clip instead of the sg clip),
-`aepo-norollout` (k independent samples instead of the tree), `aepo-halflr` (half the learning rate).
+`aepo-norollout` (k independent samples instead of the tree), `aepo-halflr` (half the learning rate),
+`aepo-shortcold` (2 cold-start steps instead of 8: a less sharpened start).
 
 Generation uses vLLM's CPU build when this interpreter has it (run the script with .venv-vllm/bin/python, made by
 `bash tests/vllm_stage.sh`), else the transformers backend (--backend forces one). Runs go to --work, `--jobs` at a
@@ -39,13 +41,16 @@ from lookup_task import make_task  # noqa: E402
 
 ALGOS = ("grpo", "reinforce_pp", "dapo", "gppo", "cispo", "gigpo", "arpo", "aepo")
 EXPERIMENTS = {"aepo-noentadv": ["--entropy_advantage=false"], "aepo-nosg": ["--sg_clip=false"],
-               "aepo-norollout": ["--entropy_branching=false"], "aepo-halflr": ["--lr={half_lr}"]}
+               "aepo-norollout": ["--entropy_branching=false"], "aepo-halflr": ["--lr={half_lr}"],
+               "aepo-shortcold": ["--cold_start_steps=2"]}
 NAMES = {"grpo": "GRPO", "reinforce_pp": "REINFORCE++", "dapo": "DAPO", "gppo": "GPPO", "cispo": "CISPO",
          "gigpo": "GiGPO", "arpo": "ARPO", "aepo": "AEPO", "aepo-noentadv": "AEPO, no entropy advantage",
-         "aepo-nosg": "AEPO, PPO clip", "aepo-norollout": "AEPO, no tree", "aepo-halflr": "AEPO, half lr"}
+         "aepo-nosg": "AEPO, PPO clip", "aepo-norollout": "AEPO, no tree", "aepo-halflr": "AEPO, half lr",
+         "aepo-shortcold": "AEPO, 2 cold-start steps"}
 COLORS = {"grpo": "tab:gray", "reinforce_pp": "tab:brown", "dapo": "tab:olive", "gppo": "tab:purple",
           "cispo": "tab:cyan", "gigpo": "tab:green", "arpo": "tab:blue", "aepo": "tab:red",
-          "aepo-noentadv": "tab:orange", "aepo-nosg": "tab:pink", "aepo-norollout": "black", "aepo-halflr": "gold"}
+          "aepo-noentadv": "tab:orange", "aepo-nosg": "tab:pink", "aepo-norollout": "black", "aepo-halflr": "gold",
+          "aepo-shortcold": "lime"}
 MECHANISMS = [("entropy", "policy token entropy"), ("diversity", "rollout diversity"),
               ("tool_calls", "tool calls per trajectory"), ("reward", "training reward"),
               ("pass1", "held-out Pass@1"), ("clip", "gradient kept / dropped by the clip")]
@@ -122,7 +127,7 @@ def per_seed_numbers(run: dict, k: int) -> dict:
             "searches_executed": sum(m.get("tools/search/calls", 0) for m in ms), "step_s": avg("time/step")}
 
 
-def report(args, names: list[str], seeds: list[int]) -> dict:
+def report(args, names: list[str], seeds: list[int], out: Path) -> dict:
     runs = {(a, s): load_run(Path(args.work) / "runs" / f"{a}-s{s}") for a in names for s in seeds}
     k = args.eval_n
     res = {"seeds": seeds, "settings": {key: getattr(args, key) for key in (
@@ -138,7 +143,6 @@ def report(args, names: list[str], seeds: list[int]) -> dict:
         per_seed = {s: per_seed_numbers(runs[a, s], k) for s in seeds}
         res["algos"][a] = {"per_seed": per_seed,
                            "mean_sd": {key: mean_sd([per_seed[s][key] for s in seeds]) for key in per_seed[seeds[0]]}}
-    out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     (out / "results.json").write_text(json.dumps(res, indent=2))
     table = markdown(res, names, k)
@@ -228,14 +232,14 @@ def main_parser() -> argparse.ArgumentParser:
     parser.add_argument("--threads", type=int, default=1, help="torch threads per run")
     parser.add_argument("--backend", default="vllm" if importlib.util.find_spec("vllm") else "transformers",
                         choices=["vllm", "transformers"], help="generation backend (default: vLLM when installed)")
-    parser.add_argument("--steps", type=int, default=12)
+    parser.add_argument("--steps", type=int, default=6)
     parser.add_argument("--k", type=int, default=4)
     parser.add_argument("--questions_per_step", type=int, default=2)
     parser.add_argument("--max_response_tokens", type=int, default=160)
     parser.add_argument("--lr", type=float, default=2e-5)
     parser.add_argument("--eval_limit", type=int, default=20, help="held-out questions (half lookups, half two-hop)")
-    parser.add_argument("--eval_n", type=int, default=4, help="samples per held-out question (Pass@1 and Pass@n)")
-    parser.add_argument("--eval_every", type=int, default=4, help="held-out evaluation every N steps (the Pass@1 curve)")
+    parser.add_argument("--eval_n", type=int, default=2, help="samples per held-out question (Pass@1 and Pass@n)")
+    parser.add_argument("--eval_every", type=int, default=3, help="held-out evaluation every N steps (the Pass@1 curve)")
     parser.add_argument("--report_only", action="store_true", help="only aggregate the finished runs in --work")
     return parser
 
@@ -243,19 +247,22 @@ def main_parser() -> argparse.ArgumentParser:
 def main() -> None:
     args = main_parser().parse_args()
     seeds = [int(s) for s in args.seeds.split(",")]
-    names = {"all": [*ALGOS, *EXPERIMENTS], "algorithms": list(ALGOS), "experiments": ["grpo", "aepo", *EXPERIMENTS]}
-    names = names[args.only]
+    reports = {"algorithms": (list(ALGOS), Path(args.out)),
+               "experiments": (["grpo", "aepo", *EXPERIMENTS], Path(args.out) / "experiments")}
+    reports = {key: value for key, value in reports.items() if args.only in ("all", key)}
     task = make_task(Path(args.work) / "task")
     if not args.report_only:
         started = time.time()
         # algorithm-major order: the runs of one seed share a cached cold start, made by its first run
+        names = list(dict.fromkeys(a for group, _ in reports.values() for a in group))
         jobs = [(a, s) for a in names for s in seeds]
         with concurrent.futures.ThreadPoolExecutor(args.jobs) as pool:
             futures = [pool.submit(run_one, a, s, task, args) for a, s in jobs]
             for fut in concurrent.futures.as_completed(futures):
                 print(fut.result(), flush=True)
         print(f"all runs: {(time.time() - started) / 60:.0f} min", flush=True)
-    report(args, names, seeds)
+    for names, out in reports.values():
+        report(args, names, seeds, out)
 
 
 if __name__ == "__main__":

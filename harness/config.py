@@ -58,7 +58,7 @@ class Config:
     max_tool_calls: int = arg(6, "tool calls per trajectory (official 6)")
     tool_limit_ends: bool = arg(False, "past max_tool_calls, end the trajectory with EOS as the official code does "
                                        "(False: the policy is told no more tools are allowed and goes on)")
-    # supervised cold start (optional; see deviation 3)
+    # supervised cold start (optional; algorithm.md D26)
     cold_start: bool = arg(True, "supervised cold start on tool-format demonstrations before RL [embedded]")
     cold_start_data: str = arg("", "demonstrations JSONL ({'messages': [...]}); '' = build them from the first "
                                    "cold_start_questions training questions (which RL then skips)")

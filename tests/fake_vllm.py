@@ -44,7 +44,8 @@ import torch
 
 ENGINE_ARGS = {"enable_sleep_mode", "enable_prefix_caching", "max_model_len", "distributed_executor_backend",
                "max_num_seqs", "max_num_batched_tokens", "logprobs_mode", "data_parallel_size", "enforce_eager",
-               "tensor_parallel_size", "dtype", "seed", "gpu_memory_utilization", "kv_cache_memory_bytes"}
+               "tensor_parallel_size", "dtype", "seed", "gpu_memory_utilization", "kv_cache_memory_bytes",
+               "enable_chunked_prefill"}
 INT64 = (-2**63, 2**63 - 1)
 
 

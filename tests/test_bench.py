@@ -87,7 +87,7 @@ def test_compare_report_aggregates_every_seed(tmp_path):
         fake_run(tmp_path / "work" / "runs" / f"{algo}-s{seed}", [0.0, 0.5, 1.0, 1.0, 0.0, 0.5, 1.0, 1.0],
                  before=0.25 if algo == "grpo" else None, after=v, step4=v / 2,
                  argv=compare_algorithms.train_argv(algo, seed, task, args))
-    res = compare_algorithms.report(args, ["grpo", "aepo"], [0, 1])
+    res = compare_algorithms.report(args, ["grpo", "aepo"], [0, 1], tmp_path / "out")
     grpo, aepo = res["algos"]["grpo"], res["algos"]["aepo"]
     assert grpo["mean_sd"]["pass@1"] == pytest.approx((0.3, math.sqrt(0.02)))
     assert aepo["mean_sd"]["pass@1"] == pytest.approx((0.3, math.sqrt(0.08)))
@@ -107,7 +107,7 @@ def test_compare_report_aggregates_every_seed(tmp_path):
 def test_compare_report_names_a_missing_run(tmp_path):
     args = compare_algorithms.main_parser().parse_args(["--work", str(tmp_path), "--out", str(tmp_path / "o")])
     with pytest.raises(FileNotFoundError, match="grpo-s0"):
-        compare_algorithms.report(args, ["grpo"], [0])
+        compare_algorithms.report(args, ["grpo"], [0], tmp_path / "o")
 
 
 def test_every_algorithm_and_experiment_has_its_config(tmp_path):

@@ -75,6 +75,9 @@ def test_cpu_build_engine_settings(tiny_model_dir, one_process):
     llm = fake_vllm.LLM.instances[-1]
     assert llm.kwargs["enable_sleep_mode"] is False and llm.kwargs["enforce_eager"] is True
     assert llm.kwargs["kv_cache_memory_bytes"] == VLLMGenerator.CPU_KV_CACHE_BYTES and llm.device == "cpu"
+    # chunked prefill off: a seeded request whose prompt is split over engine steps crashes the CPU runner
+    assert llm.kwargs["enable_chunked_prefill"] is False
+    assert llm.kwargs["max_num_batched_tokens"] >= max(llm.kwargs.get("max_model_len") or 0, 8192)
     vgen.sleep()
     assert not vgen.asleep and not any(e.startswith("sleep") for e in llm.events)
     with pytest.raises(ValueError, match="Sleep mode is not supported"):
