@@ -89,7 +89,10 @@ def run_one(name: str, seed: int, task: dict, args) -> str:
     with open(log, "w") as f:
         proc = subprocess.run([sys.executable, *argv], cwd=ROOT, env=env, stdout=f, stderr=subprocess.STDOUT)
     if proc.returncode != 0:
-        raise RuntimeError(f"{name}-s{seed}: train.py exited {proc.returncode}; see {log}")
+        how = (f"was killed by signal {-proc.returncode}" + (" (out of memory? each run needs about 6 GB)"
+                                                             if proc.returncode == -9 else "")
+               if proc.returncode < 0 else f"exited {proc.returncode}")
+        raise RuntimeError(f"{name}-s{seed}: train.py {how}; see {log}")
     return f"{name}-s{seed}: {time.time() - t0:.0f} s"
 
 
@@ -253,14 +256,22 @@ def main() -> None:
     task = make_task(Path(args.work) / "task")
     if not args.report_only:
         started = time.time()
-        # algorithm-major order: the runs of one seed share a cached cold start, made by its first run
+        # seed-major order: a comparison stopped early holds whole seeds (a rerun reuses every finished run)
         names = list(dict.fromkeys(a for group, _ in reports.values() for a in group))
-        jobs = [(a, s) for a in names for s in seeds]
+        jobs = [(a, s) for s in seeds for a in names]
         with concurrent.futures.ThreadPoolExecutor(args.jobs) as pool:
             futures = [pool.submit(run_one, a, s, task, args) for a, s in jobs]
+            failed = []
             for fut in concurrent.futures.as_completed(futures):
-                print(fut.result(), flush=True)
+                try:
+                    print(fut.result(), flush=True)
+                except RuntimeError as e:                      # the other runs go on; the report waits for a rerun
+                    failed.append(str(e))
+                    print(e, flush=True)
         print(f"all runs: {(time.time() - started) / 60:.0f} min", flush=True)
+        if failed:
+            sys.exit(f"{len(failed)} of {len(jobs)} runs failed (above); the same command reruns them and reuses "
+                     "the finished ones")
     for names, out in reports.values():
         report(args, names, seeds, out)
 
