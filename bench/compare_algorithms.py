@@ -89,9 +89,9 @@ def run_one(name: str, seed: int, task: dict, args) -> str:
     with open(log, "w") as f:
         proc = subprocess.run([sys.executable, *argv], cwd=ROOT, env=env, stdout=f, stderr=subprocess.STDOUT)
     if proc.returncode != 0:
-        how = (f"was killed by signal {-proc.returncode}" + (" (out of memory? each run needs about 6 GB)"
-                                                             if proc.returncode == -9 else "")
-               if proc.returncode < 0 else f"exited {proc.returncode}")
+        how = f"exited {proc.returncode}" if proc.returncode > 0 else f"was killed by signal {-proc.returncode}"
+        if proc.returncode == -9:
+            how += " (out of memory? each run needs about 6 GB)"
         raise RuntimeError(f"{name}-s{seed}: train.py {how}; see {log}")
     return f"{name}-s{seed}: {time.time() - t0:.0f} s"
 
