@@ -1,12 +1,13 @@
-"""A minimal root filesystem for the python sandbox's program: only the paths it needs, then pivot_root into it.
+"""The python sandbox's filesystem: a size-limited working directory, and a minimal root of only the paths it needs.
 
 Paper: Dong et al., "Agentic Entropy-Balanced Policy Optimization", arXiv:2510.14545, paper §3 (the agentic RL setting,
-where the policy's `<python>` calls run during every rollout). This module implements no equation: it is what
-sandbox.py's launcher does, as init of the sandbox's PID and mount namespace, before it forks the program. `enter`
-mounts a small tmpfs, binds into it the paths the program may use (the interpreter, the system's libraries, a few
-devices, its own /proc and working directory), recreates the symlinks on their way (/bin -> usr/bin), mounts a
-private /dev/shm, makes it the namespace's root with pivot_root and detaches the old root. Whatever else exists on
-the machine (/tmp, /run, /var, home directories, and the unix sockets listening there) no longer has a path.
+where the policy's `<python>` calls run during every rollout). This is what sandbox.py's launcher does, as init of
+the sandbox's PID and mount namespace, before it forks the program. `private_directory` puts a size-limited tmpfs
+over the working directory, which bounds the call's disk use and goes with the namespace. `enter` mounts a small
+tmpfs, binds into it the paths the program may use (the interpreter, the system's libraries, a few devices, its own
+/proc and working directory), recreates the symlinks on their way (/bin -> usr/bin), mounts a private /dev/shm, makes
+it the namespace's root with pivot_root and detaches the old root. Whatever else exists on the machine (/tmp, /run,
+/var, home directories, and the unix sockets listening there) no longer has a path.
 
 Deviations from the paper / official code (algorithm.md §8): D12 (the sandbox as a whole; the official code has no
 root of its own for the program).
@@ -35,6 +36,24 @@ def private_shm(target: str, size_bytes: int) -> bool:
     except OSError:
         return False
     return True
+
+
+def private_directory(path: str, size_bytes: int) -> None:
+    """Mount a tmpfs of `size_bytes`, with one inode per 4 KiB of it, over the directory `path`, in this mount
+    namespace only, with the regular files that were in it (the program, main.py), and make it the working
+    directory. Whatever the program writes there counts against the bound (ENOSPC beyond it) and disappears with
+    the namespace; the directory underneath keeps only the original files."""
+    files = {}
+    for name in os.listdir(path):
+        if os.path.isfile(os.path.join(path, name)):
+            with open(os.path.join(path, name), "rb") as f:
+                files[name] = f.read()
+    _mount("tmpfs", path, "tmpfs", MS_NOSUID | MS_NODEV, f"size={size_bytes},nr_inodes={max(size_bytes >> 12, 64)},"
+                                                         "mode=700")
+    os.chdir(path)  # the mount is on top of the old working directory
+    for name, data in files.items():
+        with open(os.path.join(path, name), "wb") as f:
+            f.write(data)
 
 
 def resolve(paths: list[str]) -> tuple[dict[str, str], list[str]]:

@@ -1,44 +1,56 @@
 """Escape tests for the python tool's sandbox (sandbox.py), through tools.run_python as the policy's code runs: the
-program must not signal or see processes outside, read the trainer's environment, read or write files outside its
-working directory, or reach a loopback port or a unix socket at a path; its limits (memory, file size, CPU, wall
-clock, number of processes) hold and nothing it started outlives it; ordinary scientific code still runs; strict mode
-refuses a machine without every layer.
+program must not signal or see processes outside, read the trainer's environment or IPC objects, read or write files
+outside its working directory, or reach a loopback port, a unix socket at a path or vsock; its limits (memory per
+process and for all together, file size, disk, CPU, wall clock, number of processes) hold and nothing it started
+outlives it; the trainer removes whatever tree it leaves without following a link out, reports its own status on a
+channel the program cannot write, and waits on a call whatever its file-descriptor numbers; ordinary scientific code
+still runs; strict mode refuses a machine without every layer.
 
 Each escape is tried with every available layer (the default) and with each layer that should stop it alone, so a
 second barrier is tested as one. A test needing a layer this machine lacks (a CI container without user
 namespaces or Landlock) skips, naming the layer. No test sends a real signal to -1 or to a process group: on a
 sandbox that does not hold, that would end every process of the user, the test runner included."""
 import ast
+import ctypes
 import os
 import re
+import resource
 import secrets
 import shutil
 import socket
 import subprocess
 import tempfile
 import time
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
 
-from harness import sandbox
+from harness import sandbox, sandbox_cgroups, sandbox_cleanup
 import tools
 
 ROOT = Path(__file__).resolve().parents[1]
 LAYERS = sandbox.isolation()
 ABI = LAYERS["landlock_abi"]
 AVAILABLE = {"PID namespace": LAYERS["pid_namespace"], "network namespace": LAYERS["network_namespace"],
-             "minimal root": LAYERS["minimal_root"], "Landlock": ABI >= 1, "Landlock TCP rules (ABI 4)": ABI >= 4,
-             "Landlock signal scoping (ABI 6)": ABI >= 6, "pids cgroup": LAYERS["process_limit"] == "pids cgroup"}
-OFF = {"pid_namespace": False, "network_namespace": False, "minimal_root": False, "landlock_abi": 0,
-       "process_limit": ""}
+             "IPC namespace": LAYERS["ipc_namespace"], "minimal root": LAYERS["minimal_root"],
+             "disk limit": LAYERS["disk_limit"], "Landlock": ABI >= 1, "Landlock TCP rules (ABI 4)": ABI >= 4,
+             "Landlock signal scoping (ABI 6)": ABI >= 6, "vsock filter": LAYERS["vsock_filter"],
+             "pids cgroup": LAYERS["process_limit"] == "pids cgroup",
+             "memory cgroup": LAYERS["memory_limit"] == "memory cgroup"}
+OFF = {"pid_namespace": False, "network_namespace": False, "ipc_namespace": False, "minimal_root": False,
+       "disk_limit": False, "landlock_abi": 0, "vsock_filter": False, "process_limit": "", "memory_limit": ""}
 ALONE = {"PID namespace": {**OFF, "pid_namespace": True},
          "network namespace": {**OFF, "network_namespace": True},
+         "IPC namespace": {**OFF, "ipc_namespace": True},
          "minimal root": {**OFF, "pid_namespace": True, "minimal_root": True},  # built in the PID namespace's mounts
+         "disk limit": {**OFF, "pid_namespace": True, "disk_limit": True},  # mounted there too
          "Landlock": {**OFF, "landlock_abi": ABI},
          "Landlock TCP rules (ABI 4)": {**OFF, "landlock_abi": ABI},
          "Landlock signal scoping (ABI 6)": {**OFF, "landlock_abi": ABI},
-         "pids cgroup": {**OFF, "process_limit": "pids cgroup"}}
+         "vsock filter": {**OFF, "vsock_filter": True},
+         "pids cgroup": {**OFF, "process_limit": "pids cgroup"},
+         "memory cgroup": {**OFF, "memory_limit": "memory cgroup"}}
 
 
 def use(monkeypatch, layer: str, stoppers: tuple[str, ...]) -> None:
@@ -125,6 +137,34 @@ def test_its_own_environment_holds_none_of_the_trainers_variables(monkeypatch):
     out = tools.run_python("import os\nprint(sorted(os.environ))\nprint(repr(dict(os.environ)))")
     assert "'HOME'" in out  # the probe works: it prints its own variables
     assert "AEPO_TEST_SECRET" not in out and token not in out, out
+
+
+IPC_STOPPERS = ("IPC namespace",)
+LIBC = ctypes.CDLL(None, use_errno=True)
+MQ_LIBRARY = "None" if hasattr(LIBC, "mq_open") else "'librt.so.1'"  # glibc < 2.34 keeps mq_open in librt
+
+
+@pytest.mark.parametrize("layer", ("all",) + IPC_STOPPERS)
+def test_cannot_reach_the_trainers_ipc_objects(monkeypatch, layer):
+    use(monkeypatch, layer, IPC_STOPPERS)
+    mq = ctypes.CDLL(None if MQ_LIBRARY == "None" else "librt.so.1", use_errno=True)
+    key = secrets.randbelow(2**30) + 1
+    segment = LIBC.shmget(key, 4096, 0o1600)  # IPC_CREAT | 0600: a SysV segment, as a trainer's library may hold
+    name = f"/aepo_test_{secrets.token_hex(4)}".encode()
+    queue = mq.mq_open(name, os.O_CREAT | os.O_RDWR, 0o600, None)  # a POSIX message queue
+    try:
+        assert segment >= 0 and queue >= 0, os.strerror(ctypes.get_errno())
+        code = (f"import ctypes, os\nlibc = ctypes.CDLL(None)\nmq = ctypes.CDLL({MQ_LIBRARY})\n"
+                f"print('shm', 'reached' if libc.shmget({key}, 0, 0) >= 0 else 'blocked')\n"
+                f"print('mq', 'reached' if mq.mq_open({name!r}, os.O_RDONLY) >= 0 else 'blocked')")
+        assert tools.run_python(code) == "shm blocked\nmq blocked"
+        # the control: without the IPC namespace the segment is reachable (Landlock does not guard SysV IPC)
+        monkeypatch.setattr(sandbox, "isolation", lambda: {**LAYERS, **ALONE.get(layer, {}), "ipc_namespace": False})
+        assert tools.run_python(code).startswith("shm reached")
+    finally:
+        LIBC.shmctl(segment, 0, None)  # IPC_RMID
+        mq.mq_close(queue)
+        mq.mq_unlink(name)
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -236,6 +276,23 @@ def test_cannot_connect_to_a_unix_socket_at_a_path(monkeypatch, tmp_path, layer)
         shutil.rmtree(in_tmp)
 
 
+@pytest.mark.parametrize("layer", ("all", "vsock filter"))
+def test_cannot_open_a_vsock_socket_or_io_uring(monkeypatch, layer):
+    try:  # the probe works from outside: this machine has vsock (a virtual machine's channel to its host)
+        socket.socket(socket.AF_VSOCK, socket.SOCK_STREAM).close()
+    except (AttributeError, OSError) as e:
+        pytest.skip(f"this machine has no vsock at all ({e}): nothing to close")
+    use(monkeypatch, layer, ("vsock filter",))
+    code = (attempt("vsock", "__import__('socket').socket(40, 1)")  # AF_VSOCK, SOCK_STREAM
+            + "import ctypes\nlibc = ctypes.CDLL(None)\n"  # io_uring_setup, 425 on every machine with the filter
+            + "print('io_uring:', 'reached' if libc.syscall(425, 1, ctypes.create_string_buffer(120)) >= 0 "
+              "else 'blocked')")
+    assert tools.run_python(code).splitlines() == ["vsock: blocked OSError", "io_uring: blocked"]
+    # the control: no namespace or Landlock rule covers vsock
+    monkeypatch.setattr(sandbox, "isolation", lambda: {**LAYERS, **ALONE.get(layer, {}), "vsock_filter": False})
+    assert tools.run_python(code).startswith("vsock: reached")
+
+
 # ---------------------------------------------------------------------------------------------------------------
 # Limits, and what the program leaves behind
 # ---------------------------------------------------------------------------------------------------------------
@@ -256,6 +313,103 @@ def test_file_size_limit_and_cleanup():
 def test_cpu_limit():
     out, status = tools._run_python("while True:\n    pass", timeout_s=120.0, cpu_s=1)  # the timeout only guards
     assert status == "error" and out.endswith("Error: killed by SIGXCPU (CPU time limit)")
+
+
+def test_memory_limit_holds_for_all_processes_together():
+    if not AVAILABLE["memory cgroup"]:
+        pytest.skip("this machine has no memory cgroup the trainer may create (cgroup v1's memory hierarchy as root, "
+                    "or a v2 cgroup whose cgroup.subtree_control lists memory)")
+    # scaled down: 6 children of 64 MiB each (each far below RLIMIT_AS) against 192 MiB for the call
+    code = ("import os, time\nchildren = []\nfor i in range(6):\n    pid = os.fork()\n    if pid == 0:\n"
+            "        block = b'x' * (64 << 20)\n        time.sleep(1)\n        os._exit(0)\n    children.append(pid)\n"
+            "print([os.waitstatus_to_exitcode(os.waitpid(pid, 0)[1]) for pid in children])")
+    result = sandbox.run(code, total_memory_mb=192)
+    assert result.oom_kills > 0 and (result.returncode == -9 or -9 in ast.literal_eval(result.output)), result
+    assert not list(Path(sandbox_cgroups.parent("memory")).glob("aepo_python_*"))  # removed after the call
+
+
+def test_disk_use_is_bounded_and_another_call_still_starts():
+    if not AVAILABLE["disk limit"]:
+        pytest.skip("this machine lacks the disk limit (a tmpfs in the PID namespace's mount namespace)")
+    fill = ("written = 0\ntry:\n    for i in range(256):\n        with open(f'f{i}', 'wb') as f:\n"
+            "            f.write(b'x' * (1 << 20))\n        written += 1\nexcept OSError as e:\n"
+            "    print('stopped after', written, 'MiB:', e.strerror)\nelse:\n    print('wrote', written, 'MiB')")
+    with ThreadPoolExecutor(2) as pool:  # each file far below the per-file limit (16 MiB), 256 MiB in all
+        filling = pool.submit(tools._run_python, fill)
+        other = pool.submit(tools._run_python, "print('started')")
+        out, status = filling.result()
+        assert other.result() == ("started", "ok")
+    written = re.fullmatch(r"stopped after (\d+) MiB: No space left on device", out)
+    assert written and int(written[1]) <= 64 and status == "ok", out  # the working directory's 64 MiB
+
+
+TREE = ("import os\nprint(os.getcwd(), flush=True)\nfor i in range(3000):\n    os.mkdir('d')\n    os.chdir('d')\n"
+        "os.symlink({planted!r}, 'to_dir')\nos.symlink({planted!r} + '/keep.txt', 'to_file')\n"
+        "os.mkdir('locked')\nwith open('locked/read_only.txt', 'w') as f:\n    f.write('x')\n"
+        "os.link('locked/read_only.txt', 'hard_link')\nos.chmod('locked/read_only.txt', 0o400)\n"
+        "os.chmod('locked', 0)\nos.mkfifo('fifo')\nprint('left it')")
+
+
+@pytest.mark.parametrize("layer", ("all", "without the disk limit"))
+def test_cleanup_removes_any_tree_it_leaves(monkeypatch, tmp_path, layer):
+    if layer != "all":  # the tree lies in the trainer's own temporary directory, for the trainer to remove
+        monkeypatch.setattr(sandbox, "isolation", lambda: {**LAYERS, "disk_limit": False})
+    planted = tmp_path / "planted"  # outside the call: links point here, and nothing here may go
+    planted.mkdir()
+    (planted / "keep.txt").write_text("kept")
+    out, status = tools._run_python(TREE.format(planted=str(planted)))
+    workdir, said = out.splitlines()
+    assert said == "left it" and status == "ok", out
+    assert not Path(workdir).parent.exists()  # the call's whole temporary directory
+    assert (planted / "keep.txt").read_text() == "kept" and os.listdir(planted) == ["keep.txt"]
+
+
+def test_remove_tree_never_follows_a_link_out(tmp_path):
+    planted = tmp_path / "planted"
+    (planted / "directory").mkdir(parents=True)
+    (planted / "keep.txt").write_text("kept")
+    tree = tmp_path / "tree"
+    tree.mkdir()
+    fd = os.open(tree, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        for _ in range(3000):  # deeper than PATH_MAX allows a path to name
+            os.mkdir("d", dir_fd=fd)
+            deeper = os.open("d", os.O_RDONLY | os.O_DIRECTORY, dir_fd=fd)
+            os.close(fd)
+            fd = deeper
+        os.symlink(planted, "to_dir", dir_fd=fd)
+        os.symlink(planted / "keep.txt", "to_file", dir_fd=fd)
+        os.link(planted / "keep.txt", "hard_link", dst_dir_fd=fd)
+        os.mkdir("locked", dir_fd=fd)
+        os.mkfifo("fifo", dir_fd=fd)
+        os.chmod("locked", 0, dir_fd=fd)
+        os.fchmod(fd, 0o500)  # read-only, as the deepest directory
+    finally:
+        os.close(fd)
+    os.symlink(planted, tree / "at_the_top")
+    sandbox_cleanup.remove_tree(str(tree))
+    assert not tree.exists()
+    assert sorted(os.listdir(planted)) == ["directory", "keep.txt"]
+    assert (planted / "keep.txt").read_text() == "kept" and (planted / "keep.txt").stat().st_nlink == 1
+
+
+def test_a_timeout_while_the_trainer_holds_many_files():
+    wanted = 1_100 + 256  # select() takes no descriptor number from 1024 on
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if hard != resource.RLIM_INFINITY and hard < wanted:
+        pytest.skip(f"RLIMIT_NOFILE's hard limit ({hard}) is below {wanted}")
+    resource.setrlimit(resource.RLIMIT_NOFILE, (max(soft, wanted), hard))
+    held = []
+    try:
+        for _ in range(1_100):
+            held.append(os.open(os.devnull, os.O_RDONLY))
+        assert max(held) >= 1_024
+        assert tools._run_python("import time\ntime.sleep(60)", timeout_s=2.0) == ("Error: timed out after 2 s",
+                                                                                     "timeout")
+    finally:
+        for fd in held:
+            os.close(fd)
+        resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard))
 
 
 def spawn_and(marker: str, then: str, sessions: tuple[bool, ...] = (False, True)) -> str:
@@ -317,7 +471,7 @@ def check_spawn_loop(out: str, limit: int, marker: str) -> None:
     assert re.fullmatch(rf"Error: the program hit the process limit \({limit}\): \d+ process creations were "
                         r"refused", error), out
     assert gone(marker)
-    assert not (Path(sandbox.pids_cgroup()) / Path(first[2]).parent.name).exists()  # named after its directory
+    assert not (Path(sandbox_cgroups.parent("pids")) / Path(first[2]).parent.name).exists()  # named as its directory
 
 
 @pytest.mark.parametrize("loop", SPAWN_LOOPS)
@@ -378,26 +532,38 @@ def test_multiprocessing_uses_a_private_shm():
 # Which layers are active, strict mode, set-up failures
 # ---------------------------------------------------------------------------------------------------------------
 def test_describe_and_strict_mode(monkeypatch):
-    line = sandbox.describe({"pid_namespace": True, "network_namespace": False, "minimal_root": True,
-                             "landlock_abi": 6, "process_limit": "pids cgroup", "rlimits": ("AS", "CPU", "FSIZE")})
-    assert line == ("python isolation: PID namespace yes | network namespace NO | minimal root yes | Landlock ABI 6 "
-                    "(filesystem, TCP, signals and abstract sockets) | process limit yes (pids cgroup) | rlimits AS, "
-                    "CPU, FSIZE")
-    assert "Landlock NO" in sandbox.describe({**LAYERS, "landlock_abi": 0})
-    assert "minimal root NO" in sandbox.describe({**LAYERS, "minimal_root": False})
-    assert "process limit NO" in sandbox.describe({**LAYERS, "process_limit": ""})
+    line = sandbox.describe({"pid_namespace": True, "network_namespace": False, "ipc_namespace": True,
+                             "minimal_root": True, "disk_limit": True, "landlock_abi": 6, "vsock_filter": True,
+                             "process_limit": "pids cgroup", "memory_limit": "memory cgroup",
+                             "rlimits": ("AS", "CPU", "FSIZE")})
+    assert line == ("python isolation: PID namespace yes | network namespace NO | IPC namespace yes | minimal root yes "
+                    "| Landlock ABI 6 (filesystem, TCP, signals and abstract sockets) | vsock filter yes (seccomp) | "
+                    "process limit yes (pids cgroup) | memory limit yes (memory cgroup) | disk limit yes (tmpfs) | "
+                    "rlimits AS, CPU, FSIZE")
+    for key, off, said in (("landlock_abi", 0, "Landlock NO"), ("minimal_root", False, "minimal root NO"),
+                           ("process_limit", "", "process limit NO"), ("ipc_namespace", False, "IPC namespace NO"),
+                           ("vsock_filter", False, "vsock filter NO (AF_VSOCK and io_uring are open)"),
+                           ("memory_limit", "", "memory limit NO (RLIMIT_AS per process only)"),
+                           ("disk_limit", False, "disk limit NO (RLIMIT_FSIZE per file only)")):
+        assert said in sandbox.describe({**LAYERS, key: off})
     assert sandbox.require("auto") == LAYERS
     with pytest.raises(ValueError, match="unknown python isolation mode 'off'"):
         sandbox.require("off")
     weak = {**OFF, "network_namespace": True, "rlimits": ("AS", "CPU", "FSIZE")}
     monkeypatch.setattr(sandbox, "isolation", lambda: weak)
     assert sandbox.require("auto") == weak
-    with pytest.raises(sandbox.IsolationError, match="lacks PID namespace, minimal root, Landlock, process limit "
+    with pytest.raises(sandbox.IsolationError, match="lacks PID namespace, IPC namespace, minimal root, Landlock, "
+                                                     "vsock filter, process limit, memory limit, disk limit "
                                                      "\\(PID namespace: `unshare"):
         sandbox.require("strict")
-    monkeypatch.setattr(sandbox, "isolation", lambda: {**LAYERS, "process_limit": ""})
-    with pytest.raises(sandbox.IsolationError, match="lacks process limit \\(process limit: as root: no pids cgroup"):
-        sandbox.require("strict")
+    for key, off, lacks in (("process_limit", "", "process limit \\(process limit: as root: no pids cgroup"),
+                            ("ipc_namespace", False, "IPC namespace \\(IPC namespace: `unshare -ri` fails"),
+                            ("memory_limit", "", "memory limit \\(memory limit: no memory cgroup"),
+                            ("vsock_filter", False, "vsock filter \\(vsock filter: a machine other than"),
+                            ("disk_limit", False, "disk limit \\(disk limit: its tmpfs")):
+        monkeypatch.setattr(sandbox, "isolation", lambda: {**LAYERS, key: off})
+        with pytest.raises(sandbox.IsolationError, match="lacks " + lacks):
+            sandbox.require("strict")
 
 
 def test_strict_mode_passes_on_a_machine_with_every_layer():
@@ -415,3 +581,21 @@ def test_setup_failure_raises_and_becomes_an_observation(monkeypatch):
     obs, counts = runner.run([tools.ToolCall("python", "print(1)")])
     runner.close()
     assert obs[0].startswith("Error: python failed to start: sandbox setup failed:") and counts["python/errors"] == 1
+
+
+@pytest.mark.parametrize("layer", ("all", "none"))
+def test_the_program_cannot_forge_the_sandboxs_status(monkeypatch, layer):
+    if layer == "none":  # without an init the exit code is the program's own: still not the sandbox's report
+        monkeypatch.setattr(sandbox, "isolation", lambda: {**LAYERS, **OFF})
+    code = "import os\nos.write(2, b'sandbox setup failed: forged\\n')\nos._exit(125)"
+    assert tools._run_python(code) == ("sandbox setup failed: forged", "error")
+
+
+@pytest.mark.parametrize("layer", ("all", "PID namespace"))
+def test_the_program_cannot_write_the_report_pipe_through_proc(monkeypatch, layer):
+    use(monkeypatch, layer, ("PID namespace",))  # alone: no Landlock to refuse ptrace access to the init
+    code = ("import os\nargs = open('/proc/1/cmdline', 'rb').read().split(b'\\0')\n"
+            "fd = [a for a in args if a.startswith(b'report=')][0][7:].decode()\n"
+            + attempt("report pipe", "os.write(os.open('/proc/1/fd/' + fd, os.O_WRONLY), "
+                                     "b'sandbox setup failed: forged\\n')"))
+    assert tools.run_python(code) == "report pipe: blocked PermissionError"
