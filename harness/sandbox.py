@@ -100,18 +100,17 @@ def launch(argv: list[str]) -> None:
     which holds it, is not dumpable and the program has no CAP_SYS_PTRACE, so the program cannot reach it through
     /proc/1/fd even without Landlock."""
     split = argv.index("--")
-    options, lists = {}, {"ro": [], "rw": [], "cgroup": []}
+    options, paths = {}, {"ro": [], "rw": [], "cgroup": []}
     for arg in argv[:split]:
         key, value = arg.split("=", 1)
-        if key in lists:
-            lists[key].append(value)
+        if key in paths:
+            paths[key].append(value)
         else:
             options[key] = value
     program, fsize, report = argv[split + 1:], int(options["fsize"]), int(options["report"])
-    os.set_inheritable(report, False)
-    paths = {"ro": lists["ro"], "rw": lists["rw"]}
+    os.set_inheritable(report, False)  # closed when the program is executed
     try:
-        for cgroup in lists["cgroup"]:
+        for cgroup in paths["cgroup"]:
             with open(os.path.join(cgroup, "cgroup.procs"), "w") as f:
                 f.write("0")  # this process
         if options["init"] == "1":  # our own PID and mount namespace: /proc shows only the sandbox's processes
@@ -310,7 +309,8 @@ def command(work: str, report: int, layers: dict, memory_mb: int, cpu_s: int, fi
 
 
 def _read_report(fd: int) -> list[str]:
-    """The launcher's lines on the report pipe, read without blocking: by now every writer has exited."""
+    """The launcher's lines on the report pipe, read without blocking (every writer has exited by now, unless no
+    pidfd let us wait for the init: then what it has not written yet is not waited for)."""
     os.set_blocking(fd, False)
     chunks = []
     while True:
