@@ -16,11 +16,15 @@ over policy tokens only, DAPO's dynamic sampling, GiGPO with γ = 1 and token-pr
 import torch
 
 
-def check_finite(name: str, tensor: torch.Tensor) -> None:
-    """Raise ValueError naming `name` and how many of its entries are nan or inf (same as loss.check_finite)."""
-    bad = (~torch.isfinite(tensor)).sum().item() if tensor.is_floating_point() else 0
+def check_finite(name: str, tensor: torch.Tensor, mask: torch.Tensor | None = None) -> None:
+    """Raise ValueError naming `name` and how many of its entries (those where mask is 1, if given) are nan or inf
+    (the same as loss.check_finite). A meta tensor has no values to check."""
+    if not tensor.is_floating_point() or tensor.is_meta:
+        return
+    checked = torch.ones_like(tensor, dtype=torch.bool) if mask is None else mask.bool()
+    bad = int((~torch.isfinite(tensor) & checked).sum())
     if bad:
-        raise ValueError(f"{name}: {bad} of {tensor.numel()} entries are non-finite (nan/inf)")
+        raise ValueError(f"{name}: {bad} of {int(checked.sum())} entries are non-finite (nan/inf)")
 
 
 # ---------------------------------------------------------------------------------------------
@@ -38,18 +42,29 @@ def group_advantages(rewards: torch.Tensor, group_ids: torch.Tensor, std_norm: b
         raise ValueError(f"rewards and group_ids must both be (N,), got {tuple(rewards.shape)} and {tuple(group_ids.shape)}")
     check_finite("rewards", rewards)
     out_dtype = rewards.dtype if rewards.is_floating_point() else torch.float32
-    _, g = torch.unique(group_ids, return_inverse=True)
-    n_groups = int(g.max().item()) + 1 if g.numel() else 0
     r = rewards.double()
-    count = torch.zeros(n_groups, dtype=torch.float64).index_add_(0, g, torch.ones_like(r))
-    mean = torch.zeros(n_groups, dtype=torch.float64).index_add_(0, g, r) / count
+    g, n_groups = _group_index(group_ids.to(r.device))
+    zeros = torch.zeros(n_groups, dtype=torch.float64, device=g.device)
+    count = zeros.index_add(0, g, torch.ones_like(r))
+    mean = zeros.index_add(0, g, r) / count
     dev = r - mean[g]
-    var = torch.zeros(n_groups, dtype=torch.float64).index_add_(0, g, dev * dev) / (count - 1).clamp(min=1)
-    rmax = torch.full((n_groups,), -torch.inf, dtype=torch.float64).scatter_reduce(0, g, r, "amax")
-    rmin = torch.full((n_groups,), torch.inf, dtype=torch.float64).scatter_reduce(0, g, r, "amin")
-    flat = (rmax == rmin)[g]                     # all equal, or a group of one
+    var = zeros.index_add(0, g, dev * dev) / (count - 1).clamp(min=1)
+    flat = ~_varied(r, g, n_groups)              # all equal, or a group of one
     adv = torch.where(flat, 0.0, dev / (var.sqrt()[g] + 1e-6) if std_norm else dev)
     return adv.to(out_dtype)
+
+
+def _group_index(group_ids: torch.Tensor) -> tuple[torch.Tensor, int]:
+    """(index 0..n-1 of each entry's group, n): the groups numbered in sorted order of their ids."""
+    _, g = torch.unique(group_ids, return_inverse=True)
+    return g, int(g.max().item()) + 1 if g.numel() else 0
+
+
+def _varied(r: torch.Tensor, g: torch.Tensor, n_groups: int) -> torch.Tensor:
+    """(N,) bool: True where the entry's group has rewards that differ (max > min; never for a group of one)."""
+    rmax = torch.full((n_groups,), -torch.inf, dtype=r.dtype, device=r.device).scatter_reduce(0, g, r, "amax")
+    rmin = torch.full((n_groups,), torch.inf, dtype=r.dtype, device=r.device).scatter_reduce(0, g, r, "amin")
+    return (rmax > rmin)[g]
 
 
 def token_stats(values: torch.Tensor, mask: torch.Tensor, name: str = "values") -> torch.Tensor:
@@ -61,7 +76,7 @@ def token_stats(values: torch.Tensor, mask: torch.Tensor, name: str = "values") 
         raise ValueError(f"{name} {tuple(values.shape)} and mask {tuple(mask.shape)} must have the same shape")
     x = values.detach().double()[mask.bool()]
     check_finite(f"{name} (mask-1 tokens)", x)
-    return torch.stack([torch.tensor(float(x.numel()), dtype=torch.float64), x.sum(), (x * x).sum()])
+    return torch.stack([x.new_tensor(float(x.numel())), x.sum(), (x * x).sum()])
 
 
 def entropy_stats(entropy: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
@@ -90,20 +105,19 @@ def entropy_weighted_advantages(advantages: torch.Tensor, entropy: torch.Tensor,
                                 mean: float, std: float, alpha: float = 0.2) -> torch.Tensor:
     """Eq.: Ã_{j,t} = A_j · (1 + alpha · sg((H_{j,t} - mean) / std)), 0 where mask == 0.
 
-    advantages: (B,) per trajectory (broadcast over tokens) or (B, T) per token; entropy: (B, T)
+    advantages: (B, T) per token, or (B,) / (B, 1) per trajectory (broadcast over tokens); entropy: (B, T)
     old-policy token entropy; mask: (B, T), 1 = token sampled by the policy; mean, std: batch
     statistics of H over all mask-1 tokens on all ranks (`mean_std`). Returns (B, T) float32."""
     if entropy.shape != mask.shape:
         raise ValueError(f"entropy {tuple(entropy.shape)} and mask {tuple(mask.shape)} must have the same shape")
-    if advantages.dim() == 1:
-        advantages = advantages[:, None]
+    advantages = advantages.reshape(len(advantages), -1)                  # (B,) -> (B, 1), broadcast over tokens
     if advantages.shape[0] != entropy.shape[0] or advantages.shape[1] not in (1, entropy.shape[1]):
         raise ValueError(f"advantages {tuple(advantages.shape)} do not match entropy {tuple(entropy.shape)}")
     if not std > 0:
         raise ValueError(f"std must be > 0, got {std}")
     valid = mask.bool()
     check_finite("advantages", advantages)
-    check_finite("entropy (mask-1 tokens)", entropy[valid])
+    check_finite("entropy (mask-1 tokens)", entropy, valid)
     z = (torch.where(valid, entropy.float(), mean) - mean) / std      # padding entries -> z = 0
     z = z.detach()                                                           # sg(.)
     out = advantages.float() * (1.0 + alpha * z)
@@ -133,7 +147,7 @@ def reinforce_pp_returns(rewards: torch.Tensor, mask: torch.Tensor, old_logp: to
         for name, t in (("old_logp", old_logp), ("ref_logp", ref_logp)):
             if t.shape != mask.shape:
                 raise ValueError(f"{name} has shape {tuple(t.shape)}, expected {tuple(mask.shape)} like mask")
-            check_finite(f"{name} (mask-1 tokens)", t[valid])
+            check_finite(f"{name} (mask-1 tokens)", t, valid)
         kl = old_logp.double() - ref_logp.double()
         kl = kl.detach()                                                     # sg(.)
         r = torch.where(valid, -beta * kl, 0.0)
@@ -155,7 +169,7 @@ def reinforce_pp_advantages(returns: torch.Tensor, mask: torch.Tensor, mean: flo
     if not std > 0:
         raise ValueError(f"std must be > 0, got {std}")
     valid = mask.bool()
-    check_finite("returns (mask-1 tokens)", returns[valid])
+    check_finite("returns (mask-1 tokens)", returns, valid)
     g = returns.detach()                                                     # sg(.)
     return torch.where(valid, (g.double() - mean) / (std + 1e-6), 0.0).float()
 
@@ -172,12 +186,9 @@ def dynamic_sampling_mask(rewards: torch.Tensor, group_ids: torch.Tensor) -> tor
     if rewards.dim() != 1 or group_ids.shape != rewards.shape:
         raise ValueError(f"rewards and group_ids must both be (N,), got {tuple(rewards.shape)} and {tuple(group_ids.shape)}")
     check_finite("rewards", rewards)
-    _, g = torch.unique(group_ids, return_inverse=True)
-    n_groups = int(g.max().item()) + 1 if g.numel() else 0
     r = rewards.detach().double()
-    rmax = torch.full((n_groups,), -torch.inf, dtype=torch.float64).scatter_reduce(0, g, r, "amax")
-    rmin = torch.full((n_groups,), torch.inf, dtype=torch.float64).scatter_reduce(0, g, r, "amin")
-    return (rmax > rmin)[g]
+    g, n_groups = _group_index(group_ids.to(r.device))
+    return _varied(r, g, n_groups)
 
 
 def overlong_penalty(lengths: torch.Tensor, max_len: int, cache_len: int) -> torch.Tensor:
@@ -231,10 +242,12 @@ def gigpo_advantages(response_ids: torch.Tensor, mask: torch.Tensor, group_ids: 
                 first.append(start)
                 step_key.append((question, start, same_state))
     key_index = {key: i for i, key in enumerate(dict.fromkeys(step_key))}
-    step_adv = group_advantages(rewards[owner], torch.tensor([key_index[k] for k in step_key]), std_norm)
-    step_of = torch.zeros(mask.shape, dtype=torch.long)                      # which step each position is in
-    step_of[owner, first] = torch.arange(1, len(owner) + 1)
+    device = mask.device
+    step_adv = group_advantages(rewards[owner], torch.tensor([key_index[k] for k in step_key], device=device),
+                                std_norm)
+    step_of = torch.zeros(mask.shape, dtype=torch.long, device=device)       # which step each position is in
+    step_of[owner, first] = torch.arange(1, len(owner) + 1, device=device)
     step_of = step_of.cummax(1).values
-    per_token = torch.cat([torch.zeros(1), step_adv.float()])[step_of]
+    per_token = torch.cat([torch.zeros(1, device=device), step_adv.float()])[step_of]
     episode = group_advantages(rewards, group_ids, std_norm).float()
     return torch.where(valid, episode[:, None] + omega * per_token, 0.0)

@@ -3,7 +3,7 @@
 Paper: Dong et al., "Agentic Entropy-Balanced Policy Optimization", arXiv:2510.14545, paper §4 experimental setup;
 algorithm.md §6: each question gets n independent trajectories from the training rollout code (no branching) at
 temperature 0.6 and top-p 0.95; Pass@1 is the mean correctness and Pass@k the unbiased estimator. Correct is exact
-match of the boxed answer, `reward.math_equal` for math questions, or an LLM judge.
+match of the boxed answer, `math_equal` for math questions, or an LLM judge (harness/correctness.py).
 
     python eval.py --run runs/<name>                   # a run's latest checkpoint, evaluated the way it trained
     python eval.py --model PATH --data data/qa_test.jsonl --n 5
@@ -29,8 +29,9 @@ import tools
 from harness import checkpoint, cli, config, generation, parallel, runlog, search as search_mod, trees
 from harness.cli import UserError
 from harness.config import arg, like
+from harness.correctness import Judge, math_equal
 from harness.dataset import load_dataset
-from reward import Judge, math_equal, score_response
+from reward import score_response
 
 # --------------------------------------------------------------------------------------------------
 # Pass@k
@@ -50,50 +51,46 @@ def pass_at_k(n: int, c: int, k: int) -> float:
 # Evaluation: n independent rollouts per question with the training rollout code
 
 
+@dataclass(frozen=True)
+class EvalSettings:
+    """How `evaluate` samples (algorithm.md §6 defaults): n trajectories per question, each an independent rollout
+    (no branching) with these sampling settings, token budget and tool-call limit; batch_size trajectories generated
+    together (batch_size // n questions per rollout call); seed + the first question's index seeds each call."""
+    n: int = 5
+    sampling: rollout.Sampling = rollout.Sampling(temperature=0.6, top_p=0.95)
+    max_response_tokens: int = 4096
+    max_tool_calls: int = 6
+    batch_size: int = 64
+    seed: int = 0
+    strict_format: bool = False                  # reward.check_format's strict rule
+
+
 def _criterion(row: dict, judge) -> str:
     return "judge" if judge is not None else ("math_equal" if row["meta"].get("kind") == "math" else "exact_match")
 
 
-def evaluate(model, tokenizer, rows: list[dict], tool_runner, *, n: int = 5, temperature: float = 0.6,
-             top_p: float = 0.95, max_response_tokens: int = 4096, batch_size: int = 64, out_dir=None,
-             generator=None, name: str = "eval", judge: Judge | None = None, max_tool_calls: int = 6,
-             seed: int = 0, config: dict | None = None, progress: bool = True, rank: int = 0,
-             world: int = 1) -> dict:
-    """Sample n trajectories per question (rollout.tree_rollout with entropy_branching=False, k=n) and
-    score them. Returns the summary dict; with out_dir, writes {name}_results.jsonl (one line per
-    question, full trajectories), {name}_summary.json and {name}_summary.md.
+def evaluate(generator, tokenizer, rows: list[dict], tool_runner, settings: EvalSettings = EvalSettings(), *,
+             name: str = "eval", judge: Judge | None = None, out_dir=None, config: dict | None = None,
+             rank: int = 0, world: int = 1, progress: bool = True) -> dict:
+    """Sample settings.n trajectories per question and score them. Returns the summary dict; with out_dir, rank 0
+    writes {name}_results.jsonl (one line per question, full trajectories), {name}_summary.json, {name}_summary.md
+    and {name}_trees.jsonl.
 
-    tool_runner: a `tools.Tools`. generator: a rollout Generator (e.g. the trainer's), sampling at `temperature`
-    and `top_p` here and set back afterwards; default TransformersGenerator(model, tokenizer, batch_size).
-    batch_size: trajectories generated together (each rollout call takes batch_size // n questions).
-    Correct = exact_match of the boxed answer, or math_equal for rows with meta["kind"] == "math", or
-    judge(question, prediction, golds) if given.
-    Several processes (world > 1, every rank calls it): questions go out in chunks of batch_size // n, chunk j to
-    rank j % world, each with the seed it has in one process, so the merged results equal one process's; every
-    rank returns the summary and rank 0 writes the files.
-    """
-    if generator is None:
-        generator = generation.TransformersGenerator(model, tokenizer, batch_size=batch_size)
-    started, sampling = time.time(), {"temperature": temperature, "top_p": top_p}
-    saved = {key: getattr(generator, key) for key in sampling if hasattr(generator, key)}
-    for key in saved:                            # evaluation settings on the generator, then back
-        setattr(generator, key, sampling[key])
-    try:
-        records, shapes, tool_counts = _sample_and_score(generator, tokenizer, rows, tool_runner, n, max(1, batch_size // n), judge,
-                                          max_tool_calls, max_response_tokens, seed, name, progress, rank, world)
-    finally:
-        for key, value in saved.items():
-            setattr(generator, key, value)
-    gathered = parallel.gather((records, shapes, dict(tool_counts)))
+    generator: a `rollout.Generator` (the trainer's, or generation.TransformersGenerator); tool_runner: a
+    `tools.Tools`. Correct = exact_match of the boxed answer, or math_equal for rows with meta["kind"] == "math", or
+    judge(question, prediction, golds) if given. Several processes (world > 1, every rank calls it): questions go
+    out in chunks of batch_size // n, chunk j to rank j % world, each with the seed it has in one process, so the
+    merged results equal one process's (D25); every rank returns the summary."""
+    started = time.time()
+    part = _sample_and_score(generator, tokenizer, rows, tool_runner, settings, judge, name, progress, rank, world)
+    gathered = parallel.gather(part)
     records = sorted((rec for recs, _, _ in gathered for rec in recs), key=lambda rec: rec["index"])
     shapes = [shape for _, part, _ in gathered for shape in part]
     tool_counts = sum((Counter(counts) for _, _, counts in gathered), Counter())
-    summary = summarize(records, n, name)
+    summary = summarize(records, settings.n, name)
     summary.update(wall_s=round(time.time() - started, 1), tool_counts=dict(tool_counts),
-                   settings={"n": n, "temperature": temperature, "top_p": top_p, "seed": seed,
-                             "max_response_tokens": max_response_tokens, "max_tool_calls": max_tool_calls,
-                             "judge": None if judge is None else {"url": judge.url, "model": judge.model}},
-                   config=config)
+                   settings={**asdict(settings), "judge": None if judge is None else
+                             {"url": judge.url, "model": judge.model}}, config=config)
     if out_dir is not None and rank == 0:
         out = Path(out_dir)
         out.mkdir(parents=True, exist_ok=True)
@@ -106,58 +103,54 @@ def evaluate(model, tokenizer, rows: list[dict], tool_runner, *, n: int = 5, tem
     return summary
 
 
-def _sample_and_score(generator, tokenizer, rows, tool_runner, n, per_call, judge, max_tool_calls, max_response_tokens,
-                      seed, name, progress, rank, world) -> tuple[list[dict], list[dict], Counter]:
-    """This rank's chunks of `per_call` questions: n rollouts each, scored. Returns per-question records, tree
-    records (trees.py) and tool counts."""
+def _sample_and_score(generator, tokenizer, rows, tool_runner, settings: EvalSettings, judge, name, progress, rank,
+                      world) -> tuple[list[dict], list[dict], dict]:
+    """This rank's chunks of questions: settings.n rollouts each, scored. Returns per-question records, tree records
+    (trees.py) and tool counts."""
     from tqdm import tqdm
+    per_call = max(1, settings.batch_size // settings.n)
+    tree = rollout.TreeSettings(k=settings.n, dynamic_budget=False, entropy_branching=False,
+                                max_tool_calls=settings.max_tool_calls, max_response_tokens=settings.max_response_tokens)
     records, shapes, tool_counts = [], [], Counter()
     mine = list(range(0, len(rows), per_call))[rank::world]
-    bar = tqdm(total=sum(len(rows[s:s + per_call]) for s in mine) * n, desc=f"eval {name}", unit="traj",
+    bar = tqdm(total=sum(len(rows[s:s + per_call]) for s in mine) * settings.n, desc=f"eval {name}", unit="traj",
                disable=not progress)
-    moving = runlog.RolloutProgress(bar, generator, "generation") if progress else None
     for start in mine:
         chunk = rows[start:start + per_call]
-        done = [0]
-
-        def tick(rounds_done, finished, total, done=done):
-            bar.update(finished - done[0])
-            done[0] = finished
-            if moving:
-                moving(rounds_done, finished, total)
-
         trajectories, stats = rollout.tree_rollout(
-            [tools.build_prompt(tokenizer, r["question"]) for r in chunk], generator, tool_runner, tokenizer, k=n,
-            dynamic_budget=False, entropy_branching=False, max_tool_calls=max_tool_calls,
-            max_response_tokens=max_response_tokens, seed=seed + start, progress=tick)
-        bar.update(len(trajectories) - done[0])
+            [tools.build_prompt(tokenizer, r["question"]) for r in chunk], generator, tool_runner, tokenizer, tree,
+            sampling=settings.sampling, seed=settings.seed + start,
+            progress=runlog.RolloutProgress(bar, "generation", count=True) if progress else None)
         tool_counts.update({key: v for key, v in stats.items() if key.startswith("tools/")})
-        scored = [score_response(t.text, chunk[t.group_id]["golds"]) for t in trajectories]
+        scored = [score_response(t.text, chunk[t.group_id]["golds"], settings.strict_format) for t in trajectories]
         shapes += trees.records(name, chunk, trajectories, stats["m_per_question"], [s["reward"] for s in scored])
         for g, row in enumerate(chunk):
-            criterion, samples = _criterion(row, judge), []
-            for t, s in ((t, s) for t, s in zip(trajectories, scored) if t.group_id == g):
-                if s["prediction"] is None:
-                    correct = False
-                elif criterion == "judge":
-                    correct = judge(row["question"], s["prediction"], row["golds"])
-                elif criterion == "math_equal":
-                    correct = any(math_equal(s["prediction"], gold) for gold in row["golds"])
-                else:
-                    correct = bool(s["em"])
-                samples.append({"traj_id": t.traj_id, "correct": correct, **s,
-                                "tool_calls": [list(c) for c in t.tool_calls], "finish_reason": t.finish_reason,
-                                "truncated": t.truncated, "response_tokens": len(t.response_ids),
-                                "generated_tokens": sum(t.loss_mask), "text": t.text})
-            c = sum(x["correct"] for x in samples)
-            records.append({"index": start + g, "question": row["question"], "golds": row["golds"],
-                            "meta": row["meta"], "criterion": criterion, "n": n, "num_correct": c,
-                            "pass@k": {str(k): pass_at_k(n, c, k) for k in range(1, n + 1)},
-                            "samples": samples})
-    if moving:
-        moving.detach()
+            mine_g = [(t, s) for t, s in zip(trajectories, scored) if t.group_id == g]
+            records.append(_question_record(start + g, row, mine_g, _criterion(row, judge), judge, settings.n))
     bar.close()
-    return records, shapes, tool_counts
+    return records, shapes, dict(tool_counts)
+
+
+def _question_record(index: int, row: dict, scored: list, criterion: str, judge, n: int) -> dict:
+    """One question's record: its samples (each trajectory, its score and whether it is correct) and Pass@k."""
+    samples = []
+    for t, s in scored:
+        if s["prediction"] is None:
+            correct = False
+        elif criterion == "judge":
+            correct = judge(row["question"], s["prediction"], row["golds"])
+        elif criterion == "math_equal":
+            correct = any(math_equal(s["prediction"], gold) for gold in row["golds"])
+        else:
+            correct = bool(s["em"])
+        samples.append({"traj_id": t.traj_id, "correct": correct, **s, "tool_calls": [list(c) for c in t.tool_calls],
+                        "finish_reason": t.finish_reason, "truncated": t.truncated,
+                        "response_tokens": len(t.response_ids), "generated_tokens": sum(t.loss_mask),
+                        "text": t.text})
+    c = sum(x["correct"] for x in samples)
+    return {"index": index, "question": row["question"], "golds": row["golds"], "meta": row["meta"],
+            "criterion": criterion, "n": n, "num_correct": c,
+            "pass@k": {str(k): pass_at_k(n, c, k) for k in range(1, n + 1)}, "samples": samples}
 
 
 def summarize(records: list[dict], n: int, name: str) -> dict:
@@ -211,6 +204,7 @@ class EvalConfig:
     top_p: float = like("eval_top_p")
     max_response_tokens: int = like("max_response_tokens", 4096)
     max_tool_calls: int = like("max_tool_calls")
+    strict_format: bool = like("strict_format")
     batch_size: int = like("gen_batch_size", help="trajectories generated together (batch_size // n questions per "
                                                   "rollout call)")
     skip_bad: bool = like("skip_bad")
@@ -320,14 +314,16 @@ def main(argv=None) -> list[dict]:
     new_dir = not out.exists()
     out.mkdir(parents=True, exist_ok=True)
     (out / "config.json").write_text(json.dumps(asdict(cfg), indent=2))
+    generator = generation.TransformersGenerator(model, tokenizer, batch_size=cfg.batch_size)
+    settings = EvalSettings(n=cfg.n, sampling=rollout.Sampling(cfg.temperature, cfg.top_p),
+                            max_response_tokens=cfg.max_response_tokens, max_tool_calls=cfg.max_tool_calls,
+                            batch_size=cfg.batch_size, seed=cfg.seed, strict_format=cfg.strict_format)
     summaries = []
     try:
         for path, rows in datasets:
             rows = rows[:cfg.limit] if cfg.limit else rows
-            summaries.append(evaluate(model, tokenizer, rows, tool_runner, n=cfg.n, temperature=cfg.temperature,
-                                      top_p=cfg.top_p, max_response_tokens=cfg.max_response_tokens,
-                                      batch_size=cfg.batch_size, out_dir=out, name=Path(path).stem, judge=judge,
-                                      max_tool_calls=cfg.max_tool_calls, seed=cfg.seed, config=asdict(cfg)))
+            summaries.append(evaluate(generator, tokenizer, rows, tool_runner, settings, name=Path(path).stem,
+                                      judge=judge, out_dir=out, config=asdict(cfg)))
     except KeyboardInterrupt:
         tool_runner.close()
         if summaries:

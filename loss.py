@@ -5,9 +5,9 @@ Paper: Dong et al., "Agentic Entropy-Balanced Policy Optimization", arXiv:2510.1
 policy optimisation); algorithm.md §1 (token entropy), §4 (loss) and §7 (baselines). The PPO/GRPO clipped surrogate
 drops the gradient of every token whose ratio overshoots the upper bound, and those are mostly high-entropy,
 exploratory tokens. AEPO writes the upper bound as (1+eps_high)·r/sg(r), which equals 1+eps_high in value but keeps a
-bounded gradient (weight 1+eps_high) for those tokens; everything else is the dual-clip PPO objective. GPPO's lower sg
-bound, CISPO, the entropy bonus and verl's loss aggregations are arguments of `policy_loss`. This file copies alone
-(torch only).
+bounded gradient (weight 1+eps_high) for those tokens; everything else is the dual-clip PPO objective
+(`aepo_surrogate`). GPPO's and CISPO's surrogates sit beside it; `policy_loss` composes a surrogate, the aggregation
+(verl's modes), the KL to a reference and the entropy bonus. This file copies alone (torch only).
 
 Deviations from the paper / official code (algorithm.md §8): D16 (every normaliser of a mini-batch, N_valid, N_seq
 and seq-mean-token-sum-norm's constant length, global and passed in; verl 0.4 aggregates per micro-batch and, for
@@ -22,11 +22,15 @@ import torch
 # Checks
 
 
-def check_finite(name: str, tensor: torch.Tensor) -> None:
-    """Raise ValueError naming `name` and how many of its entries are nan or inf."""
-    bad = (~torch.isfinite(tensor)).sum().item() if tensor.is_floating_point() else 0
+def check_finite(name: str, tensor: torch.Tensor, mask: torch.Tensor | None = None) -> None:
+    """Raise ValueError naming `name` and how many of its entries (those where mask is 1, if given) are nan or inf.
+    A meta tensor has no values to check."""
+    if not tensor.is_floating_point() or tensor.is_meta:
+        return
+    checked = torch.ones_like(tensor, dtype=torch.bool) if mask is None else mask.bool()
+    bad = int((~torch.isfinite(tensor) & checked).sum())
     if bad:
-        raise ValueError(f"{name}: {bad} of {tensor.numel()} entries are non-finite (nan/inf)")
+        raise ValueError(f"{name}: {bad} of {int(checked.sum())} entries are non-finite (nan/inf)")
 
 
 # ---------------------------------------------------------------------------------------------
@@ -190,50 +194,76 @@ def aggregate(values, mask, n_valid, loss_agg="token-mean", n_seqs=None, max_len
     return scale * total / float(n_seqs)
 
 
+def aepo_surrogate(ratio, adv, eps_low=0.2, eps_high=0.2, clip_c=3.0, sg_clip=True):
+    """Eq. (algorithm.md §4): upper = (1+ε_h)·r/sg(r)  (sg_clip=False: PPO's 1+ε_h),
+         J = min(r·Ã, clip(r, 1−ε_l, upper)·Ã),  J = max(J, c·Ã) where Ã < 0  (dual clip).
+    ratio: (B, T) r = π_θ/π_old, carrying the gradient; adv: (B, T) Ã. Returns J (B, T)."""
+    r_sg = ratio.detach()                                                    # sg(.)
+    upper = (1.0 + eps_high) * ratio / r_sg if sg_clip else torch.full_like(ratio, 1.0 + eps_high)
+    # clip(r, 1 − ε_l, upper), written with where so that the gradient of the sg bound survives past it
+    r_clip = torch.where(r_sg > 1.0 + eps_high, upper, torch.where(r_sg < 1.0 - eps_low, 1.0 - eps_low, ratio))
+    return clipped_objective(ratio, r_clip, adv, clip_c)
+
+
+def gppo_surrogate(ratio, adv, eps_low=0.2, eps_high=0.2, clip_c=3.0, sg_clip=True):
+    """GPPO (arXiv:2508.07629): the lower bound keeps a gradient too, clip(r, (1−ε_l)·r/sg(r), (1+ε_h)·r/sg(r))
+    (sg_clip=False: PPO's upper bound 1+ε_h); the min and the dual clip as AEPO's. ratio, adv: (B, T). Returns J."""
+    r_sg = ratio.detach()                                                    # sg(.)
+    upper = (1.0 + eps_high) * ratio / r_sg if sg_clip else torch.full_like(ratio, 1.0 + eps_high)
+    lower = (1.0 - eps_low) * ratio / r_sg
+    r_clip = torch.where(r_sg > 1.0 + eps_high, upper, torch.where(r_sg < 1.0 - eps_low, lower, ratio))
+    return clipped_objective(ratio, r_clip, adv, clip_c)
+
+
+def clipped_objective(ratio, r_clip, adv, clip_c=3.0):
+    """Eq.: J = min(r·Ã, r_clip·Ã), then J = max(J, c·Ã) where Ã < 0 (the dual clip). All (B, T); returns J."""
+    j = torch.where(ratio * adv <= r_clip * adv, ratio * adv, r_clip * adv)
+    return torch.where((adv < 0) & (j < clip_c * adv), clip_c * adv, j)
+
+
+def cispo_surrogate(ratio, logp, adv, eps_low=1.0, eps_high=0.28):
+    """CISPO (arXiv:2506.13585): J = sg(clip(r, 1−ε_l, 1+ε_h))·Ã·log π_θ, no min and no dual clip, so every token keeps
+    the gradient weight clip(r)·Ã. ratio, logp, adv: (B, T). Returns J (B, T)."""
+    is_weight = ratio.detach().clamp(1.0 - eps_low, 1.0 + eps_high)          # sg(clip(r))
+    return is_weight * adv * logp
+
+
+def clip_metrics(ratio, log_ratio, adv, valid, eps_low, eps_high, clip_c, kept_hi, kept_lo, dual_clip) -> dict:
+    """Detached float64 sums over the mask-1 tokens of one call (docs/reference.md defines each): the regions of r,
+    the same for every variant, and what the variant did there. kept_hi / kept_lo: the upper / lower clip keeps a
+    gradient (AEPO: upper; GPPO and CISPO: both); dual_clip: the dual clip drops one (all but CISPO)."""
+    m = valid.double()
+    rd, pos, neg = ratio.detach().double(), (adv > 0).double() * m, (adv < 0).double() * m
+    clip_hi = (pos * (rd > 1.0 + eps_high)).sum()                           # Ã > 0, r > 1 + ε_h
+    clip_lo = (neg * (rd < 1.0 - eps_low)).sum()                            # Ã < 0, r < 1 − ε_l
+    clip_dual = (neg * (rd > clip_c)).sum()                                 # Ã < 0, r > c
+    zero = torch.zeros_like(clip_hi)
+    kept = (clip_hi if kept_hi else zero) + (clip_lo if kept_lo else zero)
+    dropped = (zero if kept_hi else clip_hi) + (zero if kept_lo else clip_lo) + (clip_dual if dual_clip else zero)
+    return {"n_tokens": m.sum(), "clip_hi": clip_hi, "clip_lo": clip_lo, "clip_dual": clip_dual,
+            "out_hi": (m * (rd > 1.0 + eps_high)).sum(), "out_lo": (m * (rd < 1.0 - eps_low)).sum(),
+            "preserved": clip_hi if kept_hi else zero, "grad_kept": kept, "grad_dropped": dropped,
+            "approx_kl": ((rd - 1.0 - log_ratio.detach().double()) * m).sum(), "ratio": (rd * m).sum()}
+
+
 def policy_loss(logp, old_logp, advantages, mask, n_valid, eps_low=0.2, eps_high=0.2, clip_c=3.0,
                 sg_clip=True, ref_logp=None, kl_coef=0.0, *, sg_clip_low=False, cispo=False, entropy=None,
                 entropy_coeff=0.0, loss_agg="token-mean", n_seqs=None, max_len=None):
-    """AEPO clipped surrogate with stop-gradient upper bound and dual clip, and the baselines' switches.
-
-    Eq.: r = exp(logp - old_logp),  upper = (1+eps_high)·r/sg(r)  (sg_clip) or 1+eps_high,
-         lower = (1-eps_low)·r/sg(r)  (sg_clip_low, GPPO) or 1-eps_low,
-         J = min(r·Ã, clip(r, lower, upper)·Ã);  J = max(J, clip_c·Ã) where Ã < 0,
-         CISPO (cispo): J = sg(clip(r, 1-eps_low, 1+eps_high))·Ã·logp  (no min, no dual clip),
-         loss = aggregate(-J) + kl_coef·aggregate(k3) - entropy_coeff·aggregate(H),
-         k3 = clamp(e^(ref-logp) - (ref-logp) - 1, -10, 10)  (verl's low_var_kl);
-         aggregate = token-mean Σ·mask / n_valid by default (`aggregate` lists verl's other modes).
-    logp: (B, T) current-policy log-probs (carry gradient); old_logp: (B, T) behaviour-policy
-    log-probs; advantages: (B, T) per-token Ã; mask: (B, T), 1 = token sampled by the policy
-    (counts in the loss), 0 = prompt/tool output/padding; n_valid: number of mask-1 tokens of the
-    whole optimiser mini-batch over all micro-batches and ranks; ref_logp: (B, T) frozen reference
-    log-probs (its k3 is always reported; it enters the loss only when kl_coef > 0); entropy: (B, T)
-    current-policy token entropy H, with its gradient (`logprobs_and_entropy`); it enters the loss only
-    when entropy_coeff != 0; loss_agg, n_seqs, max_len: see `aggregate`. GPPO = sg_clip and sg_clip_low;
-    CISPO ignores sg_clip, sg_clip_low and clip_c (MiniMax-M1 sets no lower bound: eps_low >= 1).
-    The two sg bounds never meet the dual clip: it acts where Ã < 0 and r > clip_c (> 1), the lower
-    bound where r < 1-eps_low, so Ã < 0 ∧ r > clip_c still gets no gradient under GPPO.
-    Per-token gradient (token-mean): ∂loss/∂logp = -F·Ã·mask/n_valid with F = 1+eps_high (sg_clip,
-    Ã>0, r>1+eps_high), 1-eps_low (sg_clip_low, Ã<0, r<1-eps_low), 0 for the other clipped cases and
-    the dual clip, r otherwise; under CISPO F = clip(r, 1-eps_low, 1+eps_high) for every token.
-
-    Returns (loss 0-d, metrics). Metrics are detached 0-d float64 sums over this call's mask-1
-    tokens: "n_tokens" (count), "clip_upper" (Ã>0, r>1+eps_high), "clip_lower" (Ã<0, r<1-eps_low),
-    "clip_dual" (Ã<0, r>clip_c), "out_high" (r>1+eps_high) and "out_low" (r<1-eps_low), whatever Ã
-    (CISPO's clipped IS weights); these count regions, the same for every variant. What the variant
-    did there: "sg_kept" (upper-clipped tokens whose gradient was kept: sg_clip or cispo),
-    "clip_low_kept" (lower-clipped tokens whose gradient was kept: sg_clip_low or cispo),
-    "grad_dropped" (tokens whose gradient the clip or dual clip set to exactly 0; 0 under CISPO;
-    the ±20 log-ratio clamp, not counted here, also leaves a token without gradient);
-    "approx_kl" (k3 estimate of KL(π_old‖π_θ): r - 1 - log r), "ratio" (r), "kl_ref" (k3 to the
-    reference, 0 without one), "entropy" (H, 0 without it); sum them over micro-batches/ranks and
-    divide by the global count. "pg_loss", "kl_loss" and "entropy_loss" are this call's additive
-    contributions to the loss (already aggregated).
-    """
+    """Eq. (algorithm.md §4): r = exp(logp − old_logp); loss = aggregate(−J) + kl_coef·aggregate(k3)
+    − entropy_coeff·aggregate(H), J the surrogate: `aepo_surrogate` (PPO with sg_clip=False), `gppo_surrogate`
+    (sg_clip_low) or `cispo_surrogate` (cispo); k3 = clamp(e^d − d − 1, −10, 10), d = ref_logp − logp (verl's
+    low_var_kl); aggregate: token-mean Σ·mask / n_valid by default (`aggregate` has verl's others).
+    logp: (B, T) current-policy log-probs (carry gradient); old_logp: (B, T) behaviour policy; advantages: (B, T) Ã;
+    mask: (B, T), 1 = token sampled by the policy; n_valid: mask-1 tokens of the whole optimiser mini-batch (all
+    micro-batches and ranks); ref_logp: (B, T) frozen reference (k3 always reported, in the loss when kl_coef > 0);
+    entropy: (B, T) current-policy H with its gradient (in the loss when entropy_coeff != 0); loss_agg, n_seqs,
+    max_len: see `aggregate`. The log-ratio is clamped to [−20, 20] and 0 at mask-0 tokens (D17).
+    Returns (loss 0-d, metrics): `clip_metrics`' sums, and "kl_ref" (Σ k3), "pg_loss", "kl_loss", "entropy_loss"
+    (this call's additive parts of the loss); sum them over micro-batches and ranks, divide by the global count."""
     shape = logp.shape
-    for name, t in (("old_logp", old_logp), ("advantages", advantages), ("mask", mask)) + \
-            ((("ref_logp", ref_logp),) if ref_logp is not None else ()) + \
-            ((("entropy", entropy),) if entropy is not None else ()):
-        if t.shape != shape:
+    for name, t in (("old_logp", old_logp), ("advantages", advantages), ("mask", mask), ("ref_logp", ref_logp),
+                    ("entropy", entropy)):
+        if t is not None and t.shape != shape:
             raise ValueError(f"{name} has shape {tuple(t.shape)}, expected {tuple(shape)} like logp")
     for name, t in (("logp", logp), ("old_logp", old_logp), ("advantages", advantages), ("mask", mask)):
         check_finite(name, t)
@@ -241,72 +271,29 @@ def policy_loss(logp, old_logp, advantages, mask, n_valid, eps_low=0.2, eps_high
     if not n_valid > 0:
         raise ValueError(f"n_valid must be > 0 (global count of mask-1 tokens), got {n_valid}")
     agg = dict(n_valid=n_valid, loss_agg=loss_agg, n_seqs=n_seqs, max_len=max_len)
-    valid = mask.bool()
-    adv = advantages.float()
-
+    valid, adv = mask.bool(), advantages.float()
     log_ratio = torch.where(valid, (logp.float() - old_logp.float()).clamp(-20.0, 20.0), 0.0)
-    r = torch.exp(log_ratio)
-    r_sg = r.detach()                                                        # sg(.)
+    ratio = torch.exp(log_ratio)
     if cispo:
-        is_weight = r_sg.clamp(1.0 - eps_low, 1.0 + eps_high)               # sg(clip(r)): built from sg(r)
-        j = is_weight * adv * logp.float()
+        j = cispo_surrogate(ratio, logp.float(), adv, eps_low, eps_high)
+    elif sg_clip_low:
+        j = gppo_surrogate(ratio, adv, eps_low, eps_high, clip_c, sg_clip)
     else:
-        upper = (1.0 + eps_high) * r / r_sg if sg_clip else torch.full_like(r, 1.0 + eps_high)
-        lower = (1.0 - eps_low) * r / r_sg if sg_clip_low else 1.0 - eps_low
-        # clip(r, lower, upper) written with where so the gradient of an sg bound survives past it
-        r_clip = torch.where(r_sg > 1.0 + eps_high, upper, torch.where(r_sg < 1.0 - eps_low, lower, r))
-        surr, surr_clip = r * adv, r_clip * adv
-        j = torch.where(surr <= surr_clip, surr, surr_clip)                  # min(r·Ã, clip(r)·Ã)
-        dual = (adv < 0) & (j < clip_c * adv)
-        j = torch.where(dual, clip_c * adv, j)                               # max(J, c·Ã) for Ã < 0
+        j = aepo_surrogate(ratio, adv, eps_low, eps_high, clip_c, sg_clip)
     pg_loss = aggregate(j, valid, scale=-1.0, **agg)
-    loss = pg_loss
-
-    kl_ref = torch.zeros((), dtype=torch.float32, device=logp.device)
-    kl_loss = torch.zeros_like(kl_ref)
+    zero = torch.zeros((), dtype=torch.float32, device=logp.device)
+    kl_ref, kl_loss, entropy_loss = zero, zero, zero
     if ref_logp is not None:
         check_finite("ref_logp", ref_logp)
         d = torch.where(valid, (ref_logp.float() - logp.float()).clamp(-20.0, 20.0), 0.0)
         k3 = (torch.exp(d) - d - 1.0).clamp(-10.0, 10.0)                     # KL(π_θ‖π_ref), k3 (low_var_kl)
         kl_ref = torch.where(valid, k3, 0.0).sum()
-        if kl_coef:
-            kl_loss = aggregate(k3, valid, scale=kl_coef, **agg)
-            loss = loss + kl_loss
-
-    entropy_sum = torch.zeros_like(kl_ref)
-    entropy_loss = torch.zeros_like(kl_ref)
-    if entropy is not None:
-        check_finite("entropy (mask-1 tokens)", entropy[valid])
-        entropy_sum = torch.where(valid, entropy.float(), 0.0).sum()
-        if entropy_coeff:
-            entropy_loss = aggregate(entropy.float(), valid, scale=-entropy_coeff, **agg)   # bonus: -c·H
-            loss = loss + entropy_loss
-
-    with torch.no_grad():
-        m = valid.double()
-        rd = r_sg.double()
-        pos, neg = (adv > 0).double() * m, (adv < 0).double() * m
-        clip_upper = (pos * (rd > 1.0 + eps_high)).sum()
-        clip_lower = (neg * (rd < 1.0 - eps_low)).sum()
-        clip_dual = (neg * (rd > clip_c)).sum()
-        zero = torch.zeros_like(clip_upper)
-        dropped = clip_dual + (zero if sg_clip else clip_upper) + (zero if sg_clip_low else clip_lower)
-        metrics = {
-            "n_tokens": m.sum(),
-            "clip_upper": clip_upper,
-            "clip_lower": clip_lower,
-            "clip_dual": clip_dual,
-            "out_high": (m * (rd > 1.0 + eps_high)).sum(),
-            "out_low": (m * (rd < 1.0 - eps_low)).sum(),
-            "sg_kept": clip_upper.clone() if sg_clip or cispo else zero.clone(),
-            "clip_low_kept": clip_lower.clone() if sg_clip_low or cispo else zero.clone(),
-            "grad_dropped": zero.clone() if cispo else dropped,
-            "approx_kl": ((rd - 1.0 - log_ratio.detach().double()) * m).sum(),
-            "ratio": (rd * m).sum(),
-            "kl_ref": kl_ref.detach().double(),
-            "entropy": entropy_sum.detach().double(),
-            "pg_loss": pg_loss.detach().double(),
-            "kl_loss": kl_loss.detach().double(),
-            "entropy_loss": entropy_loss.detach().double(),
-        }
-    return loss, metrics
+        kl_loss = aggregate(k3, valid, scale=kl_coef, **agg) if kl_coef else zero
+    if entropy is not None and entropy_coeff:
+        check_finite("entropy (mask-1 tokens)", entropy, valid)
+        entropy_loss = aggregate(entropy.float(), valid, scale=-entropy_coeff, **agg)   # bonus: −c·H
+    metrics = clip_metrics(ratio, log_ratio, adv, valid, eps_low, eps_high, clip_c, kept_hi=sg_clip or cispo,
+                           kept_lo=sg_clip_low or cispo, dual_clip=not cispo)
+    metrics.update({name: value.detach().double() for name, value in
+                    (("kl_ref", kl_ref), ("pg_loss", pg_loss), ("kl_loss", kl_loss), ("entropy_loss", entropy_loss))})
+    return pg_loss + kl_loss + entropy_loss, metrics

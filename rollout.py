@@ -17,10 +17,12 @@ notice at the tool-call limit; `tool_limit_ends` does what the official code doe
 """
 from __future__ import annotations
 
+import dataclasses
 import math
 import random
+from collections import Counter
 from dataclasses import dataclass, field
-from typing import Protocol
+from typing import Any, Callable, Iterable, Protocol
 
 import tools
 
@@ -60,8 +62,28 @@ def branch_probability(u: float, delta_h: float, l: int, gamma: float = 0.2, lam
     return (u + gamma * delta_h) * (1.0 - min(1.0, lam * l))
 
 
+def premonitor_budget(premonitor: "Trajectory", k: int, beta: float = 0.5) -> int:
+    """algorithm.md §2a: m from a finished pre-monitor, H_root its first segment's entropy, H_tool the mean over its
+    segments that follow a tool result (H_root when it called no tool)."""
+    h_root = premonitor.seg_entropies[0]
+    after_tool = premonitor.seg_entropies[1:]
+    h_tool = sum(after_tool) / len(after_tool) if after_tool else h_root
+    return global_budget(k, h_root, h_tool, beta)
+
+
 # --------------------------------------------------------------------------------------------------
-# The generation interface (generation.py implements it for transformers and vLLM): token ids in, segments out
+# The generation interface (harness/generation.py implements it for transformers and vLLM): ids in, segments out
+
+
+@dataclass(frozen=True)
+class Sampling:
+    """How a generator samples, given with every call: temperature, nucleus top-p, top-k (0 = off) and a repetition
+    penalty (1 = off). They shape the samples only; the segment entropy and the trainer's log-probs read the model's
+    own distribution."""
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0
+    repetition_penalty: float = 1.0
 
 
 @dataclass
@@ -74,14 +96,41 @@ class Segment:
 
 
 class Generator(Protocol):
+    """What the rollout and the trainer need of a generation backend; both backends implement all of it, and where a
+    call means nothing for a backend it is a no-op."""
     vocab_size: int
 
-    def generate(self, contexts: list[list[int]], max_new_tokens: list[int], seed: int) -> list[Segment]:
-        """One segment per context, sampled with the backend's temperature and top-p."""
+    def generate(self, contexts: list[list[int]], max_new_tokens: list[int], seed: int, sampling: Sampling,
+                 on_step: Callable[[int], None] | None = None) -> list[Segment]:
+        """One segment per context; on_step(rows) after every decoding step (progress), where the backend can."""
+
+    def sleep(self) -> None:
+        """Give memory back for the policy update (vLLM on a GPU); the next update_weights wakes it."""
+
+    def update_weights(self, named_tensors: Iterable[tuple[str, Any]]) -> None:
+        """Take the policy's new weights, (name, full tensor) pairs in the Hugging Face layout, read to the end."""
+
+    def close(self) -> None:
+        """Release the backend (idempotent)."""
 
 
 # --------------------------------------------------------------------------------------------------
 # The tree (algorithm.md §2)
+
+
+@dataclass(frozen=True)
+class TreeSettings:
+    """The rollout's settings (algorithm.md §2; the paper's defaults)."""
+    k: int = 16                       # trajectories per question
+    beta: float = 0.5                 # pre-monitor slope of m (§2a)
+    gamma: float = 0.2                # branch weight of ΔH (§2b)
+    lam: float = 0.05                 # consecutive-branch penalty P̂(l) = min(1, λ·l)
+    tau: float = 0.5                  # branch threshold
+    dynamic_budget: bool = True       # the pre-monitor sets m (False: m = k // 2)
+    entropy_branching: bool = True    # branch after tool calls (False: k independent samples)
+    max_tool_calls: int = 6
+    max_response_tokens: int = 4096   # policy tokens and tool results together
+    tool_limit_ends: bool = False     # past max_tool_calls: EOS and the end, as the official code (D10)
 
 
 @dataclass
@@ -99,6 +148,7 @@ class Trajectory:
     l: int = 0                        # consecutive branch-creating tool steps on its path
     kind: str = "global"              # "premonitor" | "global" | "branch" | "completion"
     tool_calls: list[tuple[str, str]] = field(default_factory=list)
+    observations: list[str] = field(default_factory=list)  # what each call returned (before format_result)
     seg_entropies: list[float] = field(default_factory=list)
     branch_l: list[int] = field(default_factory=list)   # l at each branch this trajectory created
     result_ends: list[int] = field(default_factory=list)  # len(response_ids) after each tool result
@@ -111,176 +161,188 @@ class Trajectory:
         return self.finish_reason != ""
 
 
-def tree_rollout(prompts: list[list[int]], generator: Generator, tool_runner, tokenizer, *,
-                 k: int = 16, beta: float = 0.5, gamma: float = 0.2, lam: float = 0.05, tau: float = 0.5,
-                 dynamic_budget: bool = True, entropy_branching: bool = True, max_tool_calls: int = 6,
-                 max_response_tokens: int = 4096, seed: int = 0, progress=None, tool_limit_ends: bool = False
-                 ) -> tuple[list[Trajectory], dict]:
-    """Roll out exactly k trajectories per prompt (algorithm.md §2). Returns them ordered by (group, traj_id)
-    and a dict of tree statistics.
+@dataclass
+class Tree:
+    """One question's trajectories and its global budget m (None until its pre-monitor has finished)."""
+    group_id: int
+    prompt_ids: list[int]
+    trajectories: list[Trajectory] = field(default_factory=list)
+    m: int | None = None
 
-    prompts: token ids per question (chat template applied). tool_runner: `tools.Tools`-like, with
-    `.run(calls) -> (observations, counts)`. `entropy_branching=False` -> k independent samples.
-    """
-    if k < 1:
-        raise ValueError(f"k must be >= 1, got {k}")
-    rng = random.Random(seed)
-    groups: list[list[Trajectory]] = [[] for _ in prompts]
-    m_of: list[int | None] = [None] * len(prompts)
-    tool_counts: dict[str, int] = {}
-    n_limit = 0
-
-    def spawn(g: int, kind: str, rnd: int, n: int = 1) -> None:
+    def spawn(self, kind: str, rnd: int, n: int = 1) -> None:
         for _ in range(n):
-            groups[g].append(Trajectory(g, len(groups[g]), list(prompts[g]), round=rnd, kind=kind))
+            self.trajectories.append(Trajectory(self.group_id, len(self.trajectories), list(self.prompt_ids),
+                                                round=rnd, kind=kind))
 
-    for g in range(len(prompts)):                    # round 0 starts
-        if not entropy_branching:
-            m_of[g] = k
-            spawn(g, "global", 0, k)
-        elif dynamic_budget:
-            spawn(g, "premonitor", 0)                # m is set when it finishes
-        else:
-            m_of[g] = k // 2 if k > 1 else 1
-            spawn(g, "global", 0, m_of[g])
 
+def tree_rollout(prompts: list[list[int]], generator: Generator, tool_runner, tokenizer,
+                 settings: TreeSettings | None = None, *, sampling: Sampling = Sampling(), seed: int = 0,
+                 progress=None, **overrides) -> tuple[list[Trajectory], dict]:
+    """Roll out exactly k trajectories per prompt (algorithm.md §2). Returns them ordered by (group, traj_id) and the
+    rollout's sums and counts (`tree_stats`).
+
+    prompts: token ids per question (chat template applied); tool_runner: `.run(calls) -> (observations, counts)`
+    like `tools.Tools`; settings: `TreeSettings`, any of whose fields may also be given as a keyword (k=8);
+    progress: None, or `progress(rounds_done, finished, total)` after every round, whose `on_step` method (if any)
+    the generator calls after every decoding step."""
+    s = dataclasses.replace(settings or TreeSettings(), **overrides)
+    if s.k < 1:
+        raise ValueError(f"k must be >= 1, got {s.k}")
+    rng = random.Random(seed)
+    trees = [_start(Tree(g, list(prompt)), s) for g, prompt in enumerate(prompts)]     # round 0
+    counts: Counter = Counter()
     rnd = 0
-    while True:
-        active = [t for grp in groups for t in grp if not t.finished]
-        if not active:
-            break
-        budgets = [max_response_tokens - len(t.response_ids) for t in active]
-        segments = generator.generate([t.prompt_ids + t.response_ids for t in active], budgets,
-                                      seed=seed * 7919 + rnd)
-        calls, callers = [], []
+    while active := [t for tree in trees for t in tree.trajectories if not t.finished]:
+        # every active trajectory generates one segment; the tool calls they end with run together
+        segments = generator.generate([t.prompt_ids + t.response_ids for t in active],
+                                      [s.max_response_tokens - len(t.response_ids) for t in active],
+                                      seed * 7919 + rnd, sampling, getattr(progress, "on_step", None))
+        calls = []                                   # (trajectory, the tool call its segment ends with)
         for t, seg in zip(active, segments):
-            t.response_ids += seg.token_ids
-            t.loss_mask += [1] * len(seg.token_ids)
-            t.seg_entropies.append(seg.h_seg)
-            if seg.finish_reason == "tool":
-                if len(t.tool_calls) >= max_tool_calls:
-                    n_limit += 1
-                    if tool_limit_ends:                  # as the official code: EOS as a policy token, the end
-                        if len(t.response_ids) < max_response_tokens:
-                            t.response_ids.append(tokenizer.eos_token_id)
-                            t.loss_mask.append(1)
-                        t.finish_reason = "eos"
-                        continue
-                    call = tools.ToolError(f"tool-call limit ({max_tool_calls}) reached; "
-                                           "give your final answer now")
-                else:
-                    call = tools.parse_tool_call(seg.text)
-                t.tool_calls.append((call.tool, call.argument) if isinstance(call, tools.ToolCall)
-                                    else ("error", call.message))
-                calls.append(call)
-                callers.append(t)
-            else:
-                t.finish_reason = seg.finish_reason
-                t.truncated = seg.finish_reason == "length"
-            if not t.finished and len(t.response_ids) >= max_response_tokens:
-                t.finish_reason, t.truncated = "length", True
-
-        observations, counts = tool_runner.run(calls) if calls else ([], {})
-        for key, v in counts.items():
-            tool_counts[key] = tool_counts.get(key, 0) + v
-        for t, obs in zip(callers, observations):
-            if t.finished:                           # budget already spent by the call itself
-                continue
-            result_ids = tokenizer.encode(tools.format_result(obs), add_special_tokens=False)
-            room = max_response_tokens - len(t.response_ids)
-            t.response_ids += result_ids[:room]
-            t.loss_mask += [0] * len(result_ids[:room])
-            if len(result_ids) >= room:
-                t.finish_reason, t.truncated = "length", True
-                continue
-            t.result_ends.append(len(t.response_ids))
-            if entropy_branching and m_of[t.group_id] is not None and len(groups[t.group_id]) < k:
-                _maybe_branch(t, len(t.result_ends) - 1, groups[t.group_id], rng, rnd, gamma, lam, tau)
-
+            call = _append_segment(t, seg, s, tokenizer, counts)
+            if call is not None:
+                calls.append((t, call))
+        observations, tool_counts = tool_runner.run([call for _, call in calls]) if calls else ([], {})
+        counts.update({f"tools/{key}": value for key, value in tool_counts.items()})
+        for (t, _), observation in zip(calls, observations):
+            tree = trees[t.group_id]
+            if _append_result(t, observation, tokenizer, s.max_response_tokens) and s.entropy_branching \
+                    and tree.m is not None and len(tree.trajectories) < s.k:
+                _maybe_branch(t, len(t.result_ends) - 1, tree, rng, rnd, s)        # §2b
         rnd += 1
-        for g, grp in enumerate(groups):             # pre-monitor done -> m; idle group -> complete
-            if m_of[g] is None and grp[0].finished:
-                h_root = grp[0].seg_entropies[0]
-                after_tool = grp[0].seg_entropies[1:]
-                h_tool = sum(after_tool) / len(after_tool) if after_tool else h_root
-                m_of[g] = global_budget(k, h_root, h_tool, beta)
-                spawn(g, "global", rnd, m_of[g] - 1)
-                for step in range(len(grp[0].result_ends)):   # its deferred branching decisions
-                    if len(grp) < k:
-                        _maybe_branch(grp[0], step, grp, rng, rnd, gamma, lam, tau)
-            if m_of[g] is not None and len(grp) < k and all(t.finished for t in grp):
-                spawn(g, "completion", rnd, k - len(grp))
+        for tree in trees:                           # §2a: the pre-monitor's m; §2c: completion
+            _settle(tree, rng, rnd, s)
         if progress is not None:
-            progress(rnd, sum(t.finished for grp in groups for t in grp), k * len(prompts))
-
-    for grp in groups:
-        for t in grp:
-            t.text = tokenizer.decode(t.response_ids)
-    trajectories = [t for grp in groups for t in grp]
-    return trajectories, tree_stats(groups, m_of, tool_counts, n_limit, rnd)
+            progress(rnd, sum(t.finished for tree in trees for t in tree.trajectories), s.k * len(trees))
+    trajectories = [t for tree in trees for t in tree.trajectories]
+    for t in trajectories:
+        t.text = tokenizer.decode(t.response_ids)
+    return trajectories, tree_stats(trajectories, [tree.m for tree in trees], counts, rnd)
 
 
-def _maybe_branch(t: Trajectory, step: int, group: list[Trajectory], rng: random.Random, rnd: int,
-                  gamma: float, lam: float, tau: float) -> None:
+def _start(tree: Tree, s: TreeSettings) -> Tree:
+    """Round 0 of one question: k independent samples (no branching), a pre-monitor (dynamic budget), or m = k // 2
+    global samples."""
+    if not s.entropy_branching:
+        tree.m = s.k
+    elif not s.dynamic_budget:
+        tree.m = max(1, s.k // 2)
+    tree.spawn("premonitor" if tree.m is None else "global", 0, tree.m or 1)
+    return tree
+
+
+def _append_segment(t: Trajectory, seg: Segment, s: TreeSettings, tokenizer, counts: Counter):
+    """Append a generated segment (mask 1). Returns the tool call it ends with (a `tools.ToolCall`, or a
+    `tools.ToolError` the policy will read), or None when it ends the trajectory."""
+    t.response_ids += seg.token_ids
+    t.loss_mask += [1] * len(seg.token_ids)
+    t.seg_entropies.append(seg.h_seg)
+    call = None
+    if seg.finish_reason != "tool":
+        t.finish_reason, t.truncated = seg.finish_reason, seg.finish_reason == "length"
+    elif len(t.tool_calls) >= s.max_tool_calls:
+        counts["tool_limit_hits"] += 1
+        if s.tool_limit_ends:                        # as the official code: EOS as a policy token, the end (D10)
+            if len(t.response_ids) < s.max_response_tokens:
+                t.response_ids.append(tokenizer.eos_token_id)
+                t.loss_mask.append(1)
+            t.finish_reason = "eos"
+            return None
+        call = tools.ToolError(f"tool-call limit ({s.max_tool_calls}) reached; give your final answer now")
+    else:
+        call = tools.parse_tool_call(seg.text)
+    if call is not None:
+        t.tool_calls.append((call.tool, call.argument) if isinstance(call, tools.ToolCall) else ("error", call.message))
+    if not t.finished and len(t.response_ids) >= s.max_response_tokens:
+        t.finish_reason, t.truncated = "length", True
+    return call
+
+
+def _append_result(t: Trajectory, observation: str, tokenizer, max_response_tokens: int) -> bool:
+    """Append a tool result (mask 0), cut at the token budget. Returns whether the trajectory goes on after it."""
+    t.observations.append(observation)
+    if t.finished:                                   # the call itself used up the budget
+        return False
+    ids = tokenizer.encode(tools.format_result(observation), add_special_tokens=False)
+    room = max_response_tokens - len(t.response_ids)
+    t.response_ids += ids[:room]
+    t.loss_mask += [0] * len(ids[:room])
+    if len(ids) >= room:
+        t.finish_reason, t.truncated = "length", True
+        return False
+    t.result_ends.append(len(t.response_ids))
+    return True
+
+
+def _settle(tree: Tree, rng: random.Random, rnd: int, s: TreeSettings) -> None:
+    """After a round: a finished pre-monitor sets m (§2a), starts the other m − 1 global samples and takes its deferred
+    branching decisions (§2d); a question with no active trajectory and fewer than k gets fresh samples (§2c)."""
+    first = tree.trajectories[0]
+    if tree.m is None and first.finished:
+        tree.m = premonitor_budget(first, s.k, s.beta)
+        tree.spawn("global", rnd, tree.m - 1)
+        for step in range(len(first.result_ends)):
+            if len(tree.trajectories) < s.k:
+                _maybe_branch(first, step, tree, rng, rnd, s)
+    if tree.m is not None and len(tree.trajectories) < s.k and all(t.finished for t in tree.trajectories):
+        tree.spawn("completion", rnd, s.k - len(tree.trajectories))
+
+
+def _maybe_branch(t: Trajectory, step: int, tree: Tree, rng: random.Random, rnd: int, s: TreeSettings) -> None:
     """One branching decision after tool result `step` of t (algorithm.md §2b). The branch copies t's context
     up to the end of that result; l follows the path (inherited by the branch, reset by a step
     without a branch)."""
     delta_h = t.seg_entropies[step] - t.seg_entropies[0]  # segment `step` ended with this tool call
-    p = min(1.0, max(0.0, branch_probability(rng.random(), delta_h, t.l, gamma, lam)))   # clipped, as officially
-    if p < tau:
+    p = min(1.0, max(0.0, branch_probability(rng.random(), delta_h, t.l, s.gamma, s.lam)))   # clipped, as officially
+    if p < s.tau:
         t.l = 0
         return
     t.branch_l.append(t.l)
     t.l += 1
     fork = t.result_ends[step]
-    group.append(Trajectory(
-        t.group_id, len(group), list(t.prompt_ids), t.response_ids[:fork], t.loss_mask[:fork],
-        parent=t.traj_id, fork_offset=fork, round=rnd, l=t.l, kind="branch",
-        tool_calls=t.tool_calls[:step + 1], seg_entropies=t.seg_entropies[:step + 1],
+    tree.trajectories.append(Trajectory(
+        t.group_id, len(tree.trajectories), list(t.prompt_ids), t.response_ids[:fork], t.loss_mask[:fork],
+        parent=t.traj_id, fork_offset=fork, round=rnd, l=t.l, kind="branch", tool_calls=t.tool_calls[:step + 1],
+        observations=t.observations[:step + 1], seg_entropies=t.seg_entropies[:step + 1],
         result_ends=t.result_ends[:step + 1]))
 
 
-def tree_stats(groups: list[list[Trajectory]], m_of: list, tool_counts: dict, n_limit: int,
-               rounds: int) -> dict:
-    """Branching and budget statistics of one rollout (all means are per trajectory or per tree)."""
-    trajs = [t for grp in groups for t in grp]
-    n = max(1, len(trajs))
-    branches = [sum(t.parent is not None for t in grp) for grp in groups]
-    l_hist: dict[int, int] = {}
-    for t in trajs:
-        for l in t.branch_l:
-            l_hist[l] = l_hist.get(l, 0) + 1
-    top_chain, shared, total_ctx = [], 0, 0
-    for grp in groups:
-        root_of = {}
-        for t in grp:
+def tree_stats(trajectories: list[Trajectory], m_per_question: list, counts: dict, rounds: int) -> dict:
+    """Sums and counts over a rollout's trees (the means are formed once, when they are logged; docs/reference.md):
+    questions, trajectories, Σ m, branches, trees with a branch and the sum of their top-chain shares (the share of a
+    tree's branches on its busiest root), tool calls, policy tokens (gen_len), response tokens (resp_len), prompt +
+    response tokens (seq_len), truncated trajectories, context tokens a prefix cache reuses at their start
+    (shared_prefix, of seq_len), tool-limit hits, rounds, the histogram of l at each branch, m per question, and the
+    tool runner's counts (counts' tools/<tool>/<count> keys)."""
+    by_group: dict[int, list[Trajectory]] = {}
+    for t in trajectories:
+        by_group.setdefault(t.group_id, []).append(t)
+    stats = Counter({"questions": len(m_per_question), "trajectories": len(trajectories), "m": sum(m_per_question),
+                     "rounds": rounds, "tool_limit_hits": counts.get("tool_limit_hits", 0)})
+    l_hist: Counter = Counter(l for t in trajectories for l in t.branch_l)
+    for group in by_group.values():
+        root_of, per_root = {}, Counter()
+        for t in group:
             root_of[t.traj_id] = t.traj_id if t.parent is None else root_of[t.parent]
-        per_root: dict[int, int] = {}
-        for t in grp:
             if t.parent is not None:
-                per_root[root_of[t.traj_id]] = per_root.get(root_of[t.traj_id], 0) + 1
+                per_root[root_of[t.traj_id]] += 1
         if per_root:
-            top_chain.append(max(per_root.values()) / sum(per_root.values()))
-        for t in grp:                                # context a prefix cache would reuse at start
-            total_ctx += len(t.prompt_ids) + len(t.response_ids)
-            if t.parent is not None:
-                shared += len(t.prompt_ids) + t.fork_offset
-            elif t.traj_id > 0:
-                shared += len(t.prompt_ids)
-    stats = {
-        "m": sum(m_of) / max(1, len(m_of)),
-        "m_per_question": list(m_of),
-        "branches_per_tree": sum(branches) / max(1, len(groups)),
-        "branch_l_hist": dict(sorted(l_hist.items())),
-        "branch_top_chain_share": sum(top_chain) / len(top_chain) if top_chain else 0.0,
-        "trees_with_branches": len(top_chain),
-        "tool_calls_per_traj": sum(len(t.tool_calls) for t in trajs) / n,
-        "generated_tokens_per_traj": sum(sum(t.loss_mask) for t in trajs) / n,
-        "response_tokens_per_traj": sum(len(t.response_ids) for t in trajs) / n,
-        "truncated_frac": sum(t.truncated for t in trajs) / n,
-        "tool_limit_hits": n_limit,
-        "shared_prefix_frac": shared / max(1, total_ctx),
-        "rounds": rounds,
-    }
-    stats.update({f"tools/{key}": v for key, v in tool_counts.items()})
-    return stats
+            stats["trees_branched"] += 1
+            stats["branch_top_chain"] += max(per_root.values()) / sum(per_root.values())
+        for t in group:
+            stats["branches"] += t.parent is not None
+            stats["tool_calls"] += len(t.tool_calls)
+            stats["gen_len"] += sum(t.loss_mask)
+            stats["resp_len"] += len(t.response_ids)
+            stats["seq_len"] += len(t.prompt_ids) + len(t.response_ids)
+            stats["truncated"] += t.truncated
+            if t.parent is not None:                 # a branch starts from its parent's context at the fork
+                stats["shared_prefix"] += len(t.prompt_ids) + t.fork_offset
+            elif t.traj_id > 0:                      # another sample of the question shares its prompt
+                stats["shared_prefix"] += len(t.prompt_ids)
+    out = {key: stats[key] for key in ("questions", "trajectories", "m", "branches", "trees_branched",
+                                       "branch_top_chain", "tool_calls", "gen_len", "resp_len", "seq_len", "truncated",
+                                       "shared_prefix", "tool_limit_hits", "rounds")}
+    out.update(branch_l_hist=dict(sorted(l_hist.items())), m_per_question=list(m_per_question))
+    out.update({key: v for key, v in counts.items() if key.startswith("tools/")})
+    return out

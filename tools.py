@@ -6,7 +6,8 @@ setting: the policy interleaves reasoning with `<search>` / `<python>` calls who
 blocks); algorithm.md §0. Generation stops at a closing tool tag; this module parses the call out of the segment,
 runs every call of a round concurrently, and returns observation text that the rollout wraps with `format_result`
 and appends with loss mask 0. The search backends are in harness/search.py; the python tool's sandbox in
-harness/sandbox.py, imported only when a program runs, so this file copies alone with rollout.py.
+harness/sandbox.py, imported only when a program runs, so this file copies alone with rollout.py (without harness/ a
+program runs in a plain subprocess with a timeout, and its observation says it was not sandboxed).
 
 Deviations from the paper / official code (algorithm.md §8): D11 (malformed calls become `Error: ...`
 observations), D12 (the python tool runs in a sandbox; results cached by tool and argument).
@@ -69,6 +70,11 @@ def ends_with_stop(text: str) -> str | None:
     """The stop string (one of STOP_STRINGS) that `text` ends with, trailing whitespace allowed; else None."""
     stripped = text.rstrip()
     return next((s for s in STOP_STRINGS if stripped.endswith(s)), None)
+
+
+def finish_reason(stop: str) -> str:
+    """A segment's finish reason when it ends with stop string `stop`: "answer" (</answer>) or "tool"."""
+    return "answer" if stop == "</answer>" else "tool"
 
 
 def first_stop(text: str) -> tuple[int, str] | None:
@@ -146,7 +152,10 @@ def _run_python(code: str, timeout_s: float = 10.0, max_output_chars: int = 4_00
     except UnicodeEncodeError as e:
         return f"Error: python code is not valid UTF-8 ({e.reason})", "error"
     cpu = cpu_s if cpu_s is not None else int(timeout_s) + 1
-    from harness import sandbox               # only the python tool needs it: rollout.py + tools.py copy alone
+    try:
+        from harness import sandbox           # only the python tool needs it: rollout.py + tools.py copy alone
+    except ImportError:                      # copied without harness/: a plain subprocess, as the official code
+        return _run_unsandboxed(code, timeout_s, max_output_chars)
     result = sandbox.run(code, timeout_s, memory_mb, cpu, file_size_mb, no_network, max_processes,
                          read_bytes=4 * max_output_chars)
     text = result.output
@@ -170,6 +179,42 @@ def _run_python(code: str, timeout_s: float = 10.0, max_output_chars: int = 4_00
             why = " (CPU time limit)" if sig == "SIGXCPU" else ""
             text = (text + "\n" if text else "") + f"Error: killed by {sig}{why}"
     return (text or "(no output; use print() to show a value)"), status
+
+
+UNSANDBOXED = "(not sandboxed: harness/sandbox.py is not beside tools.py)"
+
+
+def _run_unsandboxed(code: str, timeout_s: float, max_output_chars: int) -> tuple[str, str]:
+    """The program in a plain `python -I` subprocess in a temporary directory, its process group killed at the
+    timeout: no isolation, which the observation says (UNSANDBOXED)."""
+    import os
+    import subprocess
+    import sys
+    import tempfile
+    with tempfile.TemporaryDirectory(prefix="aepo-python-") as work:
+        path = os.path.join(work, "program.py")
+        with open(path, "w", encoding="utf-8") as f:
+            f.write(code)
+        proc = subprocess.Popen([sys.executable, "-I", path], cwd=work, stdout=subprocess.PIPE,
+                                stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, start_new_session=True)
+        status = "ok"
+        try:
+            out, _ = proc.communicate(timeout=timeout_s)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)          # the program and everything it started
+            out, _ = proc.communicate()
+            status = "timeout"
+    text = out.decode("utf-8", "replace")
+    if len(text) > max_output_chars:
+        text = text[:max_output_chars] + f"\n... [output truncated: {len(out)} bytes in total]"
+    text = text.rstrip("\n")
+    if status == "timeout":
+        text = (text + "\n" if text else "") + f"Error: timed out after {timeout_s:g} s"
+    elif proc.returncode != 0:
+        status = "error"
+        if proc.returncode < 0:
+            text = (text + "\n" if text else "") + f"Error: killed by signal {-proc.returncode}"
+    return (text or "(no output; use print() to show a value)") + "\n" + UNSANDBOXED, status
 
 
 def run_python(code: str, timeout_s: float = 10.0, max_output_chars: int = 4_000, memory_mb: int = 1_024,
@@ -252,6 +297,8 @@ class Tools:
                 results[("python", code)] = job.result()  # run_python enforces the timeout itself
             except OSError as e:  # could not start the subprocess (no temporary directory, no interpreter)
                 results[("python", code)] = (f"Error: python failed to start: {e}", "error")
+            except Exception as e:  # noqa: BLE001 -- a failing runner is an observation, never a crashed round
+                results[("python", code)] = (f"Error: python failed: {type(e).__name__}: {e}", "error")
         with self._lock:
             for key, (text, status) in results.items():
                 if status == "ok":

@@ -64,7 +64,7 @@ class SimulatedPolicy:
     def __init__(self, h_root: list[float], h_post: list[float], p_call: dict[int, float]):
         self.h_root, self.h_post, self.p_call, self.tok = h_root, h_post, p_call, Chars()
 
-    def generate(self, contexts, max_new_tokens, seed):
+    def generate(self, contexts, max_new_tokens, seed, sampling=None, on_step=None):
         out = []
         for i, (context, budget) in enumerate(zip(contexts, max_new_tokens)):
             rng = random.Random(seed * 1_000_003 + i)

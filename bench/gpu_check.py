@@ -11,7 +11,7 @@ Checks (PASS/FAIL with a reason; exit code 0 only if all pass):
    a sharded (DCP) checkpoint. 3 steps (k=8, 4 questions, 256 response tokens, bf16, transformers generation,
    replayed search, no cold start, 4 held-out questions x 2 samples after), a random-weight Qwen3 of the 0.6B shape:
    every logged number finite, the checkpoint complete, its export in bfloat16.
-3. `--resume` from that sharded checkpoint for a 4th step: the step and the data position restored, a new
+3. `--resume` from that sharded checkpoint for a 4th step: the step (and with it the data order) restored, a new
    checkpoint written.
 4. bench/logprob_memory.py at T=8192, V=151936, D=1024: chunked equals direct (max diff <= 1e-4) with <= 0.125x
    the memory. Its time ratio is reported, never asserted (timings are noisy).

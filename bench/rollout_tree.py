@@ -71,7 +71,7 @@ def main():
     rows = dataset.load_dataset(args.data)[:args.questions]
     prompts = [tools.build_prompt(tokenizer, r["question"]) for r in rows]
     runner = tools.Tools(search_mod.make_search("bm25", topk=args.search_topk))
-    gen = generation.TransformersGenerator(model, tokenizer, temperature=args.temperature)
+    gen = generation.TransformersGenerator(model, tokenizer)
     variants = {
         "aepo": dict(),
         "arpo": dict(dynamic_budget=False, lam=0.0),
@@ -81,18 +81,20 @@ def main():
     for name, kw in variants.items():
         t0 = time.perf_counter()
         trajs, stats = rollout.tree_rollout(prompts, gen, runner, tokenizer, k=args.k, seed=args.seed,
+                                            sampling=rollout.Sampling(temperature=args.temperature),
                                             max_response_tokens=args.max_response_tokens, **kw)
         wall = time.perf_counter() - t0
         rewards = [reward.deep_research_reward(t.text, rows[t.group_id]["golds"]) for t in trajs]
+        n, q = stats["trajectories"], stats["questions"]                  # tree_stats gives sums and counts
         results[name] = dict(
-            wall_s=round(wall, 1), s_per_traj=round(wall / len(trajs), 2),
-            generated_tokens_per_traj=round(stats["generated_tokens_per_traj"], 1),
+            wall_s=round(wall, 1), s_per_traj=round(wall / n, 2),
+            generated_tokens_per_traj=round(stats["gen_len"] / n, 1),
             decoded_tokens_total=sum(sum(t.loss_mask[t.fork_offset:]) for t in trajs),
-            response_tokens_per_traj=round(stats["response_tokens_per_traj"], 1),
-            tool_calls_per_traj=round(stats["tool_calls_per_traj"], 2),
+            response_tokens_per_traj=round(stats["resp_len"] / n, 1),
+            tool_calls_per_traj=round(stats["tool_calls"] / n, 2),
             executed_search_calls=stats.get("tools/search/calls", 0),
-            m=round(stats["m"], 2), branches_per_tree=round(stats["branches_per_tree"], 2),
-            shared_prefix_frac=round(stats["shared_prefix_frac"], 3),
+            m=round(stats["m"] / q, 2), branches_per_tree=round(stats["branches"] / q, 2),
+            shared_prefix_frac=round(stats["shared_prefix"] / stats["seq_len"], 3),
             mean_reward=round(sum(rewards) / len(rewards), 3))
         print(name, json.dumps(results[name]), flush=True)
     runner.close()

@@ -38,6 +38,7 @@ def generation(n_tokens: int, repeats: int) -> dict[str, float]:
 
     from harness import config
     from harness import generation as gen
+    from harness.vllm_generation import VLLMGenerator
     import tools
     model_dir = models.embedded_model_dir(config.cache_dir())
     tokenizer = models.load_tokenizer(str(model_dir))
@@ -45,7 +46,7 @@ def generation(n_tokens: int, repeats: int) -> dict[str, float]:
     out = {}
     for name in ("vllm float32", "vllm bfloat16", "transformers float32"):
         if name.startswith("vllm"):
-            generator = gen.VLLMGenerator(str(model_dir), dtype=name.split()[1])
+            generator = VLLMGenerator(str(model_dir), dtype=name.split()[1])
         else:
             lm = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
             generator = gen.TransformersGenerator(lm, tokenizer)

@@ -1,15 +1,12 @@
 """Checkpoints: sharded trainer state (torch.distributed.checkpoint) plus a save_pretrained export, written atomically.
 
-Paper: Dong et al., "Agentic Entropy-Balanced Policy Optimization", arXiv:2510.14545. No equation lives here: this
-is how a run of paper §3's training survives a crash and hands its model to evaluation and to vLLM.
-
 A checkpoint `runs/<name>/checkpoints/step_NNNNNN/` holds
 - the exported model at its top level (config.json, generation_config.json, model.safetensors, tokenizer files):
   `from_pretrained(dir)` and `vllm.LLM(dir)` load it as is; float32, or bfloat16 with `--bf16` (what vLLM generates
   with), and config.json says which;
 - `trainer/`: every rank's shard of the float32 model and of the AdamW state, written and read by each rank itself
   (`torch.distributed.checkpoint`, so no rank gathers the optimiser state and another world size can read it);
-- `trainer_state.pt`: step, data position, every rank's RNG states; `config.yaml`, `run_info.json`.
+- `trainer_state.pt`: step, every rank's RNG states (the step fixes the data order: dataset.step_questions); `config.yaml`, `run_info.json`.
 Size per parameter: 4 B model shard + 8 B AdamW moments + 4 B (2 B with --bf16) export = 16 B (14 B); with
 `--save_trainer_state false` only the export and trainer_state.pt are written (4 B / 2 B per parameter) and a
 resume restarts the AdamW moments. Everything is written into `.tmp_step_NNNNNN/` and renamed when complete, so a
@@ -94,7 +91,7 @@ def export_model(policy, tokenizer, out: Path, rank: int, dtype=torch.float32) -
 
 
 def save(run_dir: Path, step: int, policy, optimizer, tokenizer, *, rank: int, keep: int, config_yaml: str,
-         info: dict, data_position: int, export_dtype=torch.float32, trainer_state: bool = True) -> Path:
+         info: dict, export_dtype=torch.float32, trainer_state: bool = True) -> Path:
     """Write checkpoint `step` (every rank calls it), then delete all but the newest `keep` (keep <= 0: none).
     A checkpoint that cannot be written (disk full, no permission) removes its partial files, keeps the previous
     checkpoint, and raises a RunFailure naming the directory, the space it needs and the space free."""
@@ -103,8 +100,7 @@ def save(run_dir: Path, step: int, policy, optimizer, tokenizer, *, rank: int, k
     failure = None
     from torch.distributed.checkpoint.api import CheckpointException      # a BaseException: the writers' errors
     try:
-        _write(tmp, step, policy, optimizer, tokenizer, rank, config_yaml, info, data_position, export_dtype,
-               trainer_state)
+        _write(tmp, step, policy, optimizer, tokenizer, rank, config_yaml, info, export_dtype, trainer_state)
     except (OSError, RuntimeError, CheckpointException) as err:   # torch's C++ writers: RuntimeError on a full disk
         if stop_requested():
             raise KeyboardInterrupt from None        # Ctrl-C mid-write: the previous checkpoint stays as it was
@@ -132,8 +128,7 @@ def save(run_dir: Path, step: int, policy, optimizer, tokenizer, *, rank: int, k
     return final
 
 
-def _write(tmp, step, policy, optimizer, tokenizer, rank, config_yaml, info, data_position, export_dtype,
-           trainer_state) -> None:
+def _write(tmp, step, policy, optimizer, tokenizer, rank, config_yaml, info, export_dtype, trainer_state) -> None:
     """Everything of a checkpoint, into the temporary directory `tmp` (every rank its own shard)."""
     from torch.distributed.checkpoint import save as dcp_save
     from torch.distributed.checkpoint.state_dict import get_state_dict
@@ -146,7 +141,7 @@ def _write(tmp, step, policy, optimizer, tokenizer, rank, config_yaml, info, dat
                      no_dist=not torch.distributed.is_initialized())
     _write_export(policy, tokenizer, tmp, rank, export_dtype)         # collectives first, then rank 0 writes
     if rank == 0:
-        torch.save({"step": step, "data_position": data_position, "rng": rngs, "trainer_state": trainer_state},
+        torch.save({"step": step, "rng": rngs, "trainer_state": trainer_state},
                    tmp / "trainer_state.pt")
         (tmp / "config.yaml").write_text(config_yaml)
         (tmp / "run_info.json").write_text(json.dumps(info, indent=2))

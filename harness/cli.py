@@ -1,10 +1,8 @@
 """How a command ends: one line for a user's mistake (exit 2), for an operational failure (exit 1) and for Ctrl-C or
 SIGTERM (exit 130), a traceback only for a bug; under torchrun, one line on rank 0 and a quick exit everywhere.
 
-Paper: Dong et al., "Agentic Entropy-Balanced Policy Optimization", arXiv:2510.14545. No equation lives here: this is
-what `train.py` and `eval.py` (and every module that checks a user's input) raise and how the command line reports it.
-
-Deviations from the paper / official code: None.
+This is what `train.py` and `eval.py` (and every module that checks a user's input) raise and how the command line
+reports it.
 """
 from __future__ import annotations
 

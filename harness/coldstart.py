@@ -1,10 +1,9 @@
 """The optional supervised cold start that teaches a model the tool format before RL.
 
-Paper: Dong et al., "Agentic Entropy-Balanced Policy Optimization", arXiv:2510.14545, paper §4: the paper's RL starts
-from instruct models that already follow the tool format. The no-argument run uses SmolLM2-135M-Instruct
-(models.py), which never writes the tool format on its own, so it first takes a few supervised steps on
-demonstrations built from training questions (question -> think -> search its query -> the real search results -> think -> \\boxed{gold}),
-tokenised exactly like rollouts: policy segments with mask 1, tool results with mask 0.
+The RL of paper §4 starts from instruct models that already follow the tool format. The no-argument run uses
+SmolLM2-135M-Instruct (models.py), which never writes the tool format on its own, so it first takes a few supervised
+steps on demonstrations built from training questions (question -> think -> search its query -> the real search results
+-> think -> \\boxed{gold}), tokenised exactly like rollouts: policy segments with mask 1, tool results with mask 0.
 
 Deviations from the paper / official code (algorithm.md §8): D26 (the cold start itself, off officially:
 loss = -Σ log π(y_t)·mask / N_valid over all ranks, cached by model, demonstrations and settings).

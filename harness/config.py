@@ -1,6 +1,6 @@
 """The run's configuration: one dataclass of every setting, filled from YAML files and flags, checked before compute.
 
-Paper: Dong et al., "Agentic Entropy-Balanced Policy Optimization", arXiv:2510.14545, paper §4; algorithm.md §6: the defaults
+The defaults (paper §4; algorithm.md §6)
 are the paper's and the official launch scripts' values, except the ones marked [embedded], which size the
 no-argument run for 2 CPU cores (configs/aepo_qwen3_14b.yaml and configs/aepo_qwen25_7b.yaml restore the official
 ones). The four ablation switches of algorithm.md §6 (dynamic_budget, entropy_branching, sg_clip, entropy_advantage) and
@@ -8,8 +8,6 @@ the baselines' switches of §7 are plain settings, each read in one place.
 
     python train.py --help                                 # every flag with its meaning
     python train.py --config configs/aepo_qwen3_14b.yaml --config configs/grpo.yaml --k 8   # later ones win
-
-Deviations from the paper / official code: None.
 """
 from __future__ import annotations
 
@@ -56,6 +54,8 @@ class Config:
     python_max_processes: int = arg(64, "python tool: most processes and threads one call may run at once, the "
                                         "sandbox's own included (a pids cgroup, or RLIMIT_NPROC when not root)")
     max_tool_calls: int = arg(6, "tool calls per trajectory (official 6)")
+    strict_format: bool = arg(False, "reward and evaluation: <think> blocks must be balanced and in order (may be "
+                                     "absent) instead of the official check (as many <think> as </think>, at least one)")
     tool_limit_ends: bool = arg(False, "past max_tool_calls, end the trajectory with EOS as the official code does "
                                        "(False: the policy is told no more tools are allowed and goes on)")
     # supervised cold start (optional; algorithm.md D26)

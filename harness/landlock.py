@@ -1,12 +1,11 @@
 """Landlock, the Linux security module, through ctypes: the one barrier of the python sandbox that needs no namespace.
 
-Paper: Dong et al., "Agentic Entropy-Balanced Policy Optimization", arXiv:2510.14545, paper §3 (the agentic RL setting,
-where the policy's `<python>` calls run during every rollout). This is the kernel interface that sandbox.py's
-launcher uses to restrict itself before it executes the program. `abi` asks the kernel which Landlock version it
-offers; `restrict` creates a ruleset (the paths that may be read, the paths that may be written, optionally no TCP,
-and with ABI >= 6 no signals or abstract unix sockets to processes outside), adds one rule per path and applies it to
-the calling process and everything it executes afterwards, irrevocably. No ABI up to 7 has rules for socket families
-(vsock, for one): sandbox_seccomp.py closes that.
+The policy's `<python>` calls run during every rollout (the agentic setting of paper §3). This is the kernel interface
+that sandbox.py's launcher uses to restrict itself before it executes the program. `abi` asks the kernel which Landlock
+version it offers; `restrict` creates a ruleset (the paths that may be read, the paths that may be written, optionally
+no TCP, and with ABI >= 6 no signals or abstract unix sockets to processes outside), adds one rule per path and applies
+it to the calling process and everything it executes afterwards, irrevocably. No ABI up to 7 has rules for socket
+families (vsock, for one): sandbox_seccomp.py closes that.
 
 Deviations from the paper / official code (algorithm.md §8): D12 (the sandbox as a whole; the official code has no
 Landlock).

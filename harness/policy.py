@@ -1,9 +1,9 @@
 """The policy LM as one torch module, loaded and placed on 1..N processes (DDP or FSDP2).
 
-Paper: Dong et al., "Agentic Entropy-Balanced Policy Optimization", arXiv:2510.14545, paper §3.3; algorithm.md §1: the
-training side needs log π(y_t) of every policy-sampled token (the ratio of algorithm.md §4) and the token entropy H_t over the
-full vocabulary (the entropy-aware advantage of algorithm.md §3b). `Policy.forward` computes both in one pass, only at those
-tokens, through `loss.logprobs_and_entropy` (chunked, float32), so data-parallel hooks fire on every pass.
+The training side (paper §3.3; algorithm.md §1) needs log π(y_t) of every policy-sampled token (the ratio of
+algorithm.md §4) and the token entropy H_t over the full vocabulary (the entropy-aware advantage of algorithm.md §3b).
+`Policy.forward` computes both in one pass, only at those tokens, through `loss.logprobs_and_entropy` (chunked,
+float32), so data-parallel hooks fire on every pass.
 
 Placement: one process holds the whole model; DDP replicates it; FSDP2 (`fully_shard` per decoder layer, the rest in
 the root group) shards parameters, gradients and optimiser state. A sharded model is built on the meta device and
@@ -140,11 +140,11 @@ def load_policy(path: str, world: int, device, parallel: str = "ddp", bf16: bool
 
 @dataclass
 class MicroBatch:
-    """The trajectories of one forward/backward, right-padded to the longest. `tensorize` fills the first three; the
-    trainer adds the rest. input_ids, attention_mask: (b, L); mask: (b, L-1), 1 where the *next* token was sampled by
-    the policy (it is scored); adv: (b,) outcome advantage A_j, or (b, L-1) per token (GiGPO, REINFORCE++); reward:
-    (b,) R_j; old_logp, entropy, ref_logp: (b, L-1) the old policy's log-probs and token entropies and the reference's
-    log-probs (old-policy pass); adv_tok: (b, L-1) Ã per token."""
+    """The trajectories of one forward/backward, right-padded to the longest. `tensorize` builds it (input_ids,
+    attention_mask: (b, L); mask: (b, L-1), 1 where the *next* token was sampled by the policy, i.e. is scored; adv:
+    (b, L-1) the per-token outcome advantage A; reward: (b,) R_j); the old-policy pass (train.old_policy_pass) adds
+    old_logp, entropy, ref_logp: (b, L-1) the old policy's log-probs and token entropies and the reference's log-probs,
+    and adv_tok: (b, L-1) Ã per token."""
     input_ids: torch.Tensor
     attention_mask: torch.Tensor
     mask: torch.Tensor
@@ -156,8 +156,11 @@ class MicroBatch:
     adv_tok: torch.Tensor | None = None
 
 
-def tensorize(items: list[tuple[list[int], list[int], list[int]]], pad_id: int, device) -> MicroBatch:
-    """items: (prompt_ids, response_ids, loss_mask) per trajectory -> a MicroBatch of input_ids, attention_mask, mask."""
+def tensorize(items: list[tuple[list[int], list[int], list[int]]], pad_id: int, device, adv=None,
+              reward=None) -> MicroBatch:
+    """items: (prompt_ids, response_ids, loss_mask) per trajectory -> a MicroBatch on `device`. adv: (b, W >= L-1)
+    per-token advantages in the layout of a wider tensorize of the same trajectories (cut to this one's width);
+    reward: (b,)."""
     width = max(len(p) + len(r) for p, r, _ in items)
     ids = torch.full((len(items), width), pad_id, dtype=torch.long)
     attn = torch.zeros((len(items), width), dtype=torch.long)
@@ -166,7 +169,9 @@ def tensorize(items: list[tuple[list[int], list[int], list[int]]], pad_id: int, 
         ids[i, :len(p) + len(r)] = torch.tensor(p + r)
         attn[i, :len(p) + len(r)] = 1
         mask[i, len(p) - 1:len(p) - 1 + len(r)] = torch.tensor(m, dtype=torch.float32)
-    return MicroBatch(ids.to(device), attn.to(device), mask.to(device))
+    return MicroBatch(ids.to(device), attn.to(device), mask.to(device),
+                      adv=None if adv is None else adv[:, :width - 1].to(device),
+                      reward=None if reward is None else reward.to(device))
 
 
 def backward_micro_batches(policy, mbs: list[MicroBatch], world: int, amp, temperature: float, chunk_size: int,
@@ -210,7 +215,7 @@ def enable_gradient_checkpointing(lm) -> None:
 
 def no_grad_sync(policy, last: bool):
     """Gradient accumulation under DDP: reduce gradients only on the last micro-batch of a mini-batch. FSDP2 always
-    reduce-scatters (deviation 1); one process has nothing to sync."""
+    reduce-scatters (D27); one process has nothing to sync."""
     if isinstance(policy, torch.nn.parallel.DistributedDataParallel) and not last:
         return policy.no_sync()
     return contextlib.nullcontext()

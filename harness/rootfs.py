@@ -1,13 +1,12 @@
 """The python sandbox's filesystem: a size-limited working directory, and a minimal root of only the paths it needs.
 
-Paper: Dong et al., "Agentic Entropy-Balanced Policy Optimization", arXiv:2510.14545, paper §3 (the agentic RL setting,
-where the policy's `<python>` calls run during every rollout). This is what sandbox.py's launcher does, as init of
-the sandbox's PID and mount namespace, before it forks the program. `private_directory` puts a size-limited tmpfs
-over the working directory, which bounds the call's disk use and goes with the namespace. `enter` mounts a small
-tmpfs, binds into it the paths the program may use (the interpreter, the system's libraries, a few devices, its own
-/proc and working directory), recreates the symlinks on their way (/bin -> usr/bin), mounts a private /dev/shm, makes
-it the namespace's root with pivot_root and detaches the old root. Whatever else exists on the machine (/tmp, /run,
-/var, home directories, and the unix sockets listening there) no longer has a path.
+The policy's `<python>` calls run during every rollout (the agentic setting of paper §3). This is what sandbox.py's
+launcher does, as init of the sandbox's PID and mount namespace, before it forks the program. `private_directory` puts a
+size-limited tmpfs over the working directory, which bounds the call's disk use and goes with the namespace. `enter`
+mounts a small tmpfs, binds into it the paths the program may use (the interpreter, the system's libraries, a few
+devices, its own /proc and working directory), recreates the symlinks on their way (/bin -> usr/bin), mounts a private
+/dev/shm, makes it the namespace's root with pivot_root and detaches the old root. Whatever else exists on the machine
+(/tmp, /run, /var, home directories, and the unix sockets listening there) no longer has a path.
 
 Deviations from the paper / official code (algorithm.md §8): D12 (the sandbox as a whole; the official code has no
 root of its own for the program).

@@ -1,11 +1,8 @@
 """A run's directory and logs: the run folder, one line per step, metrics.jsonl, samples.jsonl, curves.png.
 
-Paper: Dong et al., "Agentic Entropy-Balanced Policy Optimization", arXiv:2510.14545. No equation lives here; the
-metrics are the paper's quantities (reward, accuracy, token entropy, clipped fractions, tool calls, branching, rollout
-diversity) as docs/reference.md defines them. Every rank contributes sums; one all-reduce turns them into means over
-all ranks, and rank 0 writes. Also here: the settings a run records about itself and what a --resume may change.
-
-Deviations from the paper / official code: None.
+The metrics are the paper's quantities (reward, accuracy, token entropy, clipped fractions, tool calls, branching,
+rollout diversity) as docs/reference.md defines them. Every rank contributes sums; one all-reduce turns them into means
+over all ranks, and rank 0 writes. Also here: the settings a run records about itself and what a --resume may change.
 """
 from __future__ import annotations
 
@@ -17,12 +14,16 @@ import shutil
 import subprocess
 import sys
 import time
+from dataclasses import dataclass
 from pathlib import Path
+
+import torch
 
 from harness import checkpoint
 from harness import cli
 from harness import config
 from harness import parallel
+from harness import trees
 
 # ---------------------------------------------------------------------------------------------------------------------
 # The run directory
@@ -147,87 +148,72 @@ LINE = [("reward", "reward", "{:.3f}"), ("acc", "acc", "{:.2f}"), ("entropy", "e
         ("m", "m", "{:.1f}"), ("branches", "branches", "{:.1f}"), ("tool_calls", "tool_calls", "{:.1f}"),
         ("resp_len", "resp_len", "{:.0f}")]
 
+# what each rank sums, and what the sum is divided by to give the logged mean (docs/reference.md defines each)
+PER_TRAJECTORY = ("reward", "acc", "f1", "format_ok", "tool_calls", "resp_len", "seq_len", "gen_len", "truncated",
+                  "adv_nonzero")
+PER_QUESTION = ("m", "branches")
+PER_TOKEN = ("clip_hi", "clip_lo", "clip_dual", "preserved", "approx_kl", "ratio", "kl_ref", "out_hi", "out_lo",
+             "grad_kept", "grad_dropped")
+PER_OPTIMISER_STEP = ("pg_loss", "kl_loss", "entropy_loss")
 
-def step_metrics(step, rows, trajectories, scores, rewards, adv, rollout_stats, stats, std_h, sums,
-                 grad_norms) -> dict:
-    """This rank's sums -> one all-reduce -> means over all trajectories / questions / scored tokens."""
-    local = {f"loss/{key}": v for key, v in sums.items()}
-    local.update({"n_traj": len(trajectories), "reward": float(rewards.sum()), "acc": sum(s["em"] for s in scores),
+
+@dataclass
+class StepBatch:
+    """What one step rolled out on this rank, for the logs: the questions, the trajectories (ordered by question),
+    the score of each (reward.score_response) and its reward (the score's, plus DAPO's overlong penalty), m per
+    question."""
+    rows: list[dict]
+    trajectories: list
+    scores: list[dict]
+    rewards: torch.Tensor
+    m_per_question: list
+
+
+def step_metrics(step: int, batch: StepBatch, tree: dict, adv, entropy, losses: dict, grad_norms: list[float]) -> dict:
+    """This rank's sums and counts -> one all-reduce -> the step's means over all ranks. tree: rollout.tree_stats of
+    the trained batch; adv: (N, W) per-token advantages; entropy: the global [count, ΣH, ΣH²] of the old policy's
+    token entropy (already summed over ranks); losses: loss.policy_loss's metrics summed over the step's calls."""
+    import advantage
+    scores = batch.scores
+    local = {key: float(tree[key]) for key in ("trajectories", "questions", "tool_calls", "resp_len", "seq_len",
+                                               "gen_len", "truncated", "m", "branches", "branch_top_chain",
+                                               "trees_branched")}
+    local.update({key: float(v) for key, v in tree.items() if key.startswith("tools/")})
+    local.update({key: float(v) for key, v in losses.items()})
+    local.update({"reward": float(batch.rewards.sum()), "acc": sum(s["em"] for s in scores),
                   "f1": sum(s["f1"] for s in scores), "format_ok": sum(s["format_valid"] for s in scores),
-                  "h_count": float(stats[0]), "h_sum": float(stats[1]),
-                  "tool_calls": sum(len(t.tool_calls) for t in trajectories),
-                  "resp_len": sum(len(t.response_ids) for t in trajectories),
-                  "seq_len": sum(len(t.prompt_ids) + len(t.response_ids) for t in trajectories),
-                  "gen_len": sum(sum(t.loss_mask) for t in trajectories),
-                  "truncated": sum(t.truncated for t in trajectories),
-                  "adv_nonzero": float((adv.reshape(len(trajectories), -1) != 0).any(1).sum()),
-                  "m": rollout_stats["m"] * len(rows), "branches": rollout_stats["branches_per_tree"] * len(rows),
-                  "top_chain": rollout_stats["branch_top_chain_share"] * rollout_stats["trees_with_branches"],
-                  "trees_branched": rollout_stats["trees_with_branches"],
-                  "questions": len(rows)})
-    local.update({f"div_{key}": v for key, v in diversity(trajectories, scores).items()})
-    local.update({key: float(v) for key, v in rollout_stats.items() if key.startswith("tools/")})
+                  "adv_nonzero": float((adv != 0).any(1).sum())})
+    local.update({f"diversity/{key}": v for key, v in trees.diversity(batch.trajectories, scores).items()})
     g = parallel.reduce_metrics(local)
-    n, n_tok = g["n_traj"], max(1.0, g["loss/n_tokens"])
-    m = {"step": step, "trajectories": n}
-    m.update({key: g[key] / n for key in ("reward", "acc", "f1", "format_ok", "tool_calls", "resp_len", "seq_len",
-                                          "gen_len", "truncated", "adv_nonzero")})
-    m.update({"m": g["m"] / g["questions"], "branches": g["branches"] / g["questions"],
-              "branch_top_chain": g["top_chain"] / g["trees_branched"] if g["trees_branched"] else 0.0,
-              "entropy": g["h_sum"] / max(1.0, g["h_count"]), "entropy_std": std_h, "n_valid_tokens": g["h_count"],
-              "clip_hi": g["loss/clip_upper"] / n_tok, "clip_lo": g["loss/clip_lower"] / n_tok,
-              "clip_dual": g["loss/clip_dual"] / n_tok, "preserved": g["loss/sg_kept"] / n_tok,
-              "approx_kl": g["loss/approx_kl"] / n_tok, "ratio": g["loss/ratio"] / n_tok,
-              "kl_ref": g["loss/kl_ref"] / n_tok, "pg_loss": g["loss/pg_loss"] / len(grad_norms),
-              "grad_norm": sum(grad_norms) / len(grad_norms)})
-    m.update({"out_hi": g["loss/out_high"] / n_tok, "out_lo": g["loss/out_low"] / n_tok,
-              "grad_kept": (g["loss/sg_kept"] + g["loss/clip_low_kept"]) / n_tok,
-              "grad_dropped": g["loss/grad_dropped"] / n_tok, "entropy_loss": g["loss/entropy_loss"] / len(grad_norms)})
-    m.update({f"diversity/{key[4:]}": g[key] / g["questions"] for key in sorted(g) if key.startswith("div_")})
+    n_tok, n_opt = max(1.0, g["n_tokens"]), len(grad_norms)
+    mean_h, std_h = advantage.mean_std(entropy)
+    m = {"step": step, "trajectories": g["trajectories"]}
+    m.update({key: g[key] / g["trajectories"] for key in PER_TRAJECTORY})
+    m.update({key: g[key] / g["questions"] for key in PER_QUESTION})
+    m.update({key: g[key] / n_tok for key in PER_TOKEN})
+    m.update({key: g[key] / n_opt for key in PER_OPTIMISER_STEP})
+    m.update({"branch_top_chain": g["branch_top_chain"] / g["trees_branched"] if g["trees_branched"] else 0.0,
+              "entropy": mean_h, "entropy_std": std_h, "n_valid_tokens": float(entropy[0]),
+              "grad_norm": sum(grad_norms) / n_opt})
+    m.update({key: g[key] / g["questions"] for key in sorted(g) if key.startswith("diversity/")})
     m.update({key: v for key, v in g.items() if key.startswith("tools/")})
     return m
 
 
-def diversity(trajectories, scores) -> dict[str, float]:
-    """Rollout diversity of this rank's groups, summed over questions (step_metrics divides by the questions):
-    answers: distinct normalised predictions / k (no prediction counts as one answer); tool_seqs: distinct sequences
-    of tool calls (tool and argument) / k; tokens: mean over pairs of 1 − Jaccard similarity of the sets of policy
-    token bigrams (0: the k trajectories wrote the same bigrams, 1: no bigram in common)."""
-    from reward import normalize_answer
-    groups: dict[int, list[int]] = {}
-    for i, t in enumerate(trajectories):
-        groups.setdefault(t.group_id, []).append(i)
-    out = {"answers": 0.0, "tool_seqs": 0.0, "tokens": 0.0}
-    for idx in groups.values():
-        k = len(idx)
-        answers = {normalize_answer(scores[i]["prediction"]) if scores[i]["prediction"] is not None else None
-                   for i in idx}
-        out["answers"] += len(answers) / k
-        out["tool_seqs"] += len({tuple(trajectories[i].tool_calls) for i in idx}) / k
-        bigrams = [_policy_bigrams(trajectories[i]) for i in idx]
-        pairs = [(a, b) for n, a in enumerate(bigrams) for b in bigrams[n + 1:]]
-        out["tokens"] += sum(1 - len(a & b) / max(1, len(a | b)) for a, b in pairs) / len(pairs) if pairs else 0.0
-    return out
-
-
-def _policy_bigrams(t) -> set[tuple[int, int]]:
-    ids = [tok for tok, m in zip(t.response_ids, t.loss_mask) if m]
-    return set(zip(ids, ids[1:]))
-
-
 class RolloutProgress:
-    """The postfix of a tqdm bar, moving while a rollout generates: the round, the trajectories finished and the
-    tokens decoded so far (with the transformers backend after every decoding step, redrawn at most twice a second).
-    An instance is tree_rollout's `progress` callback; detach() when the rollout is done."""
+    """tree_rollout's `progress`: the postfix of a tqdm bar, moving while a rollout generates: the round, the
+    trajectories finished and the tokens decoded so far (`on_step`, which the transformers backend calls after every
+    decoding step; redrawn at most twice a second). count=True also advances the bar by the trajectories finished."""
 
-    def __init__(self, bar, generator, what: str = "rollout"):
-        self.bar, self.generator, self.what = bar, generator, what
-        self.round, self.finished, self.tokens, self.shown = 0, "", 0, 0.0
-        if hasattr(generator, "on_step"):
-            generator.on_step = self.on_step
+    def __init__(self, bar, what: str = "rollout", count: bool = False):
+        self.bar, self.what, self.count = bar, what, count
+        self.round, self.finished, self.done, self.tokens, self.shown = 0, "", 0, 0, 0.0
 
     def __call__(self, rounds_done: int, finished: int, total: int) -> None:
         self.round, self.finished = rounds_done, f"{finished}/{total} trajectories finished, "
+        if self.count:
+            self.bar.update(finished - self.done)
+            self.done = finished
         self.show(force=True)
 
     def on_step(self, rows: int) -> None:
@@ -238,10 +224,6 @@ class RolloutProgress:
         if force or time.time() - self.shown > 0.5:
             self.bar.set_postfix_str(f"{self.what} round {self.round + 1}: {self.finished}{self.tokens:,} tokens")
             self.shown = time.time()
-
-    def detach(self) -> None:
-        if getattr(self.generator, "on_step", None) == self.on_step:
-            self.generator.on_step = None
 
 
 def eval_line(summary: dict) -> str:
@@ -277,11 +259,21 @@ def last_error(trajectories, tool: str) -> str:
     """The last `Error: ...` observation a call of `tool` got in these trajectories (this rank's), or ''."""
     found = ""
     for t in trajectories:
-        results = [r.split("</result>")[0].strip() for r in t.text.split("<result>")[1:]]
-        for (name, _), text in zip(t.tool_calls, results):
+        for (name, _), text in zip(t.tool_calls, t.observations):
             if name == tool and text.startswith("Error:"):
                 found = text
     return " ".join(found.split())[:300]
+
+
+def log_step(run_dir: Path, metrics: dict, batch: StepBatch, steps: int, n_samples: int, search, log) -> None:
+    """Rank 0, after a step: metrics.jsonl, samples.jsonl, trees.jsonl (every rank's trees, gathered by the caller in
+    batch order), the step line and a warning per failing tool."""
+    write_step(run_dir, metrics, batch, n_samples)
+    log(format_line(metrics["step"], steps, metrics))
+    for tool, errors, calls in failing_tools(metrics):
+        backend = repr(search) if tool == "search" else "the python sandbox"
+        log(f"warning: {tool} failed on {errors} of {calls} calls this step ({backend}); last error: "
+            f"{last_error(batch.trajectories, tool) or 'on another rank'}")
 
 
 def plot_curves(metrics_path: Path, out_png: Path, evals: dict) -> None:
@@ -333,16 +325,17 @@ class Trackers:
             (getattr(writer, "close", None) or getattr(writer, "finish"))()
 
 
-def write_step(run_dir: Path, m: dict, rows, trajectories, scores, rewards, n_samples: int) -> None:
+def write_step(run_dir: Path, m: dict, batch: StepBatch, n_samples: int) -> None:
     """Append the step's metrics to metrics.jsonl and its first n_samples trajectories (full text) to
     samples.jsonl."""
     with open(run_dir / "metrics.jsonl", "a") as f:
         f.write(json.dumps(m) + "\n")
     with open(run_dir / "samples.jsonl", "a") as f:
-        for t, s, r in list(zip(trajectories, scores, rewards.tolist()))[:n_samples]:
-            f.write(json.dumps({"step": m["step"], "question": rows[t.group_id]["question"],
-                                "golds": rows[t.group_id]["golds"], "traj_id": t.traj_id, "parent": t.parent,
-                                "reward": r, "em": s["em"], "text": t.text}, ensure_ascii=False) + "\n")
+        for t, s, r in list(zip(batch.trajectories, batch.scores, batch.rewards.tolist()))[:n_samples]:
+            row = batch.rows[t.group_id]
+            f.write(json.dumps({"step": m["step"], "question": row["question"], "golds": row["golds"],
+                                "traj_id": t.traj_id, "parent": t.parent, "reward": r, "em": s["em"],
+                                "text": t.text}, ensure_ascii=False) + "\n")
 
 
 # ---------------------------------------------------------------------------------------------------------------------

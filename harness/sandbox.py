@@ -1,14 +1,14 @@
 """The python tool's sandbox: namespaces, a minimal root, Landlock, seccomp, cgroups and rlimits around each program.
 
-Paper: Dong et al., "Agentic Entropy-Balanced Policy Optimization", arXiv:2510.14545, paper §3 (the agentic RL setting:
-the policy's `<python>` calls run during every rollout, thousands of times per training step, written by a policy
-that is being pushed to try things). `run` makes the call's cgroups (sandbox_cgroups.py) and starts the program
-through `unshare` into new namespaces, where a small init process joins the cgroups, puts a size-limited tmpfs over
-the working directory, pivots into a minimal root (rootfs.py) and forks the program; the child applies rlimits, a
-Landlock ruleset (landlock.py; read-only: the interpreter and the system's libraries; read-write: its own working
-directory) and a seccomp filter (sandbox_seccomp.py) before exec'ing the interpreter on the program; on the
-wall-clock timeout the whole process group dies, and with it the namespaces and everything in them; then the cgroups
-and the call's directory go (sandbox_cleanup.py: any tree, iteratively, never following a link).
+The policy's `<python>` calls run during every rollout (the agentic setting of paper §3), thousands of times per
+training step, written by a policy that is being pushed to try things. `run` makes the call's cgroups
+(sandbox_cgroups.py) and starts the program through `unshare` into new namespaces, where a small init process joins the
+cgroups, puts a size-limited tmpfs over the working directory, pivots into a minimal root (rootfs.py) and forks the
+program; the child applies rlimits, a Landlock ruleset (landlock.py; read-only: the interpreter and the system's
+libraries; read-write: its own working directory) and a seccomp filter (sandbox_seccomp.py) before exec'ing the
+interpreter on the program; on the wall-clock timeout the whole process group dies, and with it the namespaces and
+everything in them; then the cgroups and the call's directory go (sandbox_cleanup.py: any tree, iteratively, never
+following a link).
 
 Layers, each detected once per process (`isolation()`) and used wherever available:
 - PID namespace (`unshare -rpf --mount-proc`): the program sees and can signal only its own processes.
@@ -38,8 +38,8 @@ The sandbox's own status (a set-up failure, the program's exit code as its init 
 launcher closes before it executes the program (and whose holder, the init, it cannot ptrace), never on the program's
 output or through an exit code it can choose.
 
-Run as a script, this file is the launcher inside the sandbox (`python -I -S harness/sandbox.py OPTIONS -- PROGRAM`). Every
-call starts it, so the top imports only what the launcher needs; the trainer-side functions import re, subprocess,
+Run as a script, this file is the launcher inside the sandbox (`python -I -S harness/sandbox.py OPTIONS -- PROGRAM`).
+Every call starts it, so the top imports only what the launcher needs; the trainer-side functions import re, subprocess,
 tempfile, sandbox_cgroups and sandbox_cleanup where they use them (about 12 ms less per call).
 
 What the program meets: it may read only the interpreter, its packages, the system's programs and libraries and its

@@ -1,11 +1,10 @@
 """The python sandbox's per-call cgroups: a pids cgroup (tasks at once) and a memory cgroup (all its processes' memory).
 
-Paper: Dong et al., "Agentic Entropy-Balanced Policy Optimization", arXiv:2510.14545, paper §3 (the agentic RL setting,
-where the policy's `<python>` calls run during every rollout). sandbox.py makes the call's cgroups before it starts
-the call (`make`), its launcher joins them first thing, so everything the program starts is counted together; after
-the call sandbox.py reads what the limits refused (`refused`, `oom_kills`) and removes them (`remove`), killing what
-is left in them first. Under cgroup v1 each controller has its own hierarchy and so its own directory; under v2 one
-directory holds both.
+The policy's `<python>` calls run during every rollout (the agentic setting of paper §3). sandbox.py makes the call's
+cgroups before it starts the call (`make`), its launcher joins them first thing, so everything the program starts is
+counted together; after the call sandbox.py reads what the limits refused (`refused`, `oom_kills`) and removes them
+(`remove`), killing what is left in them first. Under cgroup v1 each controller has its own hierarchy and so its own
+directory; under v2 one directory holds both.
 
 Deviations from the paper / official code (algorithm.md §8): D12 (the sandbox as a whole; the official code limits
 neither a call's processes nor its memory).

@@ -1,9 +1,9 @@
 """The end of a python sandbox call: every process it started killed, its directory removed whatever it holds.
 
-Paper: Dong et al., "Agentic Entropy-Balanced Policy Optimization", arXiv:2510.14545, paper §3 (the agentic RL setting,
-where the policy's `<python>` calls run during every rollout). sandbox.py's `run` calls `kill_all` at the timeout or
-once the program has ended, and `remove_tree` on the call's temporary directory last. Neither depends on what the
-program did: the wait takes any file-descriptor number, and the removal any tree (depth, permissions, links).
+The policy's `<python>` calls run during every rollout (the agentic setting of paper §3). sandbox.py's `run` calls
+`kill_all` at the timeout or once the program has ended, and `remove_tree` on the call's temporary directory last.
+Neither depends on what the program did: the wait takes any file-descriptor number, and the removal any tree (depth,
+permissions, links).
 
 Deviations from the paper / official code (algorithm.md §8): D12 (the sandbox as a whole; the official code kills
 the program's process and leaves its files).

@@ -1,13 +1,12 @@
 """A seccomp filter for the python sandbox's program: AF_VSOCK sockets and io_uring refused, every other call allowed.
 
-Paper: Dong et al., "Agentic Entropy-Balanced Policy Optimization", arXiv:2510.14545, paper §3 (the agentic RL setting,
-where the policy's `<python>` calls run during every rollout). vsock, the channel between a virtual machine and its
-host, belongs to no network namespace and has no Landlock rule (Landlock up to ABI 7 has none for socket families),
-so sandbox.py's launcher installs this classic-BPF filter through ctypes, last before it executes the program:
-`socket(AF_VSOCK, ...)` and `socketpair(AF_VSOCK, ...)` fail with EAFNOSUPPORT (as on a kernel without vsock), and
-`io_uring_setup` fails with ENOSYS, because io_uring's socket operation would create sockets past any seccomp
-filter. A system call of another architecture (32-bit `int 0x80`, x32) fails with ENOSYS. The filter holds for the
-program and everything it starts, irrevocably.
+The policy's `<python>` calls run during every rollout (the agentic setting of paper §3). vsock, the channel between a
+virtual machine and its host, belongs to no network namespace and has no Landlock rule (Landlock up to ABI 7 has none
+for socket families), so sandbox.py's launcher installs this classic-BPF filter through ctypes, last before it executes
+the program: `socket(AF_VSOCK, ...)` and `socketpair(AF_VSOCK, ...)` fail with EAFNOSUPPORT (as on a kernel without
+vsock), and `io_uring_setup` fails with ENOSYS, because io_uring's socket operation would create sockets past any
+seccomp filter. A system call of another architecture (32-bit `int 0x80`, x32) fails with ENOSYS. The filter holds for
+the program and everything it starts, irrevocably.
 
 Deviations from the paper / official code (algorithm.md §8): D12 (the sandbox as a whole; the official code has no
 seccomp filter).

@@ -1,9 +1,8 @@
 """Search backends for the <search> tool: offline BM25 (the default), recorded results, a retrieval server, web search.
 
-Paper: Dong et al., "Agentic Entropy-Balanced Policy Optimization", arXiv:2510.14545, paper §4 setup: the policy's
-<search> calls go to a search engine whose top results come back as `Page i: snippet` lines (10 snippets of at
-most 1,000 characters in the official code). Every backend has `search(queries: list[str]) -> list[str]`, one
-result text per query, so a rollout round's queries go out as one batch.
+The policy's <search> calls (the setup of paper §4) go to a search engine whose top results come back as `Page i:
+snippet` lines (10 snippets of at most 1,000 characters in the official code). Every backend has `search(queries:
+list[str]) -> list[str]`, one result text per query, so a rollout round's queries go out as one batch.
 
 Deviations from the paper / official code (algorithm.md §8): D13 (the default is offline BM25 over ~10,000 English
 Wikipedia summaries; the official Serper.dev web search, a Search-R1 retrieval server and the authors' recorded

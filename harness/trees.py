@@ -1,6 +1,7 @@
-"""Rollout trees, recorded and drawn: one record per question of every training step (and of every evaluation).
+"""Rollout trees, recorded and drawn: one record per question of every training step (and of every evaluation), and
+how diverse each question's group is.
 
-Paper: Dong et al., "Agentic Entropy-Balanced Policy Optimization", arXiv:2510.14545, paper §3.2 (Figure 2's tree): the
+In the tree of paper §3.2 (its Figure 2) the
 pre-monitor sets how many of the k trajectories are global samples (m), the others branch off after tool calls whose
 segment entropy rose, and the consecutive-branch penalty keeps the branches from piling onto one chain. A record
 keeps the shape of one question's tree without its text (samples.jsonl has texts): per trajectory its parent, the
@@ -11,8 +12,7 @@ token offset of its fork, its kind, its l, the token span and H_seg of every seg
     python -m harness.trees runs/<name> --step 3 --out t.png
     python -m harness.trees runs/<name> --eval after  # the trees of evaluation 'after' (k independent samples)
 
-Deviations from the paper / official code:
-1. The official code logs no trees; this is for reading the rollout, and changes nothing in it.
+The official code logs no trees; this is for reading the rollout, and changes nothing in it.
 """
 from __future__ import annotations
 
@@ -53,6 +53,34 @@ def records(step, rows: list[dict], trajectories, m_per_question: list, rewards)
             "tools": [[tool, arg[:ARG_CHARS]] for tool, arg in t.tool_calls],
             "finish": t.finish_reason, "reward": round(r, 4), "length": len(t.response_ids)})
     return out
+
+
+
+def diversity(trajectories, scores) -> dict[str, float]:
+    """Rollout diversity of this rank's groups, summed over questions (step_metrics divides by the questions):
+    answers: distinct normalised predictions / k (no prediction counts as one answer); tool_seqs: distinct sequences
+    of tool calls (tool and argument) / k; tokens: mean over pairs of 1 − Jaccard similarity of the sets of policy
+    token bigrams (0: the k trajectories wrote the same bigrams, 1: no bigram in common)."""
+    from reward import normalize_answer
+    groups: dict[int, list[int]] = {}
+    for i, t in enumerate(trajectories):
+        groups.setdefault(t.group_id, []).append(i)
+    out = {"answers": 0.0, "tool_seqs": 0.0, "tokens": 0.0}
+    for idx in groups.values():
+        k = len(idx)
+        answers = {normalize_answer(scores[i]["prediction"]) if scores[i]["prediction"] is not None else None
+                   for i in idx}
+        out["answers"] += len(answers) / k
+        out["tool_seqs"] += len({tuple(trajectories[i].tool_calls) for i in idx}) / k
+        bigrams = [_policy_bigrams(trajectories[i]) for i in idx]
+        pairs = [(a, b) for n, a in enumerate(bigrams) for b in bigrams[n + 1:]]
+        out["tokens"] += sum(1 - len(a & b) / max(1, len(a | b)) for a, b in pairs) / len(pairs) if pairs else 0.0
+    return out
+
+
+def _policy_bigrams(t) -> set[tuple[int, int]]:
+    ids = [tok for tok, m in zip(t.response_ids, t.loss_mask) if m]
+    return set(zip(ids, ids[1:]))
 
 
 def append(path: Path, recs: list[dict]) -> None:

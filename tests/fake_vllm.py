@@ -74,6 +74,8 @@ def use_platform(kind: str) -> None:
 class SamplingParams:
     temperature: float = 1.0
     top_p: float = 1.0
+    top_k: int = 0                      # 0 or -1: off
+    repetition_penalty: float = 1.0     # on prompt and output tokens, as vLLM
     max_tokens: int = 16
     logprobs: int | None = None
     flat_logprobs: bool = False
@@ -268,13 +270,20 @@ class LLM:
         past = None
         for _ in range(sp.max_tokens):
             logits, past = self._logits(ctx, past)
-            lp = torch.log_softmax(logits, -1)
+            lp = torch.log_softmax(logits, -1)                 # raw log-probs (logprobs_mode="raw_logprobs")
+            if sp.repetition_penalty != 1.0:
+                seen = torch.tensor(sorted(set(ids) | set(out_ids)))
+                z = logits[seen]
+                logits = logits.clone()
+                logits[seen] = torch.where(z > 0, z / sp.repetition_penalty, z * sp.repetition_penalty)
             if sp.temperature == 0:
                 tok = int(logits.argmax())
             else:
                 probs = torch.softmax(logits / sp.temperature, -1)
                 sorted_p, order = probs.sort(descending=True)
                 keep = sorted_p.cumsum(-1) - sorted_p < sp.top_p
+                if sp.top_k > 0:
+                    keep[sp.top_k:] = False
                 sorted_p[~keep] = 0
                 tok = int(order[torch.multinomial(sorted_p / sorted_p.sum(), 1, generator=gen)])
             if sp.logprobs:

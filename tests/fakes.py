@@ -15,6 +15,14 @@ class CharTokenizer:
         return "".join(chr(i) for i in ids if i != 0)
 
 
+TOK = CharTokenizer()
+
+
+def prompts(n):
+    """n chat-like prompts of the character tokenizer."""
+    return [TOK.encode(f"<|user|>question {i}?<|assistant|>") for i in range(n)]
+
+
 class ScriptedGenerator:
     """Emits `<think>…</think><search> q… </search>` until the context holds `n_tools(rng)` results,
     then `<answer>\\boxed{…}</answer>`. Segment entropy is `entropy(step)` where step = number of
@@ -26,7 +34,7 @@ class ScriptedGenerator:
         self.entropy, self.tool = entropy, tool
         self.calls = []  # (n_contexts, seed) per generate call
 
-    def generate(self, contexts, max_new_tokens, seed):
+    def generate(self, contexts, max_new_tokens, seed, sampling=None, on_step=None):
         from rollout import Segment
         self.calls.append((len(contexts), seed))
         tok = CharTokenizer()
@@ -61,3 +69,72 @@ class EchoTools:
         obs = [f"doc about {c.argument}" if isinstance(c, tools.ToolCall) else f"Error: {c.message}"
                for c in calls]
         return obs, {"search/calls": len(calls)}
+
+
+def fake_score(text, golds, **kw):
+    """reward.score_response with a stand-in reward: a random model never produces the format, so every real reward is
+    −1 and every advantage 0; this deterministic function of the text gives the groups a spread."""
+    import zlib
+    import reward
+    return {**reward.score_response(text, golds, **kw), "reward": (zlib.crc32(text.encode()) % 97) / 97.0}
+
+
+class WrappedGenerator:
+    """A run's real generator (generation.make_generator) behind the rollout.Generator interface; subclasses replace
+    some segments in `generate`. `WrappedGenerator.factory()` is train.main's `make_generator`."""
+
+    def __init__(self, inner, tokenizer):
+        self.inner, self.tokenizer, self.vocab_size = inner, tokenizer, inner.vocab_size
+
+    @classmethod
+    def factory(cls):
+        def make(cfg, init_path, policy, tokenizer, rank, device):
+            from harness import generation
+            return cls(generation.make_generator(cfg, init_path, policy, tokenizer, rank, device), tokenizer)
+        return make
+
+    def generate(self, contexts, max_new_tokens, seed, sampling=None, on_step=None):
+        return self.inner.generate(contexts, max_new_tokens, seed, sampling, on_step)
+
+    def sleep(self):
+        self.inner.sleep()
+
+    def update_weights(self, named_tensors):
+        self.inner.update_weights(named_tensors)
+
+    def close(self):
+        self.inner.close()
+
+
+class SearchFirst(WrappedGenerator):
+    """The real generator, except that a trajectory's first segment is a scripted search call (a random model
+    never writes one) whose segment entropy depends on the context, so the tree has tools and branches."""
+
+    def generate(self, contexts, max_new_tokens, seed, sampling=None, on_step=None):
+        from rollout import Segment
+        out = self.inner.generate(contexts, max_new_tokens, seed, sampling, on_step)
+        for i, context in enumerate(contexts):
+            if self.tokenizer.decode(context[-3:]).endswith("assistant\n"):      # right after the prompt
+                text = "<think> look it up </think> <search> What is the capital of France </search>"
+                ids = self.tokenizer.encode(text, add_special_tokens=False)[:max_new_tokens[i]]
+                out[i] = Segment(ids, "tool", 0.3 + 0.15 * (len(context) % 5), text)
+        return out
+
+
+class AnswerAtOnce(WrappedGenerator):
+    """Answers in one well-formed segment: the question's gold answer (tests/conftest.py's QA) for even contexts of a
+    call, "Atlantis" for odd ones. With entropy_branching=False a round's contexts are (q0 t0, q0 t1, q1 t0, q1 t1),
+    so in every group the first trajectory is right (F1 1) and the second wrong (F1 0)."""
+
+    def generate(self, contexts, max_new_tokens, seed, sampling=None, on_step=None):
+        from rollout import Segment
+        from tests.conftest import GOLD
+        out = []
+        for i, context in enumerate(contexts):
+            prompt = self.tokenizer.decode(context)
+            question = next(q for q in GOLD if q in prompt)
+            answer = GOLD[question] if i % 2 == 0 else "Atlantis"
+            text = f"<think> I know this one. </think>\n<answer> \\boxed{{{answer}}} </answer>"
+            ids = self.tokenizer.encode(text, add_special_tokens=False)
+            out.append(Segment(ids, "answer", 0.5, text))
+        return out

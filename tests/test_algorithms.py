@@ -11,9 +11,8 @@ import pytest
 import advantage
 import loss
 import train
-from harness import generation
-from tests.test_golden_run import SearchFirst
-from tests.test_train import fake_reward, flags, setup  # noqa: F401 -- the fixture
+from tests.conftest import flags
+from tests.fakes import SearchFirst, fake_score
 
 ROOT = Path(__file__).resolve().parents[1]
 SPIED = ("group_advantages", "entropy_weighted_advantages", "reinforce_pp_returns", "reinforce_pp_advantages",
@@ -35,15 +34,13 @@ def calls(monkeypatch):
     for name in SPIED:
         spy(advantage, name)
     spy(loss, "policy_loss")
-    monkeypatch.setattr(train.reward, "deep_research_reward", fake_reward)
-    monkeypatch.setattr(generation, "TransformersGenerator", SearchFirst)     # tool calls, so trees can branch
     return record
 
 
-def run(setup, name, **over):  # noqa: F811 -- the fixture
+def run(setup, name, **over):
     argv = flags(setup, f"algo_{name}", config=str(ROOT / "configs" / f"{name}.yaml"), steps=1, k=4,
                  max_response_tokens=64, micro_batch_size=8, **over)
-    run_dir = Path(train.main(argv)["run_dir"])
+    run_dir = Path(train.main(argv, score=fake_score, make_generator=SearchFirst.factory())["run_dir"])
     return [json.loads(line) for line in (run_dir / "trees.jsonl").read_text().splitlines()]
 
 
@@ -54,7 +51,7 @@ def loss_kw(calls) -> dict:
     return kws[0]
 
 
-def test_grpo(setup, calls):  # noqa: F811 -- the fixture
+def test_grpo(setup, calls):
     trees = run(setup, "grpo")
     kw = loss_kw(calls)
     assert (kw["sg_clip"], kw["sg_clip_low"], kw["cispo"]) == (False, False, False)
@@ -62,7 +59,7 @@ def test_grpo(setup, calls):  # noqa: F811 -- the fixture
     assert all(t["kind"] == "global" for tree in trees for t in tree["trajectories"])          # k independent
 
 
-def test_reinforce_pp(setup, calls):  # noqa: F811 -- the fixture
+def test_reinforce_pp(setup, calls):
     run(setup, "reinforce_pp")
     (rewards, mask, old_logp, ref_logp), kw = calls["reinforce_pp_returns"][0]
     assert kw["beta"] == 0.01 and old_logp is not None and ref_logp is not None      # the KL goes into the reward
@@ -71,7 +68,7 @@ def test_reinforce_pp(setup, calls):  # noqa: F811 -- the fixture
     assert advantages.shape == mask.shape                                             # per token, batch-normalised
 
 
-def test_dapo(setup, calls):  # noqa: F811 -- the fixture
+def test_dapo(setup, calls):
     trees = run(setup, "dapo")
     kw = loss_kw(calls)
     assert (kw["eps_high"], kw["sg_clip"], kw["loss_agg"]) == (0.28, False, "token-mean")
@@ -81,19 +78,19 @@ def test_dapo(setup, calls):  # noqa: F811 -- the fixture
     assert len(set(groups.tolist())) == 4 and len(trees) == 2       # 2 x 2 questions rolled out, the 2 kept logged
 
 
-def test_gppo(setup, calls):  # noqa: F811 -- the fixture
+def test_gppo(setup, calls):
     run(setup, "gppo")
     kw = loss_kw(calls)
     assert (kw["sg_clip"], kw["sg_clip_low"], kw["cispo"]) == (True, True, False)
 
 
-def test_cispo(setup, calls):  # noqa: F811 -- the fixture
+def test_cispo(setup, calls):
     run(setup, "cispo")
     kw = loss_kw(calls)
     assert (kw["cispo"], kw["eps_low"], kw["eps_high"]) == (True, 1.0, 0.28)
 
 
-def test_gigpo(setup, calls):  # noqa: F811 -- the fixture
+def test_gigpo(setup, calls):
     trees = run(setup, "gigpo", seed=3)
     args, kw = calls["gigpo_advantages"][0]
     assert kw["omega"] == 1.0
@@ -102,13 +99,13 @@ def test_gigpo(setup, calls):  # noqa: F811 -- the fixture
     assert any(t["kind"] == "branch" for tree in trees for t in tree["trajectories"])    # shared states exist
 
 
-def test_arpo(setup, calls):  # noqa: F811 -- the fixture
+def test_arpo(setup, calls):
     trees = run(setup, "arpo", seed=3)
     assert all(tree["m"] == 2 for tree in trees)                                # m = k // 2, no pre-monitor
     assert not calls["entropy_weighted_advantages"] and loss_kw(calls)["sg_clip"] is False
 
 
-def test_aepo(setup, calls):  # noqa: F811 -- the fixture
+def test_aepo(setup, calls):
     trees = run(setup, "aepo", seed=3)
     assert calls["entropy_weighted_advantages"] and loss_kw(calls)["sg_clip"] is True
     assert any(t["kind"] == "premonitor" for tree in trees for t in tree["trajectories"])

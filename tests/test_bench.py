@@ -55,10 +55,10 @@ def test_tree_stats_branch_concentration():
     groups = [[traj(0, 0), traj(0, 1), traj(0, 2, 0), traj(0, 3, 2), traj(0, 4, 1)],
               [traj(1, 0), traj(1, 1)],
               [traj(2, 0), traj(2, 1, 0)]]
-    stats = rollout.tree_stats(groups, [2, 2, 1], {}, 0, 1)
-    assert stats["trees_with_branches"] == 2
-    assert stats["branch_top_chain_share"] == pytest.approx((2 / 3 + 1.0) / 2)
-    assert stats["branches_per_tree"] == pytest.approx(4 / 3)
+    stats = rollout.tree_stats([t for group in groups for t in group], [2, 2, 1], {}, 1)
+    assert stats["trees_branched"] == 2 and stats["questions"] == 3
+    assert stats["branch_top_chain"] == pytest.approx(2 / 3 + 1.0)       # a sum over the branched trees
+    assert stats["branches"] == 4
 
 
 def fake_run(run_dir: Path, rewards, before=None, after=0.5, branches=1.0, step4=None, argv=None):

@@ -17,8 +17,8 @@ from harness import generation
 from harness import search as search_mod
 import train
 from tests._http_server import FakeServer
-from tests.test_golden_run import SearchFirst
-from tests.test_train import fake_reward, flags, setup  # noqa: F401 -- the fixture
+from tests.conftest import flags
+from tests.fakes import SearchFirst, fake_score
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -65,7 +65,7 @@ def test_user_mistakes_are_one_line_and_leave_nothing(kind, setup, tmp_path, cap
     assert "Traceback" not in err
 
 
-def test_the_command_line_itself(setup):  # noqa: F811 -- the fixture
+def test_the_command_line_itself(setup):
     """The real `python train.py` process: one line on stderr, exit code 2, no config dump on stdout."""
     proc = subprocess.run([sys.executable, "train.py", *flags(setup, "cli", train_data=str(setup / "nope.jsonl"))],
                           cwd=ROOT, capture_output=True, text=True, timeout=300)
@@ -93,30 +93,28 @@ def test_defaults_fit_any_number_of_processes():
 
 
 def test_resume_refuses_changed_settings_and_keeps_history(setup, monkeypatch, capsys):  # noqa: F811
-    monkeypatch.setattr(train.reward, "deep_research_reward", fake_reward)
-    run = Path(train.main(flags(setup, "history", steps=1))["run_dir"])
+    run = Path(train.main(flags(setup, "history", steps=1), score=fake_score)["run_dir"])
     first = (run / "config.yaml").read_text()
     code, err = command(capsys, train.main, flags(setup, "history", steps=2, resume="true", k=3, lr=0.01))
     assert code == 2
     assert "k: 2 -> 3" in err and "lr: 0.001 -> 0.01" in err and "--allow_config_change" in err
     # length, evaluation and logging settings may change; the history keeps every start, config.yaml the first
-    train.main(flags(setup, "history", steps=2, resume="true", log_samples=1, eval_n=3))
+    train.main(flags(setup, "history", steps=2, resume="true", log_samples=1, eval_n=3), score=fake_score)
     assert (run / "config.yaml").read_text() == first
     history = [d for d in yaml.safe_load_all((run / "config_history.yaml").read_text()) if d]
     assert len(history) == 1 and history[0]["steps"] == 2 and history[0]["log_samples"] == 1
-    train.main(flags(setup, "history", steps=3, resume="true", k=3, allow_config_change="true"))
+    train.main(flags(setup, "history", steps=3, resume="true", k=3, allow_config_change="true"), score=fake_score)
     history = [d for d in yaml.safe_load_all((run / "config_history.yaml").read_text()) if d]
     assert [d["k"] for d in history] == [2, 3]
     rows = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in rows] == [1, 2, 3] and rows[2]["trajectories"] == 2 * 3
 
 
-def test_eval_takes_the_runs_settings(setup, monkeypatch, capsys, tmp_path):  # noqa: F811 -- the fixture
+def test_eval_takes_the_runs_settings(setup, monkeypatch, capsys, tmp_path):
     """eval.py --run: the run's data, search, token budget, tool limit and sampling; flags override; --model alone
     on a checkpoint of a run says which settings differ from training's."""
-    monkeypatch.setattr(train.reward, "deep_research_reward", fake_reward)
     run = Path(train.main(flags(setup, "evalrun", steps=1, eval_data=str(setup / "qa.jsonl"), eval_limit=2,
-                                eval_n=3, eval_temperature=0.7, max_tool_calls=2, eval_before="false"))["run_dir"])
+                                eval_n=3, eval_temperature=0.7, max_tool_calls=2, eval_before="false"), score=fake_score)["run_dir"])
     capsys.readouterr()
     evaluation.main(["--run", str(run), "--device", "cpu", "--n", "2", "--out_dir", str(tmp_path / "a")])
     used = json.loads((tmp_path / "a" / "config.json").read_text())
@@ -145,7 +143,7 @@ def test_eval_help_explains_every_flag():
         assert f"--{field.name}" in proc.stdout and first_words in " ".join(proc.stdout.split()), field.name
 
 
-def test_search_backend_down_at_start(setup, tmp_path, capsys):  # noqa: F811 -- the fixture
+def test_search_backend_down_at_start(setup, tmp_path, capsys):
     import socket
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -156,14 +154,12 @@ def test_search_backend_down_at_start(setup, tmp_path, capsys):  # noqa: F811 --
     assert not (setup / "runs" / "down").exists()
 
 
-def test_search_backend_failing_mid_run_is_named(setup, monkeypatch, capsys):  # noqa: F811 -- the fixture
+def test_search_backend_failing_mid_run_is_named(setup, monkeypatch, capsys):
     """The backend answers the start-up check, then fails every call: the step line says `search errors n/n` and a
     warning names the backend and its last error."""
-    monkeypatch.setattr(train.reward, "deep_research_reward", fake_reward)
-    monkeypatch.setattr(generation, "TransformersGenerator", SearchFirst)
     with FakeServer() as srv:
         kw = json.dumps({"url": srv.url("/first_only"), "retries": 0})
-        train.main(flags(setup, "failing", steps=1, search="http", search_kw=kw, max_response_tokens=120))
+        train.main(flags(setup, "failing", steps=1, search="http", search_kw=kw, max_response_tokens=120), score=fake_score, make_generator=SearchFirst.factory())
     out = capsys.readouterr().out
     line = next(x for x in out.splitlines() if x.startswith("step 1/1"))
     assert "search errors 4/4" in line
@@ -191,7 +187,7 @@ def interrupt(argv: list[str], ready, timeout: float = 600) -> subprocess.Comple
     return subprocess.CompletedProcess(proc.args, proc.returncode, out, err)
 
 
-def test_ctrl_c_before_the_first_step_leaves_no_folder(setup):  # noqa: F811 -- the fixture
+def test_ctrl_c_before_the_first_step_leaves_no_folder(setup):
     """Interrupted during the evaluation before training: one line, code 130, and the new run's folder is gone."""
     run = setup / "runs" / "ctrlc_early"
     argv = flags(setup, "ctrlc_early", eval_data=str(setup / "qa.jsonl"), eval_n=8, max_response_tokens=400,
@@ -204,7 +200,7 @@ def test_ctrl_c_before_the_first_step_leaves_no_folder(setup):  # noqa: F811 -- 
 
 
 @pytest.mark.slow
-def test_ctrl_c_after_a_step_says_what_was_kept_and_the_resume_works(setup):  # noqa: F811 -- the fixture
+def test_ctrl_c_after_a_step_says_what_was_kept_and_the_resume_works(setup):
     run = setup / "runs" / "ctrlc_late"
     argv = flags(setup, "ctrlc_late", steps=40, save_every=2)
     metrics = run / "metrics.jsonl"
@@ -251,7 +247,7 @@ def test_more_mistakes_are_caught_before_any_work(kind, setup, tmp_path, capsys,
     assert not (setup / "runs" / f"more_{kind.replace(' ', '_')}").exists()
 
 
-def test_eval_refuses_an_empty_data_file(tmp_path, capsys, setup):  # noqa: F811 -- the fixture
+def test_eval_refuses_an_empty_data_file(tmp_path, capsys, setup):
     (tmp_path / "empty.jsonl").write_text("")
     code, err = command(capsys, evaluation.main, ["--model", str(setup / "tiny"), "--data", str(tmp_path / "empty.jsonl"),
                                               "--out_dir", str(tmp_path / "out")])
@@ -259,13 +255,12 @@ def test_eval_refuses_an_empty_data_file(tmp_path, capsys, setup):  # noqa: F811
     assert not (tmp_path / "out").exists()
 
 
-def test_resume_keeps_the_runs_own_evaluation_settings(setup, monkeypatch):  # noqa: F811 -- the fixture
+def test_resume_keeps_the_runs_own_evaluation_settings(setup, monkeypatch):
     """--resume without evaluation flags evaluates (and records) the way the run did, not with the defaults."""
-    monkeypatch.setattr(train.reward, "deep_research_reward", fake_reward)
     argv = flags(setup, "resume_eval", steps=1, eval_data=str(setup / "qa.jsonl"), eval_before="false")
-    run = Path(train.main(argv + ["--eval_limit", "3", "--eval_n", "1"])["run_dir"])
+    run = Path(train.main(argv + ["--eval_limit", "3", "--eval_n", "1"], score=fake_score)["run_dir"])
     resumed = [a for a in argv if not a.startswith("--steps=")] + ["--steps=2", "--resume=true"]
-    train.main(resumed)
+    train.main(resumed, score=fake_score)
     history = [d for d in yaml.safe_load_all((run / "config_history.yaml").read_text()) if d]
     assert (history[-1]["eval_limit"], history[-1]["eval_n"]) == (3, 1)
     after = json.loads((run / "eval" / "after_summary.json").read_text())

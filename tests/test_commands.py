@@ -17,8 +17,8 @@ from pathlib import Path
 import pytest
 
 import train
-from tests.test_train import fake_reward, flags, setup  # noqa: F401 -- the fixture
-from tests.test_vllm_engine import VLLM_ON_CPU            # run by the real-vLLM stage (tests/vllm_stage.sh)
+from tests.conftest import VLLM_ON_CPU, flags         # VLLM_ON_CPU: run by the real-vLLM stage (tests/vllm_stage.sh)
+from tests.fakes import fake_score
 
 ROOT = Path(__file__).resolve().parents[1]
 QUICK = {"--steps": "1", "--eval_limit": "1", "--eval_n": "1", "--eval_before": "false", "--cold_start_steps": "1",
@@ -134,15 +134,11 @@ def test_the_trial_on_two_processes_runs_exactly_as_written(tmp_path):
 
 
 @pytest.fixture(scope="module")
-def tiny_run(setup, scratch):  # noqa: F811 -- the fixture
+def tiny_run(setup, scratch):
     """A tiny-model run with checkpoints at steps 4 and 8, in the scratch copy's runs/."""
-    train.reward.deep_research_reward, real = fake_reward, train.reward.deep_research_reward
-    try:
-        out = train.main(flags(setup, "tiny", steps=8, save_every=4, eval_data=str(ROOT / "data" / "qa_test.jsonl"),
-                               eval_limit=3, eval_n=2, search="bm25", search_kw="{topk: 1}",
-                               out_dir=str(scratch / "runs"), eval_before="false"))
-    finally:
-        train.reward.deep_research_reward = real
+    out = train.main(flags(setup, "tiny", steps=8, save_every=4, eval_data=str(ROOT / "data" / "qa_test.jsonl"),
+                           eval_limit=3, eval_n=2, search="bm25", search_kw="{topk: 1}", out_dir=str(scratch / "runs"),
+                           eval_before="false"), score=fake_score)
     return Path(out["run_dir"])
 
 

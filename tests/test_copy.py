@@ -1,7 +1,11 @@
-"""The README's promise that the paper's files drop into other trainers: loss.py, advantage.py and rollout.py (with
-tools.py, whose call parser and result format the rollout uses) are each copied alone into an empty folder and
-imported and run there in a fresh interpreter that can import nothing but the standard library, torch and numpy (and
-what torch itself loads): not the rest of this repository, nor transformers, vLLM or any other installed package."""
+"""The README's promise that the paper's files drop into other trainers: loss.py, advantage.py, rollout.py with
+tools.py, and reward.py with tools.py are each copied alone into an empty folder and run there, making real calls, in
+a fresh interpreter that can import nothing but the standard library, torch and numpy (and what torch itself loads):
+not the rest of this repository, nor transformers, vLLM or any other installed package. The math files run every
+function on inputs on the CPU (and on CUDA where present) with torch's default device set to meta, so an allocation
+that ignores its inputs' device fails; the rollout runs a tree whose trajectories call both tools for real (the
+python tool, without harness/, in a plain subprocess that says so), and a broken search backend becomes an
+observation."""
 import shutil
 import subprocess
 import sys
@@ -40,6 +44,21 @@ USES = {
         hidden, weight = torch.randn(4, 8, requires_grad=True), torch.randn(32, 8)
         lp, h = loss.logprobs_and_entropy(hidden, weight, torch.tensor([1, 2, 3, 4]), chunk_size=3)
         assert torch.allclose(h, loss.token_entropy(hidden @ weight.T), atol=1e-5)
+        for device in ["cpu"] + ["cuda"] * torch.cuda.is_available():
+            x = torch.randn(2, 5, device=device, requires_grad=True)
+            ones = torch.ones(2, 5, device=device)
+            with torch.device("meta"):                # a stray allocation lands here and fails or leaks out
+                outputs = [*loss.policy_loss(x, x.detach() + 0.3, torch.randn(2, 5, device=device), ones, 10.0,
+                                             ref_logp=x.detach(), kl_coef=0.1, entropy=x.detach(),
+                                             entropy_coeff=0.1)[1].values(),
+                           *loss.policy_loss(x, x.detach(), ones, ones, 10.0, cispo=True)[1].values(),
+                           *loss.policy_loss(x, x.detach(), ones, ones, 10.0, sg_clip_low=True,
+                                             loss_agg="seq-mean-token-sum-norm", n_seqs=2, max_len=8)[1].values(),
+                           *loss.logprobs_and_entropy(torch.randn(4, 3, device=device),
+                                                      torch.randn(7, 3, device=device),
+                                                      torch.tensor([1, 2, 3, 4], device=device), chunk_size=3)]
+            assert all(o.device.type == device for o in outputs), {o.device for o in outputs}
+            print(f"loss.py on {device}: {len(outputs)} outputs, all on {device} (default device meta)")
         print("loss.py ok")
     ''',
     ("advantage.py",): '''
@@ -50,7 +69,24 @@ USES = {
         out = advantage.entropy_weighted_advantages(a[:2], torch.rand(2, 3), torch.ones(2, 3), mean, std)
         ids = torch.tensor([[5, 6, 7, 8], [5, 6, 9, 9]])
         step = advantage.gigpo_advantages(ids, torch.ones(2, 4), torch.tensor([0, 0]), torch.tensor([1.0, 0.0]))
-        assert out.shape == step.shape == (2, 4) or out.shape == (2, 3)
+        assert out.shape == (2, 3) and step.shape == (2, 4)
+        for device in ["cpu"] + ["cuda"] * torch.cuda.is_available():
+            rewards = torch.tensor([1.0, 0.0, 0.5, 0.5], device=device)
+            groups = torch.tensor([0, 0, 1, 1], device=device)
+            mask, h = torch.ones(4, 5, device=device), torch.rand(4, 5, device=device)
+            ids = torch.tensor([[5, 6, 7, 8, 1], [5, 6, 9, 9, 1], [2, 3, 4, 5, 6], [2, 3, 4, 7, 7]], device=device)
+            with torch.device("meta"):                # a stray allocation lands here and fails or leaks out
+                returns = advantage.reinforce_pp_returns(rewards, mask, h, h * 0.5, beta=0.1)
+                outputs = [advantage.group_advantages(rewards, groups),
+                           advantage.group_advantages(rewards, groups, std_norm=False),
+                           advantage.entropy_stats(h, mask), advantage.token_stats(returns, mask),
+                           advantage.entropy_weighted_advantages(rewards, h, mask, 0.5, 0.3), returns,
+                           advantage.reinforce_pp_advantages(returns, mask, 0.1, 1.0),
+                           advantage.dynamic_sampling_mask(rewards, groups),
+                           advantage.overlong_penalty(torch.tensor([3, 9], device=device), 8, 4),
+                           advantage.gigpo_advantages(ids, mask, groups, rewards)]
+            assert all(o.device.type == device for o in outputs), [o.device for o in outputs]
+            print(f"advantage.py on {device}: {len(outputs)} outputs, all on {device} (default device meta)")
         print("advantage.py ok")
     ''',
     ("rollout.py", "tools.py"): '''
@@ -63,28 +99,54 @@ USES = {
             def decode(self, ids):
                 return "".join(chr(i) for i in ids if i)
 
-        class Generator:                                  # a scripted policy: search, then answer
+        class Generator:                                  # a scripted policy: search, then python, then answer
             vocab_size = 256
-            def generate(self, contexts, max_new_tokens, seed):
+            def generate(self, contexts, max_new_tokens, seed, sampling=None, on_step=None):
                 out = []
                 for context, budget in zip(contexts, max_new_tokens):
-                    text = "<search> q </search>" if "<result>" not in Tokenizer().decode(context) else \\
-                        "<answer> \\\\boxed{x} </answer>"
+                    done = Tokenizer().decode(context).count("<result>")
+                    text = ["<search> q </search>", "<python> print(6 * 7) </python>",
+                            "<answer> \\\\boxed{42} </answer>"][min(done, 2)]
                     ids = Tokenizer().encode(text)[:budget]
-                    reason = "tool" if text.endswith("</search>") else "answer"
+                    reason = "answer" if done >= 2 else "tool"
                     out.append(rollout.Segment(ids, reason, 0.1 * len(context) % 1.0, text))
                 return out
 
-        class ToolRunner:                                 # every call answers at once
-            def run(self, calls):
-                return ["Page 1: x" for _ in calls], {"search/calls": len(calls)}
+        class Search:                                     # a search backend: tools.Tools batches the queries
+            def search(self, queries):
+                return ["Page 1: six times seven" for _ in queries]
 
+        class Broken:
+            def search(self, queries):
+                raise ConnectionError("the index is gone")
+
+        runner = tools.Tools(Search())
         assert isinstance(tools.parse_tool_call("<search> q </search>"), tools.ToolCall)
-        trajectories, stats = rollout.tree_rollout([[1, 2, 3], [4, 5]], Generator(), ToolRunner(), Tokenizer(), k=4,
-                                                   max_response_tokens=200, seed=0)
+        trajectories, stats = rollout.tree_rollout([[1, 2, 3], [4, 5]], Generator(), runner, Tokenizer(), k=4,
+                                                   max_response_tokens=400, seed=0)
         assert len(trajectories) == 8 and all(t.finish_reason == "answer" for t in trajectories)
-        assert stats["tool_calls_per_traj"] == 1.0
+        assert stats["tool_calls"] == 2 * 8 and stats["tools/python/calls"] >= 1
+        observation = trajectories[0].observations[1]
+        assert observation.startswith("42") and tools.UNSANDBOXED in observation, observation
+        print("python observation:", observation.replace(chr(10), " / "))
+        broken = tools.Tools(Broken())                    # a failing backend is an observation, not a crashed round
+        trajectories, _ = rollout.tree_rollout([[1, 2, 3]], Generator(), broken, Tokenizer(), k=2,
+                                               max_response_tokens=400, seed=0)
+        assert trajectories[0].observations[0].startswith("Error: search failed: ConnectionError")
+        print("search observation with a broken backend:", trajectories[0].observations[0])
+        runner.close()
+        broken.close()
         print("rollout.py + tools.py ok")
+    ''',
+    ("reward.py", "tools.py"): '''
+        import reward
+        text = ("<think> look it up </think> <search> q </search> <result> Page 1: x </result> <think> compute "
+                "</think> <python> print(6 * 7) </python> <result> 42 </result> <answer> \\\\boxed{42} </answer>")
+        score = reward.score_response(text, ["42"])
+        assert score["format_valid"] and score["reward"] == reward.deep_research_reward(text, ["42"]) == 1.1
+        assert reward.deep_research_reward("no format at all", ["42"]) == -1.0
+        print("score:", score)
+        print("reward.py + tools.py ok")
     ''',
 }
 
@@ -99,6 +161,7 @@ def test_a_paper_file_copies_alone(files, tmp_path):
                           env={"PATH": "/usr/bin:/bin", "HOME": str(tmp_path)})
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert proc.stdout.strip().endswith("ok")
+    print(proc.stdout)                           # pytest -s shows what each copy did
 
 
 def test_the_guard_refuses_the_rest_of_the_repository(tmp_path):

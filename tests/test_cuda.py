@@ -215,7 +215,7 @@ def test_checkpoint_round_trip_restores_weights_adamw_state_and_rng(tmp_path, sm
     _adamw_step(policy, optimizer, vocab, device)
     saved_rngs = rng_states(device)
     ckpt = checkpoint.save(tmp_path / "run", 1, policy, optimizer, small_tokenizer, rank=0, keep=1,
-                           config_yaml="k: 8\n", info="{}", data_position=4)
+                           config_yaml="k: 8\n", info="{}")
     expected_draw = torch.rand(4, device=device)               # the first draw after the saved RNG state
     random.random()                                             # every RNG moves on before the load
     np.random.rand()

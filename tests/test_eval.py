@@ -12,8 +12,10 @@ from pathlib import Path
 
 import pytest
 
+from harness import correctness
 from harness import dataset as D
 from harness.cli import UserError
+from harness.generation import TransformersGenerator
 import eval as E
 import reward
 from harness import search as search_mod
@@ -119,26 +121,55 @@ def test_valid_trajectories_and_reward():
     assert reward.deep_research_reward(ANSWER, ["2001 a space odyssey"]) == 1.0       # SQuAD normalisation
 
 
+T = "<think> t </think> "                                                           # the official check needs one
+
+
 @pytest.mark.parametrize("text, reason", [
-    (r"<think> a <think> b </think> <answer>\boxed{x}</answer>", "unbalanced <think>"),
-    (r"<think> never closed <answer>\boxed{x}</answer>", "unbalanced <think>"),
-    (r"</think> <think> <answer>\boxed{x}</answer>", "unbalanced <think>"),
-    (r"<think> no answer </think> \boxed{x}", "exactly one <answer>"),
-    (r"<answer>\boxed{x}</answer> <answer>\boxed{y}</answer>", "exactly one <answer>"),
-    (r"<answer>\boxed{x}", "exactly one <answer>"),
-    (r"</answer> \boxed{x} <answer>", "</answer> before <answer>"),
-    (r"<search> q <answer>\boxed{x}</answer>", "<search> not followed by </search>"),
-    (r"<python> print(1) </search>" + R.format("1") + r"<answer>\boxed{x}</answer>", "<python> not followed by </python>"),
-    (r"<search> q </search> <answer>\boxed{x}</answer>", "</search> not followed by a <result> block"),
-    (r"<python> print(1) </python> <answer>\boxed{x}</answer>", "</python> not followed by a <result> block"),
-    (r"</python>" + R.format("1") + r"<answer>\boxed{x}</answer>", "</python> without a preceding <python>"),
-    (r"<answer> x </answer>", "no \\boxed{} inside <answer>"),
-    (r"\boxed{x} <answer> x </answer>", "no \\boxed{} inside <answer>"),
+    (r"<think> a <think> b </think> <answer>\boxed{x}</answer>", "<think> and </think> not paired"),
+    (r"<think> never closed <answer>\boxed{x}</answer>", "<think> and </think> not paired"),
+    (r"<answer>\boxed{Paris}</answer>", "no <think>"),
+    (T + r"<think> no answer </think> \boxed{x}", "exactly one <answer>"),
+    (T + r"<answer>\boxed{x}</answer> <answer>\boxed{y}</answer>", "exactly one <answer>"),
+    (T + r"<answer>\boxed{x}", "exactly one <answer>"),
+    (T + r"</answer> \boxed{x} <answer>", "</answer> before <answer>"),
+    (T + r"<search> q <answer>\boxed{x}</answer>", "<search> not followed by </search>"),
+    (T + r"<python> print(1) </search>" + R.format("1") + r"<answer>\boxed{x}</answer>",
+     "<python> not followed by </python>"),
+    (T + r"<search> q </search> <answer>\boxed{x}</answer>", "</search> not followed by a <result> block"),
+    (T + r"<python> print(1) </python> <answer>\boxed{x}</answer>", "</python> not followed by a <result> block"),
+    (T + r"</python>" + R.format("1") + r"<answer>\boxed{x}</answer>", "</python> without a preceding <python>"),
+    (T + r"<answer> x </answer>", "no \\boxed{} inside <answer>"),
+    (T + r"\boxed{x} <answer> x </answer>", "no \\boxed{} inside <answer>"),
 ])
 def test_invalid_format_each_reason(text, reason):
     valid, why = reward.check_format(text)
     assert not valid and reason in why
     assert reward.deep_research_reward(text, ["x"]) == -1.0
+
+
+def test_think_rule_official_and_strict():
+    """The official validate_format compares the counts of <think> and </think> and needs at least one; the order is
+    not checked. --strict_format keeps the project's earlier rule: balanced, unnested, in order, and may be absent."""
+    answer = r"<answer> \boxed{Paris} </answer>"
+    cases = {answer: (False, True),                                                   # no think at all
+             "</think> x <think> " + answer: (True, False),                          # counts equal, out of order
+             "<think> a <think> b </think> c </think> " + answer: (True, False),     # nested pairs
+             "<think> a </think> <think> b </think> " + answer: (True, True),
+             "<think> a " + answer: (False, False)}
+    for text, (official, strict) in cases.items():
+        assert reward.check_format(text)[0] is official, text
+        assert reward.check_format(text, strict=True)[0] is strict, text
+        assert reward.deep_research_reward(text, ["Paris"]) == (1.0 if official else -1.0), text
+        assert reward.score_response(text, ["Paris"], strict_format=True)["reward"] == (1.0 if strict else -1.0)
+
+
+def test_f1_yes_no_rule():
+    """The official F1 gives 0 when the prediction or the gold is yes / no / noanswer and they differ."""
+    assert reward.f1_score("yes it is", ["yes"]) == 0.0 and reward.f1_score("no way", ["no"]) == 0.0
+    assert reward.f1_score("yes", ["yes it is"]) == 0.0 and reward.f1_score("noanswer", ["no answer"]) == 0.0
+    assert reward.f1_score("Yes.", ["yes"]) == 1.0 and reward.f1_score("no", ["No"]) == 1.0
+    assert reward.f1_score("yes it is", ["yes", "yes it is"]) == 1.0                 # the best alias
+    assert reward.f1_score("the blue house", ["a blue car"]) == pytest.approx(0.5)   # the ordinary F1 elsewhere
 
 
 def test_tags_inside_result_blocks_are_opaque():
@@ -149,7 +180,7 @@ def test_tags_inside_result_blocks_are_opaque():
     # a result block cannot supply the answer either
     assert not reward.check_format(traj("<search> q </search>", R.format(r"<answer>\boxed{x}</answer>")))[0]
     # a tool call inside the answer: its output cannot supply the boxed answer
-    inside = traj("<answer> <search> q </search>", R.format(r"\boxed{x}"), " </answer>")
+    inside = traj("<think> t </think> <answer> <search> q </search>", R.format(r"\boxed{x}"), " </answer>")
     assert reward.check_format(inside) == (False, "no \\boxed{} inside <answer>")
     assert reward.score_response(inside[:-10] + r"\boxed{y} </answer>", ["y"])["prediction"] == "y"
     # the evaluation prediction never comes from tool output
@@ -174,9 +205,9 @@ def test_math_equal_examples():
     no = [("4.6667", r"\frac{14}{3}"), ("B", r"\text{(C)}"), (r"(3, \pi)", r"\left( 3, \frac{\pi}{2} \right)"),
           ("1450001", "1,450,000"), ("2", r"2\pi"), ("", "0"), (None, "1"), ("__import__('os')", "1")]
     for a, b in yes:
-        assert reward.math_equal(a, b), (a, b)
+        assert correctness.math_equal(a, b), (a, b)
     for a, b in no:
-        assert not reward.math_equal(a, b), (a, b)
+        assert not correctness.math_equal(a, b), (a, b)
 
 
 @needs_shared
@@ -186,22 +217,22 @@ def test_math_equal_on_benchmark_golds():
         gold = row["golds"][0]
         value = int(gold.replace(",", ""))
         for pred in (f"\\${value:,}", f"\\boxed{{{value}}}", f"{value}.", f"${value}$", f"{value} dollars"):
-            assert reward.math_equal(pred, gold), (pred, gold)
-        assert not reward.math_equal(str(value + 1), gold)
+            assert correctness.math_equal(pred, gold), (pred, gold)
+        assert not correctness.math_equal(str(value + 1), gold)
     for name in ("aime24", "aime25"):
         for row in D.load_dataset(SHARED / "benchmarks" / f"{name}.jsonl"):
             gold = row["golds"][0]
-            assert reward.math_equal(f"\\boxed{{{gold}}}", gold) and not reward.math_equal(f"{int(gold) + 1}", gold)
+            assert correctness.math_equal(f"\\boxed{{{gold}}}", gold) and not correctness.math_equal(f"{int(gold) + 1}", gold)
     math500 = D.load_dataset(SHARED / "benchmarks" / "math500.jsonl")
     golds = [r["golds"][0] for r in math500]
     for gold in golds:                                                          # wrappers never hurt
-        assert reward.math_equal(f"\\boxed{{{gold}}}", gold) and reward.math_equal(f"${gold}$", gold), gold
-    assert r"\frac{14}{3}" in golds and reward.math_equal("14/3", r"\frac{14}{3}")
+        assert correctness.math_equal(f"\\boxed{{{gold}}}", gold) and correctness.math_equal(f"${gold}$", gold), gold
+    assert r"\frac{14}{3}" in golds and correctness.math_equal("14/3", r"\frac{14}{3}")
     # distinct numeric golds are never confused
     numeric = sorted({g for g in golds if plain_number(g) is not None})[:60]
     assert len(numeric) == 60
     for a, b in itertools.combinations(numeric, 2):
-        assert reward.math_equal(a, b) == (plain_number(a) == plain_number(b)), (a, b)
+        assert correctness.math_equal(a, b) == (plain_number(a) == plain_number(b)), (a, b)
 
 
 def plain_number(s: str):
@@ -397,7 +428,7 @@ class ScriptedGenerator:
     def __init__(self, tokenizer, script):
         self.tokenizer, self.script, self.used = tokenizer, script, {}
 
-    def generate(self, contexts, max_new_tokens, seed):
+    def generate(self, contexts, max_new_tokens, seed, sampling=None, on_step=None):
         import rollout
         out = []
         for ctx in contexts:
@@ -442,8 +473,9 @@ def test_evaluate_scripted_policy(tokenizer, tmp_path):
     script = {"Capital of France?": ["Paris", "the Paris", "Lyon"], "What is 2+2?": ["4.0", "$4$", "5"],
               "Largest planet?": ["Saturn", "Mars", "Venus"]}
     runner = tools.Tools(FakeSearch())
-    summary = E.evaluate(None, tokenizer, rows, runner, n=3, batch_size=3, out_dir=tmp_path, name="scripted",
-                         generator=ScriptedGenerator(tokenizer, script), progress=False, config={"run": "test"})
+    summary = E.evaluate(ScriptedGenerator(tokenizer, script), tokenizer, rows, runner,
+                         E.EvalSettings(n=3, batch_size=3), name="scripted", out_dir=tmp_path, config={"run": "test"},
+                         progress=False)
     records, saved = _check_outputs(tmp_path, "scripted", summary, 3)
     assert [r["num_correct"] for r in records] == [2, 2, 0]
     assert [r["criterion"] for r in records] == ["exact_match", "math_equal", "exact_match"]
@@ -453,15 +485,15 @@ def test_evaluate_scripted_policy(tokenizer, tmp_path):
     assert saved["em"] == pytest.approx(3 / 9)                                  # "$4$" normalises to "4"; "4.0" to "40"
     assert saved["format_valid"] == 1.0 and saved["tool_calls"] == 2.0
     assert records[0]["samples"][0]["reward"] == pytest.approx(1.1)              # both tools used
-    assert saved["config"] == {"run": "test"} and saved["settings"]["temperature"] == 0.6
+    assert saved["config"] == {"run": "test"} and saved["settings"]["sampling"]["temperature"] == 0.6
 
 
 def test_evaluate_with_judge(tokenizer, tmp_path, judge_server):
     url, seen = judge_server
     rows = [{"question": "Capital of France?", "golds": ["Paris"], "meta": {"kind": "qa"}}]
     script = {"Capital of France?": ["Paris", "Lyon"]}
-    summary = E.evaluate(None, tokenizer, rows, tools.Tools(FakeSearch()), n=2, batch_size=2,
-                         generator=ScriptedGenerator(tokenizer, script), judge=E.Judge(url, "m"), progress=False)
+    summary = E.evaluate(ScriptedGenerator(tokenizer, script), tokenizer, rows, tools.Tools(FakeSearch()),
+                         E.EvalSettings(n=2, batch_size=2), judge=E.Judge(url, "m"), progress=False)
     assert summary["criterion"] == {"judge": 1} and summary["pass@1"] == 0.5 and len(seen) == 2
 
 
@@ -470,8 +502,11 @@ def test_evaluate_tiny_random_model(tokenizer, tmp_path):
     model = make_tiny_model(tokenizer)                                          # tests/conftest.py
     rows = D.load_dataset(ROOT / "data" / "qa_test.jsonl")[:5]
     # top_p=1.0: the top-p sort over a 49k vocabulary dominates this test's time on a small CPU
-    summary = E.evaluate(model, tokenizer, rows, tools.Tools(search_mod.make_search("bm25")), n=2, top_p=1.0,
-                         max_response_tokens=24, batch_size=10, out_dir=tmp_path, name="qa_test", progress=False)
+    settings = E.EvalSettings(n=2, sampling=E.rollout.Sampling(temperature=0.6, top_p=1.0), max_response_tokens=24,
+                              batch_size=10)
+    summary = E.evaluate(TransformersGenerator(model, tokenizer, batch_size=10), tokenizer, rows,
+                         tools.Tools(search_mod.make_search("bm25")), settings, name="qa_test", out_dir=tmp_path,
+                         progress=False)
     records, saved = _check_outputs(tmp_path, "qa_test", summary, 2)
     assert [r["question"] for r in records] == [r["question"] for r in rows]
     assert all(s["response_tokens"] <= 24 for r in records for s in r["samples"])

@@ -20,37 +20,20 @@ from pathlib import Path
 
 import pytest
 
-from harness import generation
 import train
-from rollout import Segment
-from tests.test_train import fake_reward, flags, setup  # noqa: F401 -- the fixture
+from tests.conftest import flags
+from tests.fakes import SearchFirst, fake_score
 
 GOLDEN = Path(__file__).parent / "golden" / "tiny_two_steps.jsonl"
 TIMES = ("time/", "update_tokens_per_s")
-MODEL_FLOATS = {"entropy", "entropy_std", "approx_kl", "kl_ref", "ratio", "pg_loss", "grad_norm"}
+MODEL_FLOATS = {"entropy", "entropy_std", "approx_kl", "kl_ref", "ratio", "pg_loss", "kl_loss", "grad_norm"}
 FLOAT_REL = 2e-2
 
 
-class SearchFirst(generation.TransformersGenerator):
-    """The real generator, except that a trajectory's first segment is a scripted search call (a random model
-    never writes one) whose segment entropy depends on the context, so the tree has tools and branches."""
-
-    def generate(self, contexts, max_new_tokens, seed):
-        out = super().generate(contexts, max_new_tokens, seed)
-        for i, context in enumerate(contexts):
-            if self.tokenizer.decode(context[-3:]).endswith("assistant\n"):      # right after the prompt
-                text = "<think> look it up </think> <search> What is the capital of France </search>"
-                ids = self.tokenizer.encode(text, add_special_tokens=False)[:max_new_tokens[i]]
-                out[i] = Segment(ids, "tool", 0.3 + 0.15 * (len(context) % 5), text)
-        return out
-
-
-def test_metrics_equal_the_recorded_run(setup, monkeypatch):  # noqa: F811 -- the fixture
-    monkeypatch.setattr(train.reward, "deep_research_reward", fake_reward)
-    monkeypatch.setattr(generation, "TransformersGenerator", SearchFirst)
+def test_metrics_equal_the_recorded_run(setup):
     run = Path(train.main(flags(setup, "golden", cold_start="true", cold_start_questions=2, cold_start_steps=2,
                                 cold_start_batch=2, kl_coef=0.05, seed=3, k=4, max_response_tokens=100,
-                                micro_batch_size=3))["run_dir"])
+                                micro_batch_size=3), score=fake_score, make_generator=SearchFirst.factory())["run_dir"])
     rows = [{k: v for k, v in json.loads(line).items() if not k.startswith(TIMES)}
             for line in (run / "metrics.jsonl").read_text().splitlines()]
     assert sum(r["branches"] for r in rows) > 0 and all(r["tool_calls"] > 0 for r in rows)   # the tree is there

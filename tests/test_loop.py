@@ -5,9 +5,10 @@ own golds, one optimiser step moving log-probs the way the advantages say, activ
 backward, the ablation switches and the learning-rate warm-up reaching the update, the KL to the reference reaching
 the gradient, periodic evaluation, prompts over max_prompt_tokens dropped, demonstrations read from
 --cold_start_data, checkpoint pruning and the log trimming of a resume after a crash, DDP on two processes (each rank
-scoring its own questions), the data order, and the vLLM per-step cycle. The helpers (`setup`, `flags`,
-`fake_reward`) come from tests/test_train.py; each run is 2 steps of 2 questions × k = 2 unless a test says
-otherwise."""
+scoring its own questions), the data order, and the vLLM per-step cycle. The helpers (`setup`, `flags`) are in
+tests/conftest.py, the injected score and generators (`fake_score`, `AnswerAtOnce`) in tests/fakes.py; each run is 2
+steps of 2 questions × k = 2 unless a test says otherwise."""
+import contextlib
 import json
 import sys
 from pathlib import Path
@@ -20,17 +21,14 @@ from harness import dataset
 from harness import checkpoint
 from harness import coldstart
 from harness import config
-from harness import generation
 import loss
 from harness import policy as policy_mod
+from harness import startup
+import rollout
 import tools
 import train
-from rollout import Segment
-from tests.conftest import make_tiny_model
-from tests.test_parallel import spawn
-from tests.test_train import QA, fake_reward, flags, hand_made_trajectories, setup, weights  # noqa: F401 -- fixture
-
-GOLD = dict(QA)
+from tests.conftest import GOLD, QA, flags, hand_made_trajectories, make_tiny_model, spawn, weights
+from tests.fakes import AnswerAtOnce, fake_score
 
 
 def rows_of(run: Path, name: str) -> list[dict]:
@@ -50,7 +48,7 @@ class Spy:
         self.backwards = self.recomputed = 0
         self.in_backward = False
         real_loss, real_adv = loss.policy_loss, advantage.group_advantages
-        real_step, real_load, real_backward = train.optimizer_step, train.load_policy, torch.Tensor.backward
+        real_step, real_load, real_backward = train.optimizer_step, startup.load_policy, torch.Tensor.backward
 
         def policy_loss(logp, old_logp, advantages, mask, n_valid, **kw):
             self.losses.append((kw["sg_clip"], advantages.detach().clone(), mask.clone()))
@@ -83,7 +81,7 @@ class Spy:
         monkeypatch.setattr(loss, "policy_loss", policy_loss)
         monkeypatch.setattr(advantage, "group_advantages", group_advantages)
         monkeypatch.setattr(train, "optimizer_step", optimizer_step)
-        monkeypatch.setattr(train, "load_policy", load_policy)
+        monkeypatch.setattr(startup, "load_policy", load_policy)
         monkeypatch.setattr(torch.Tensor, "backward", backward)
 
     def _count(self, module, args):
@@ -99,10 +97,12 @@ def batch_with_advantages(tokenizer, cfg):
     −1/√2 for 1 and 2; old-policy pass done. Returns (policy, batches, A)."""
     policy = policy_mod.Policy(make_tiny_model(tokenizer, seed=4))
     trajectories, _ = hand_made_trajectories(n_questions=2, k=2, seed=1)
-    adv = advantage.group_advantages(torch.tensor([1.0, 0.0, 0.0, 1.0]), torch.tensor([0, 0, 1, 1]))
+    rewards = torch.tensor([1.0, 0.0, 0.0, 1.0])
+    adv = advantage.group_advantages(rewards, torch.tensor([0, 0, 1, 1]))
     assert adv.tolist() == pytest.approx([2 ** -0.5, -2 ** -0.5, -2 ** -0.5, 2 ** -0.5], rel=1e-5)
-    batches = train.micro_batches(trajectories, adv, 1, cfg, 0, "cpu")
-    train.old_policy_pass(policy, None, batches, cfg, train.contextlib.nullcontext)
+    batches = train.micro_batches(trajectories, train.outcome_advantages(trajectories, rewards, cfg, 0), rewards, 1,
+                                  cfg, 0, "cpu")
+    train.old_policy_pass(policy, None, batches, cfg, contextlib.nullcontext)
     return policy, batches, adv
 
 
@@ -122,7 +122,7 @@ def test_one_step_raises_positive_and_lowers_negative_trajectories(tokenizer):
     policy, batches, adv = batch_with_advantages(tokenizer, cfg)
     before = sequence_logprobs(policy, batches[0][0])
     optimizer = torch.optim.AdamW(policy.parameters(), lr=cfg.lr, weight_decay=cfg.weight_decay)
-    train.accumulate_gradients(policy, batches[0], cfg, 1, train.contextlib.nullcontext, "test")
+    train.accumulate_gradients(policy, batches[0], cfg, 1, contextlib.nullcontext, "test")
     policy_mod.optimizer_step(policy, optimizer, cfg.grad_clip)
     change = sequence_logprobs(policy, batches[0][0]) - before
     assert (change[adv > 0] > 0).all() and (change[adv < 0] < 0).all(), change
@@ -144,8 +144,8 @@ def test_sg_clip_keeps_the_gradient_of_tokens_past_the_upper_bound(tokenizer):
     for sg_clip in (True, False):
         policy.zero_grad(set_to_none=True)
         metrics = train.accumulate_gradients(policy, [mb], config.Config(sg_clip=sg_clip), 1,
-                                             train.contextlib.nullcontext, "test")
-        assert metrics["clip_upper"] == n_valid.item()
+                                             contextlib.nullcontext, "test")
+        assert metrics["clip_hi"] == n_valid.item()
         grads[sg_clip] = {name: (p.grad if p.grad is not None else torch.zeros_like(p)).clone()
                           for name, p in policy.named_parameters()}
     policy.zero_grad(set_to_none=True)
@@ -162,32 +162,14 @@ def test_sg_clip_keeps_the_gradient_of_tokens_past_the_upper_bound(tokenizer):
 # The real reward inside the loop (algorithm.md §5 -> §3a)
 
 
-class AnswerAtOnce(generation.TransformersGenerator):
-    """Answers in one well-formed segment: the question's gold answer for even contexts of a call, "Atlantis" for odd
-    ones. With entropy_branching=False a round's contexts are (q0 t0, q0 t1, q1 t0, q1 t1), so in every group the
-    first trajectory is right (F1 1) and the second wrong (F1 0)."""
-
-    def generate(self, contexts, max_new_tokens, seed):
-        out = []
-        for i, context in enumerate(contexts):
-            prompt = self.tokenizer.decode(context)
-            question = next(q for q in GOLD if q in prompt)
-            answer = GOLD[question] if i % 2 == 0 else "Atlantis"
-            text = f"<think> I know this one. </think>\n<answer> \\boxed{{{answer}}} </answer>"
-            ids = self.tokenizer.encode(text, add_special_tokens=False)
-            out.append(Segment(ids, "answer", 0.5, text))
-        return out
-
-
-def test_real_reward_scores_each_question_against_its_own_golds(setup, monkeypatch):  # noqa: F811 -- the fixture
+def test_real_reward_scores_each_question_against_its_own_golds(setup, monkeypatch):
     """The loop's reward -> advantage path with the real reward.deep_research_reward (nothing patched): a right
     answer scores 1 and a wrong one 0 against the golds of the trajectory's own question, so every group's rewards
     are (1, 0) and its advantages ±1/√2 (mean 1/2, sample std 1/√2). Scoring against another question's golds
     would give 0 everywhere."""
     spy = Spy(monkeypatch)
-    monkeypatch.setattr(generation, "TransformersGenerator", AnswerAtOnce)
     run = Path(train.main(flags(setup, "real_reward", entropy_branching="false", max_response_tokens=64,
-                                log_samples=4))["run_dir"])
+                                log_samples=4), make_generator=AnswerAtOnce.factory())["run_dir"])
     assert len(spy.groups) == 2                                    # one call per step
     for rewards, groups, adv in spy.groups:
         assert rewards == [1.0, 0.0, 1.0, 0.0] and groups == [0, 0, 1, 1]
@@ -205,13 +187,12 @@ def test_real_reward_scores_each_question_against_its_own_golds(setup, monkeypat
 # Switches, warm-up, activation checkpointing
 
 
-def test_aepo_switches_and_activation_checkpointing_in_the_loop(setup, monkeypatch):  # noqa: F811 -- the fixture
+def test_aepo_switches_and_activation_checkpointing_in_the_loop(setup, monkeypatch):
     """Defaults (AEPO) with --gradient_checkpointing: the loss gets sg_clip=True and entropy-weighted advantages
     (they vary along a trajectory, algorithm.md §3b), and each of the 4 backward passes (2 steps × 2 mini-batches of one
     micro-batch) recomputes both decoder layers: 8 MLP forwards inside backward."""
-    monkeypatch.setattr(train.reward, "deep_research_reward", fake_reward)
     spy = Spy(monkeypatch)
-    train.main(flags(setup, "checkpointed", gradient_checkpointing="true"))
+    train.main(flags(setup, "checkpointed", gradient_checkpointing="true"), score=fake_score)
     assert spy.backwards == 4 and spy.recomputed == 2 * 4
     assert len(spy.losses) == 4 and all(sg_clip for sg_clip, _, _ in spy.losses)
     rows = [a[i][m[i] > 0] for _, a, m in spy.losses for i in range(len(a))]
@@ -223,19 +204,19 @@ def test_gradient_checkpointing_gives_the_same_gradient(tokenizer, tmp_path):
     """load_policy(..., gradient_checkpointing=True) in train mode recomputes in backward and changes no gradient."""
     make_tiny_model(tokenizer, seed=2).save_pretrained(tmp_path / "m")
     trajectories, rewards = hand_made_trajectories(n_questions=2, k=2)
-    adv = advantage.group_advantages(rewards, torch.tensor([t.group_id for t in trajectories]))
     cfg = config.Config(micro_batch_size=2)
+    adv = train.outcome_advantages(trajectories, rewards, cfg, 0)
     grads, recomputed = [], []
     for checkpointing in (False, True):
         policy = policy_mod.load_policy(str(tmp_path / "m"), 1, torch.device("cpu"),
                                         gradient_checkpointing=checkpointing)
         calls = []
         policy.lm.model.layers[0].mlp.register_forward_pre_hook(lambda module, args, calls=calls: calls.append(1))
-        batches = train.micro_batches(trajectories, adv, 1, cfg, 0, "cpu")
-        train.old_policy_pass(policy, None, batches, cfg, train.contextlib.nullcontext)
+        batches = train.micro_batches(trajectories, adv, rewards, 1, cfg, 0, "cpu")
+        train.old_policy_pass(policy, None, batches, cfg, contextlib.nullcontext)
         calls.clear()
         policy.lm.train()
-        train.accumulate_gradients(policy, batches[0], cfg, 1, train.contextlib.nullcontext, "test")
+        train.accumulate_gradients(policy, batches[0], cfg, 1, contextlib.nullcontext, "test")
         recomputed.append(len(calls))
         grads.append({name: p.grad.clone() for name, p in policy.named_parameters()})
     assert recomputed == [2, 4]                                   # 2 micro-batches; twice each when recomputing
@@ -243,17 +224,16 @@ def test_gradient_checkpointing_gives_the_same_gradient(tokenizer, tmp_path):
         torch.testing.assert_close(grads[1][name], g, atol=1e-6, rtol=1e-5, msg=name)
 
 
-def test_ablation_switches_and_warmup_in_the_loop(setup, monkeypatch):  # noqa: F811 -- the fixture
+def test_ablation_switches_and_warmup_in_the_loop(setup, monkeypatch):
     """--sg_clip false and --entropy_advantage false reach the update: the loss gets sg_clip=False and advantages
     equal to the group advantage A_j at every policy token (Ã = A); with --ppo_epochs 2 and a large learning rate the
     second pass clips, and no clipped gradient is kept (preserved = 0). Warm-up over 4 optimiser steps: the
     optimiser steps at lr·1/4, 2/4, 3/4, then lr. --dynamic_budget false (ARPO) reaches the rollout: no pre-monitor
     in any tree and m = k // 2 for every question."""
-    monkeypatch.setattr(train.reward, "deep_research_reward", fake_reward)
     spy = Spy(monkeypatch)
     lr = 0.05
     run = Path(train.main(flags(setup, "ablations", sg_clip="false", entropy_advantage="false", warmup_steps=4,
-                                ppo_epochs=2, lr=lr, dynamic_budget="false"))["run_dir"])
+                                ppo_epochs=2, lr=lr, dynamic_budget="false"), score=fake_score)["run_dir"])
     tree_records = rows_of(run, "trees.jsonl")
     assert len(tree_records) == 2 * 2 and all(rec["m"] == 2 // 2 for rec in tree_records)
     assert {t["kind"] for rec in tree_records for t in rec["trajectories"]} <= {"global", "branch", "completion"}
@@ -269,17 +249,16 @@ def test_ablation_switches_and_warmup_in_the_loop(setup, monkeypatch):  # noqa: 
     assert [m["lr"] for m in metrics] == pytest.approx([lr, lr])
 
 
-def test_kl_coef_adds_the_reference_kl_to_the_gradient(setup, monkeypatch):  # noqa: F811 -- the fixture
+def test_kl_coef_adds_the_reference_kl_to_the_gradient(setup, monkeypatch):
     """--kl_coef 4 against --kl_coef 0, 2 optimiser steps on the same rollout (--ppo_epochs 2, one mini-batch): the
     first step starts at the reference (the KL k3 = e^d − d − 1 has zero gradient at d = 0), so both runs take the
     same gradient; at the second the policy has moved away and the KL term changes the gradient by over 10 % of its
     norm. kl_ref is logged (> 0) only with a reference."""
-    monkeypatch.setattr(train.reward, "deep_research_reward", fake_reward)
     grads, groups, kl_ref = {}, {}, {}
     for kl_coef in (0.0, 4.0):
         spy = Spy(monkeypatch)
         run = Path(train.main(flags(setup, f"kl_{kl_coef:g}", kl_coef=kl_coef, steps=1, ppo_epochs=2,
-                                    mini_batch_size=2, micro_batch_size=4))["run_dir"])
+                                    mini_batch_size=2, micro_batch_size=4), score=fake_score)["run_dir"])
         grads[kl_coef], groups[kl_coef] = list(spy.grads), list(spy.groups)
         kl_ref[kl_coef] = rows_of(run, "metrics.jsonl")[0]["kl_ref"]
     assert groups[0.0] == groups[4.0] and len(grads[0.0]) == len(grads[4.0]) == 2     # the same rollout
@@ -312,10 +291,9 @@ def test_long_prompts_dropped_and_demonstrations_from_file(setup, monkeypatch, t
         seen.append(demonstrations)
         return real_cold_start(policy, demonstrations, *args, **kw)
     monkeypatch.setattr(coldstart, "cold_start", cold_start)
-    monkeypatch.setattr(train.reward, "deep_research_reward", fake_reward)
     run = Path(train.main(flags(setup, "short_prompts", max_prompt_tokens=lengths[1][0], cold_start="true",
                                 cold_start_data=str(demo_file), cold_start_steps=1, cold_start_batch=2,
-                                log_samples=4))["run_dir"])
+                                log_samples=4), score=fake_score)["run_dir"])
     assert seen == [demos]
     samples = rows_of(run, "samples.jsonl")
     assert {s["question"] for s in samples} == kept and len(samples) == 2 * 4
@@ -341,13 +319,12 @@ class Crash(Exception):
     pass
 
 
-def test_crash_then_resume_trims_logs_and_prunes_checkpoints(setup, monkeypatch):  # noqa: F811 -- the fixture
+def test_crash_then_resume_trims_logs_and_prunes_checkpoints(setup, monkeypatch):
     """Step 2 is logged, then its checkpoint fails: the resume from step 1 drops step 2's lines from metrics.jsonl,
     samples.jsonl and trees.jsonl before redoing it, and logs the same numbers again. The learning-rate warm-up
     (--warmup_steps 8, 2 optimiser steps per step) goes on where it stopped: step 2 ends at lr·4/8 in both runs, not
     at lr·2/8 as a restarted warm-up would. --keep_checkpoints 1: once step 2 is saved, step 1's checkpoint is
     deleted."""
-    monkeypatch.setattr(train.reward, "deep_research_reward", fake_reward)
     real_save = checkpoint.save
 
     def save(run_dir, step, *args, **kw):
@@ -357,14 +334,14 @@ def test_crash_then_resume_trims_logs_and_prunes_checkpoints(setup, monkeypatch)
     monkeypatch.setattr(checkpoint, "save", save)
     lr = 1e-3
     with pytest.raises(Crash):
-        train.main(flags(setup, "crashed", keep_checkpoints=1, warmup_steps=8, lr=lr))
+        train.main(flags(setup, "crashed", keep_checkpoints=1, warmup_steps=8, lr=lr), score=fake_score)
     run = setup / "runs" / "crashed"
     crashed = rows_of(run, "metrics.jsonl")
     assert [m["step"] for m in crashed] == [1, 2]
     assert [r["step"] for r in rows_of(run, "trees.jsonl")] == [1, 1, 2, 2]          # one record per question
     assert [p.name for p in checkpoint.checkpoint_dirs(run)] == ["step_000001"]
     monkeypatch.setattr(checkpoint, "save", real_save)
-    train.main(flags(setup, "crashed", keep_checkpoints=1, warmup_steps=8, lr=lr, resume="true"))
+    train.main(flags(setup, "crashed", keep_checkpoints=1, warmup_steps=8, lr=lr, resume="true"), score=fake_score)
     resumed = rows_of(run, "metrics.jsonl")
     assert [m["step"] for m in resumed] == [1, 2]
     assert [s["step"] for s in rows_of(run, "samples.jsonl")] == [1, 1, 2, 2]
@@ -382,7 +359,6 @@ def test_crash_then_resume_trims_logs_and_prunes_checkpoints(setup, monkeypatch)
 def _ddp_worker(rank, world, argv, model_dir, out):
     from transformers import AutoTokenizer
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
-    generation.TransformersGenerator = AnswerAtOnce             # the real reward: right, then wrong, per question
     record = {"questions": [], "params": [], "rewards": []}
     real_rollout, real_step, real_adv = train.rollout.tree_rollout, train.optimizer_step, advantage.group_advantages
 
@@ -401,11 +377,11 @@ def _ddp_worker(rank, world, argv, model_dir, out):
         return norm
     train.rollout.tree_rollout, train.optimizer_step = tree_rollout, optimizer_step
     advantage.group_advantages = group_advantages
-    train.main(argv)
+    train.main(argv, make_generator=AnswerAtOnce.factory())    # the real reward: right, then wrong, per question
     Path(f"{out}.{rank}").write_text(json.dumps(record))
 
 
-def test_ddp_two_processes(setup, tmp_path):  # noqa: F811 -- the fixture
+def test_ddp_two_processes(setup, tmp_path):
     """--parallel ddp on 2 gloo ranks, 2 steps, 2 micro-batches per rank (the first without gradient sync): each
     rank rolls out its own question (4 different ones over the 2 steps: one epoch's worth, no repeats) and scores it
     with the real reward against that question's golds (AnswerAtOnce: rewards (1, 0) on every rank; against another
@@ -431,13 +407,12 @@ def test_ddp_two_processes(setup, tmp_path):  # noqa: F811 -- the fixture
 # vLLM per step: rollout -> sleep -> wake weights -> every weight -> wake KV cache -> reset; evaluation settings
 
 
-def test_vllm_cycle_with_periodic_evaluation(setup, monkeypatch, tokenizer):  # noqa: F811 -- the fixture
+def test_vllm_cycle_with_periodic_evaluation(setup, monkeypatch, tokenizer):
     """The vLLM backend (tests/fake_vllm.py) with --eval_every 1: per step the rollout samples at the rollout
     temperature and top-p, the engine sleeps, wakes its weights, reloads every parameter in place, wakes its
     KV cache and resets its prefix cache; the evaluation after step 1 samples at the evaluation temperature and
     top-p and step 2 goes back to the rollout's. Every request of a call has its own seed."""
     from tests import fake_vllm
-    monkeypatch.setattr(train.reward, "deep_research_reward", fake_reward)
     monkeypatch.setitem(sys.modules, "vllm", fake_vllm)
     monkeypatch.delenv("VLLM_ENABLE_V1_MULTIPROCESSING", raising=False)
     seeds, real_generate = [], fake_vllm.LLM.generate
@@ -449,7 +424,7 @@ def test_vllm_cycle_with_periodic_evaluation(setup, monkeypatch, tokenizer):  # 
     monkeypatch.setattr(fake_vllm.LLM, "generate", generate)
     run = Path(train.main(flags(setup, "vllm_eval", backend="vllm", eval_data=str(setup / "qa.jsonl"), eval_limit=1,
                                 eval_n=1, eval_every=1, eval_before="false", temperature=0.8, top_p=0.9,
-                                eval_temperature=0.6, eval_top_p=0.95))["run_dir"])
+                                eval_temperature=0.6, eval_top_p=0.95), score=fake_score)["run_dir"])
     llm = fake_vllm.LLM.instances[-1]
     calls = []                                   # the engine's calls in order, repeats collapsed (weight loads counted)
     for event in llm.events:
@@ -468,3 +443,27 @@ def test_vllm_cycle_with_periodic_evaluation(setup, monkeypatch, tokenizer):  # 
     assert all(len(set(s)) == len(s) for s in seeds) and any(len(s) > 1 for s in seeds)
     assert (run / "eval" / "step1_summary.json").exists() and not (run / "eval" / "step2_summary.json").exists()
     assert (run / "eval" / "after_summary.json").exists()
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# DAPO's dynamic sampling (algorithm.md §7): which groups are kept
+
+
+def test_dynamic_sampling_keeps_the_groups_whose_rewards_differ_first():
+    """Four questions rolled out, rewards (0.5, 0.5), (1, 0), (0, 0), (0.2, 0.8): keeping 2 keeps questions 1 and 3
+    (the varied ones, in rollout order, renumbered 0 and 1); keeping 3 adds question 0, the first equal-reward group.
+    Keeping the first groups whatever their rewards would keep questions 0 and 1."""
+    trajectories, _ = hand_made_trajectories(n_questions=4, k=2)
+    rewards = torch.tensor([0.5, 0.5, 1.0, 0.0, 0.0, 0.0, 0.2, 0.8])
+    rows = [{"question": f"q{g}"} for g in range(4)]
+    scores = [{"n": i} for i in range(8)]
+    tree = rollout.tree_stats(trajectories, [2, 2, 2, 2], {"tools/search/calls": 5}, 3)
+    kept_rows, kept, kept_scores, kept_rewards, kept_tree = train.keep_varied_groups(
+        rows, trajectories, scores, rewards, tree, 2)
+    assert [r["question"] for r in kept_rows] == ["q1", "q3"]
+    assert [(t.group_id, t.traj_id) for t in kept] == [(0, 0), (0, 1), (1, 0), (1, 1)]
+    assert [s["n"] for s in kept_scores] == [2, 3, 6, 7] and kept_rewards.tolist() == pytest.approx([1, 0, 0.2, 0.8])
+    assert (kept_tree["questions"], kept_tree["trajectories"], kept_tree["tools/search/calls"]) == (2, 4, 5)
+    trajectories, _ = hand_made_trajectories(n_questions=4, k=2)
+    kept_rows, *_ = train.keep_varied_groups(rows, trajectories, scores, rewards, tree, 3)
+    assert [r["question"] for r in kept_rows] == ["q1", "q3", "q0"]

@@ -2,36 +2,25 @@
 layers in backward with gradient checkpointing), an FSDP2 run resumes exactly from its sharded checkpoint (each rank
 writing its own shard), evaluation split over ranks equals one process's, and checkpoints survive a crash mid-write;
 `--save_trainer_state false` keeps only the export."""
+import contextlib
 import json
-import os
 import re
 from pathlib import Path
 
 import pytest
 import torch
-import torch.multiprocessing as mp
 
 from harness import models
 
 from harness import checkpoint
 from harness import cli
+from harness import config
+from harness import generation
 import eval as evaluation
 from harness import policy as policy_mod
 import train
-from tests.conftest import make_tiny_model
-from tests.fakes import EchoTools
-from tests.test_train import QA, fake_reward, flags, free_port, setup, weights  # noqa: F401 -- fixture
-
-
-def spawn(fn, *args, world=2):
-    mp.start_processes(_entry, args=(world, free_port(), fn, args), nprocs=world, start_method="spawn")
-
-
-def _entry(rank, world, port, fn, args):
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world),
-                      LOCAL_RANK=str(rank))
-    torch.set_num_threads(1)
-    fn(rank, world, *args)
+from tests.conftest import QA, flags, hand_made_trajectories, make_tiny_model, spawn, train_worker, weights
+from tests.fakes import EchoTools, fake_score
 
 
 # ---------------------------------------------------------------------------------------------------------------------
@@ -149,19 +138,14 @@ def test_fsdp_export_keeps_the_generation_config(tokenizer, tmp_path):
 # FSDP2 training: exact resume from sharded checkpoints
 
 
-def _train_worker(rank, world, argv):
-    train.reward.deep_research_reward = fake_reward
-    train.main(argv)
-
-
 @pytest.mark.slow
-def test_fsdp_two_processes_resume_exactly(setup):  # noqa: F811 -- the fixture
+def test_fsdp_two_processes_resume_exactly(setup):
     """2 steps, then a resume for a third, equals 3 straight steps (metrics and weights); every rank wrote its own
     shard; the export loads with transformers."""
     common = dict(parallel="fsdp", mini_batch_size=2)
-    spawn(_train_worker, flags(setup, "fsdp_interrupted", **common))
-    spawn(_train_worker, flags(setup, "fsdp_interrupted", steps=3, resume="true", **common))
-    spawn(_train_worker, flags(setup, "fsdp_straight", steps=3, **common))
+    spawn(train_worker, flags(setup, "fsdp_interrupted", **common))
+    spawn(train_worker, flags(setup, "fsdp_interrupted", steps=3, resume="true", **common))
+    spawn(train_worker, flags(setup, "fsdp_straight", steps=3, **common))
     runs = setup / "runs"
     a = [json.loads(line) for line in (runs / "fsdp_interrupted" / "metrics.jsonl").read_text().splitlines()]
     b = [json.loads(line) for line in (runs / "fsdp_straight" / "metrics.jsonl").read_text().splitlines()]
@@ -185,6 +169,10 @@ def test_fsdp_two_processes_resume_exactly(setup):  # noqa: F811 -- the fixture
 # Evaluation on all ranks
 
 
+SPLIT = evaluation.EvalSettings(n=2, sampling=evaluation.rollout.Sampling(temperature=1.0, top_p=0.95),
+                                max_response_tokens=10, batch_size=4)
+
+
 def _eval_rows():
     return [{"question": q, "golds": [a], "meta": {"kind": "qa"}} for q, a in QA]
 
@@ -194,10 +182,9 @@ def _eval_worker(rank, world, model_dir, out_dir):
     torch.distributed.init_process_group("gloo")
     try:
         tokenizer = AutoTokenizer.from_pretrained(model_dir)
-        model = models.load_lm(model_dir, "cpu")
-        summary = evaluation.evaluate(model, tokenizer, _eval_rows(), EchoTools(), n=2, temperature=1.0,
-                                      max_response_tokens=10, batch_size=4, out_dir=out_dir, name="split",
-                                      rank=rank, world=world, progress=False)
+        generator = generation.TransformersGenerator(models.load_lm(model_dir, "cpu"), tokenizer, batch_size=4)
+        summary = evaluation.evaluate(generator, tokenizer, _eval_rows(), EchoTools(), SPLIT, name="split",
+                                      out_dir=out_dir, rank=rank, world=world, progress=False)
         Path(out_dir, f"summary{rank}.json").write_text(json.dumps(summary))
     finally:
         torch.distributed.destroy_process_group()
@@ -209,9 +196,9 @@ def test_evaluation_split_over_ranks_equals_one_process(tokenizer, tmp_path):
     model = make_tiny_model(tokenizer, seed=7)
     model.save_pretrained(tmp_path / "m")
     tokenizer.save_pretrained(tmp_path / "m")
-    one = evaluation.evaluate(models.load_lm(str(tmp_path / "m"), "cpu"), tokenizer, _eval_rows(), EchoTools(),
-                              n=2, temperature=1.0, max_response_tokens=10, batch_size=4, out_dir=tmp_path / "one",
-                              name="split", progress=False)
+    generator = generation.TransformersGenerator(models.load_lm(str(tmp_path / "m"), "cpu"), tokenizer, batch_size=4)
+    one = evaluation.evaluate(generator, tokenizer, _eval_rows(), EchoTools(), SPLIT, name="split",
+                              out_dir=tmp_path / "one", progress=False)
     (tmp_path / "two").mkdir()                   # each rank writes its summary there (rank 0 its results too)
     spawn(_eval_worker, str(tmp_path / "m"), str(tmp_path / "two"))
     lines = lambda d: [json.loads(x) for x in (d / "split_results.jsonl").read_text().splitlines()]   # noqa: E731
@@ -227,8 +214,7 @@ def test_evaluation_split_over_ranks_equals_one_process(tokenizer, tmp_path):
 # Checkpoints: a crash mid-write, model-only checkpoints
 
 
-def test_crash_while_saving_keeps_the_previous_checkpoint(setup, monkeypatch):  # noqa: F811 -- the fixture
-    monkeypatch.setattr(train.reward, "deep_research_reward", fake_reward)
+def test_crash_while_saving_keeps_the_previous_checkpoint(setup, monkeypatch):
     calls = []
     real = checkpoint._write_export
 
@@ -239,7 +225,7 @@ def test_crash_while_saving_keeps_the_previous_checkpoint(setup, monkeypatch):  
             raise OSError(28, "No space left on device")
     monkeypatch.setattr(checkpoint, "_write_export", export_then_crash)
     with pytest.raises(cli.RunFailure) as failure:
-        train.main(flags(setup, "crash"))
+        train.main(flags(setup, "crash"), score=fake_score)
     message = str(failure.value)                                            # one line: what, where, how much
     assert "\n" not in message and "could not write checkpoint step_000002" in message
     assert str(setup / "runs" / "crash" / "checkpoints") in message and "No space left on device" in message
@@ -253,10 +239,9 @@ def test_crash_while_saving_keeps_the_previous_checkpoint(setup, monkeypatch):  
     AutoModelForCausalLM.from_pretrained(ckpts[0])                          # the previous one is intact
 
 
-def test_a_full_disk_in_torchs_writer_is_reported_too(setup, monkeypatch):  # noqa: F811 -- the fixture
+def test_a_full_disk_in_torchs_writer_is_reported_too(setup, monkeypatch):
     """torch's C++ writers raise RuntimeError("basic_ios::clear: iostream error") on a full disk: with too little
     space free that is a RunFailure; with plenty free the same error is a bug and keeps its traceback."""
-    monkeypatch.setattr(train.reward, "deep_research_reward", fake_reward)
 
     def full(*args, **kwargs):
         raise RuntimeError("basic_ios::clear: iostream error")
@@ -266,22 +251,21 @@ def test_a_full_disk_in_torchs_writer_is_reported_too(setup, monkeypatch):  # no
     monkeypatch.setattr(checkpoint.shutil, "disk_usage",
                         lambda path: usage(path)._replace(free=free["bytes"]))
     with pytest.raises(cli.RunFailure, match="basic_ios::clear.*1 MB is free|basic_ios::clear.*0 MB is free"):
-        train.main(flags(setup, "full_disk", steps=1))
+        train.main(flags(setup, "full_disk", steps=1), score=fake_score)
     free["bytes"] = 10**15
     with pytest.raises(RuntimeError, match="basic_ios") as bug:
-        train.main(flags(setup, "not_the_disk", steps=1))
+        train.main(flags(setup, "not_the_disk", steps=1), score=fake_score)
     assert not isinstance(bug.value, cli.UserError)
 
 
-def test_model_only_checkpoints_resume(setup, monkeypatch, capsys):  # noqa: F811 -- the fixture
-    monkeypatch.setattr(train.reward, "deep_research_reward", fake_reward)
-    run = Path(train.main(flags(setup, "lean", steps=1, save_trainer_state="false"))["run_dir"])
+def test_model_only_checkpoints_resume(setup, monkeypatch, capsys):
+    run = Path(train.main(flags(setup, "lean", steps=1, save_trainer_state="false"), score=fake_score)["run_dir"])
     step1 = run / "checkpoints" / "step_000001"
     assert not (step1 / "trainer").exists() and (step1 / "model.safetensors").exists()
-    full = Path(train.main(flags(setup, "full", steps=1))["run_dir"]) / "checkpoints" / "step_000001"
+    full = Path(train.main(flags(setup, "full", steps=1), score=fake_score)["run_dir"]) / "checkpoints" / "step_000001"
     size = lambda d: sum(p.stat().st_size for p in d.rglob("*") if p.is_file())       # noqa: E731
     assert size(step1) < 0.5 * size(full)                                    # 4 B vs 16 B per parameter
-    train.main(flags(setup, "lean", steps=2, resume="true", save_trainer_state="false"))
+    train.main(flags(setup, "lean", steps=2, resume="true", save_trainer_state="false"), score=fake_score)
     assert "AdamW moments restart" in capsys.readouterr().err
     rows = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in rows] == [1, 2]
@@ -314,3 +298,46 @@ def test_metrics_whose_keys_only_some_ranks_have_are_summed(tmp_path):
         got = torch.load(f"{tmp_path / 'm'}.{rank}")
         assert got["metrics"] == {"reward": 3.0, "n_traj": 8.0, "tools/search/calls": 3.0, "tools/search/errors": 1.0}
         assert got["bars"] is (rank == 0)
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# REINFORCE++ (algorithm.md §7): its returns are normalised over the whole batch, all ranks together
+
+
+def reinforce_pp_advantages(tokenizer, rank=0, world=1):
+    """The per-token advantages train.old_policy_pass gives with --reinforce_pp for this rank's half of 4 questions ×
+    k = 2 (all of them with one process): [(question, trajectory, its Ã at the mask-1 tokens)]."""
+    cfg = config.Config(reinforce_pp=True, entropy_advantage=False, micro_batch_size=3)
+    policy = policy_mod.Policy(make_tiny_model(tokenizer, seed=2))
+    trajectories, rewards = hand_made_trajectories(n_questions=4, k=2, seed=3)
+    per = len(trajectories) // world
+    mine, mine_rewards = trajectories[rank * per:(rank + 1) * per], rewards[rank * per:(rank + 1) * per]
+    batches = train.micro_batches(mine, train.outcome_advantages(mine, mine_rewards, cfg, 0), mine_rewards, 1, cfg, 0,
+                                  "cpu")
+    train.old_policy_pass(policy, None, batches, cfg, contextlib.nullcontext)
+    flat = [(mb.adv_tok[i], mb.mask[i]) for mb in batches[0] for i in range(len(mb.mask))]
+    return [(t.group_id, t.traj_id, adv[mask.bool()].tolist()) for t, (adv, mask) in zip(mine, flat)]
+
+
+def _reinforce_pp_worker(rank, world, model_dir, out):
+    from transformers import AutoTokenizer
+    torch.distributed.init_process_group("gloo")
+    try:
+        got = reinforce_pp_advantages(AutoTokenizer.from_pretrained(model_dir), rank, world)
+        Path(f"{out}.{rank}").write_text(json.dumps(got))
+        torch.distributed.barrier()
+    finally:
+        torch.distributed.destroy_process_group()
+
+
+def test_reinforce_pp_normalises_over_all_ranks(tokenizer, tmp_path):
+    """Two ranks with two questions each give every token the advantage one process gives it: the mean and std of
+    the returns are over the whole batch (an all-reduce), not over each rank's half (which shifts every value here)."""
+    tokenizer.save_pretrained(tmp_path / "tok")
+    one = reinforce_pp_advantages(tokenizer)
+    spawn(_reinforce_pp_worker, str(tmp_path / "tok"), str(tmp_path / "adv"))
+    two = [row for rank in (0, 1) for row in json.loads(Path(f"{tmp_path / 'adv'}.{rank}").read_text())]
+    assert [list(row[:2]) for row in two] == [list(row[:2]) for row in one]
+    for (_, _, a), (_, _, b) in zip(one, two):
+        assert b == pytest.approx(a, rel=1e-5, abs=1e-6)
+    assert len({round(v, 6) for _, _, adv in one for v in adv}) > 2                # the returns do vary

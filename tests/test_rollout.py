@@ -10,13 +10,7 @@ import pytest
 import rollout
 import tools
 from rollout import branch_probability, global_budget, segment_entropy, tree_rollout
-from tests.fakes import CharTokenizer, EchoTools, ScriptedGenerator
-
-TOK = CharTokenizer()
-
-
-def prompts(n):
-    return [TOK.encode(f"<|user|>question {i}?<|assistant|>") for i in range(n)]
+from tests.fakes import TOK, EchoTools, ScriptedGenerator, prompts
 
 
 def run(n_q=2, k=8, seed=0, gen=None, **kw):
@@ -68,9 +62,9 @@ def test_empirical_branch_rate_matches_probability(delta_h, l):
     for seed in range(n):
         t = rollout.Trajectory(0, 0, [1], [7, 8], [1, 0], seg_entropies=[1.0, 1.0 + delta_h], l=l,
                                result_ends=[1, 2])
-        group = [t]
-        rollout._maybe_branch(t, 1, group, random.Random(seed), 1, gamma, lam, tau)
-        branched += len(group) == 2
+        tree = rollout.Tree(0, [1], [t])
+        rollout._maybe_branch(t, 1, tree, random.Random(seed), 1, rollout.TreeSettings(gamma=gamma, lam=lam, tau=tau))
+        branched += len(tree.trajectories) == 2
     threshold = tau / (1 - min(1, lam * l)) - gamma * delta_h   # branch iff u ≥ threshold
     expected = 1 - min(1.0, max(0.0, threshold))
     sd = math.sqrt(expected * (1 - expected) / n) + 1e-9
@@ -137,14 +131,14 @@ def test_no_tool_call_premonitor_uses_h_root_and_static_budget():
 def test_entropy_branching_off_gives_k_independent_samples():
     trajs, stats = run(n_q=2, k=6, entropy_branching=False, gamma=100.0)  # γ would force branches
     assert all(t.parent is None and t.kind == "global" and t.round == 0 for t in trajs)
-    assert stats["branches_per_tree"] == 0
+    assert stats["branches"] == 0
 
 
 def test_branches_spend_the_budget_and_record_the_tree():
     gen = ScriptedGenerator(n_tools=3, entropy=lambda s: 1.0 + 2.0 * s)   # entropy rises after tools
     trajs, stats = run(n_q=2, k=8, gen=gen, gamma=1.0)
     branches = [t for t in trajs if t.parent is not None]
-    assert branches and stats["branches_per_tree"] == len(branches) / 2
+    assert branches and stats["branches"] == len(branches) and stats["questions"] == 2
     for b in branches:
         parent = next(t for t in trajs if t.group_id == b.group_id and t.traj_id == b.parent)
         assert b.kind == "branch" and b.traj_id > parent.traj_id
@@ -214,21 +208,21 @@ def test_tree_stats_by_hand(monkeypatch):
     path made 4 searches, of which 4 + 3 + 1 + 1 = 9 ran (the rest were inherited); 9 rounds (the pre-monitor's 5,
     B1's 4 more). Token counts are checked against the decoded text, not the loss mask."""
     trajs, stats = constant_u_tree(monkeypatch)
-    assert {key: stats[key] for key in ("m", "branches_per_tree", "branch_top_chain_share", "trees_with_branches",
-                                        "tool_calls_per_traj", "tools/search/calls", "tool_limit_hits",
-                                        "truncated_frac", "rounds")} == \
-        {"m": 1.0, "branches_per_tree": 3.0, "branch_top_chain_share": 1.0, "trees_with_branches": 1,
-         "tool_calls_per_traj": 4.0, "tools/search/calls": 9, "tool_limit_hits": 0, "truncated_frac": 0.0, "rounds": 9}
+    assert {key: stats[key] for key in ("questions", "trajectories", "m", "branches", "branch_top_chain",
+                                        "trees_branched", "tool_calls", "tools/search/calls", "tool_limit_hits",
+                                        "truncated", "rounds")} == \
+        {"questions": 1, "trajectories": 4, "m": 1, "branches": 3, "branch_top_chain": 1.0, "trees_branched": 1,
+         "tool_calls": 16, "tools/search/calls": 9, "tool_limit_hits": 0, "truncated": 0, "rounds": 9}
     texts = [TOK.decode(t.response_ids) for t in trajs]
     assert all(text.count("<search>") == 4 for text in texts)
     results = [sum(len(m) for m in re.findall(r"\n<result>\n.*?\n</result>\n", text, re.DOTALL)) for text in texts]
-    assert stats["generated_tokens_per_traj"] == pytest.approx(sum(len(x) - r for x, r in zip(texts, results)) / 4)
-    assert stats["response_tokens_per_traj"] == pytest.approx(sum(len(x) for x in texts) / 4)
+    assert stats["gen_len"] == sum(len(x) - r for x, r in zip(texts, results))
+    assert stats["resp_len"] == sum(len(x) for x in texts)
     prompt = len(prompts(1)[0])
     ends = [m.end() for m in re.finditer("</result>\n", texts[0])]       # the pre-monitor's result ends
     b1_ends = [m.end() for m in re.finditer("</result>\n", texts[1])]
     shared = (prompt + ends[0]) + (prompt + ends[2]) + (prompt + b1_ends[2])   # B1, B2, B3 share up to their fork
-    assert stats["shared_prefix_frac"] == pytest.approx(shared / sum(prompt + len(x) for x in texts))
+    assert stats["shared_prefix"] == shared and stats["seq_len"] == sum(prompt + len(x) for x in texts)
 
 
 def test_penalty_lowers_branch_concentration():
@@ -236,7 +230,7 @@ def test_penalty_lowers_branch_concentration():
     # h_root = 0 ≪ h_tool: m = 1, so the whole budget goes to branching
     no_penalty = [run(n_q=4, k=12, gen=gen, lam=0.0, seed=s)[1] for s in range(6)]
     penalty = [run(n_q=4, k=12, gen=gen, lam=0.5, seed=s)[1] for s in range(6)]
-    assert all(st["m"] == 1 for st in no_penalty + penalty)
+    assert all(st["m_per_question"] == [1] * 4 for st in no_penalty + penalty)
     hist_no = sum(sum(v for l, v in st["branch_l_hist"].items() if l >= 2) for st in no_penalty)
     hist_pen = sum(sum(v for l, v in st["branch_l_hist"].items() if l >= 2) for st in penalty)
     assert hist_pen < hist_no
@@ -249,7 +243,7 @@ class NumberedAnswers:
     def __init__(self):
         self.contexts = 0
 
-    def generate(self, contexts, max_new_tokens, seed):
+    def generate(self, contexts, max_new_tokens, seed, sampling=None, on_step=None):
         out = []
         for _ in contexts:
             self.contexts += 1
@@ -319,7 +313,7 @@ def test_tool_call_limit_and_token_budget():
     assert stats["tool_limit_hits"] == 2 * 47
     trajs, stats = run(n_q=1, k=2, gen=gen, entropy_branching=False, max_response_tokens=300)
     assert all(t.truncated and t.finish_reason == "length" and len(t.response_ids) <= 300 for t in trajs)
-    assert stats["truncated_frac"] == 1.0
+    assert stats["truncated"] == stats["trajectories"]
 
 
 def test_stats_count_executed_tool_calls():
@@ -338,7 +332,7 @@ class FixedSearch:
     def __init__(self):
         self.budgets = []
 
-    def generate(self, contexts, max_new_tokens, seed):
+    def generate(self, contexts, max_new_tokens, seed, sampling=None, on_step=None):
         self.budgets.append(list(max_new_tokens))
         ids = TOK.encode(self.text)
         return [rollout.Segment(ids[:n], "tool" if n >= len(ids) else "length", 1.0, TOK.decode(ids[:n]))
@@ -362,3 +356,65 @@ def test_tool_result_that_fills_the_budget_ends_the_trajectory(spare):
         assert t.loss_mask == [1] * len(FixedSearch.text) + [0] * len(result)
     else:
         assert gen.budgets == [[budget], [1]] and t.result_ends == [budget - 1]
+
+
+# ---------------------------------------------------------------------------------------------- rules a break would hide
+
+
+class FixedU:
+    """An rng whose every draw is u (rollout._maybe_branch draws u ~ U(0, 1) with .random())."""
+
+    def __init__(self, u):
+        self.u = u
+
+    def random(self):
+        return self.u
+
+
+def decide(seg_entropies, step, u, **settings):
+    """Whether one decision after tool result `step` branches, on a path with these segment entropies."""
+    t = rollout.Trajectory(0, 0, [1], list(range(len(seg_entropies))), [1] * len(seg_entropies),
+                           seg_entropies=list(seg_entropies), result_ends=list(range(1, len(seg_entropies) + 1)))
+    tree = rollout.Tree(0, [1], [t])
+    rollout._maybe_branch(t, step, tree, FixedU(u), 1, rollout.TreeSettings(**settings))
+    return len(tree.trajectories) == 2
+
+
+def test_delta_h_is_measured_against_the_paths_first_segment():
+    """algorithm.md §2b, D5: ΔH = H_seg(latest) − H_seg(first segment of the path), not of the previous segment. At step
+    2 of entropies (1, 5, 2) ΔH = 1 (P = 0.4 + 0.2 = 0.6 ≥ 0.5: a branch); against the previous segment it would be
+    −3 (P = −0.2: none). At step 1 the two references coincide, so the rule needs a later step to show."""
+    assert decide([1.0, 5.0, 2.0], 2, u=0.4, gamma=0.2, tau=0.5)
+    assert not decide([1.0, 5.0, 2.0], 2, u=0.4, gamma=-0.2, tau=0.5)          # the sign of γΔH matters
+    assert not decide([4.0, 5.0, 2.0], 2, u=0.4, gamma=0.2, tau=0.5)           # ΔH = −2 against a higher first
+    # a branch's path starts at its parent's first segment: its inherited seg_entropies[0]
+    parent = rollout.Trajectory(0, 0, [1], [5, 6, 7], [1, 0, 1], seg_entropies=[1.0, 5.0], result_ends=[2, 3])
+    tree = rollout.Tree(0, [1], [parent])
+    rollout._maybe_branch(parent, 1, tree, FixedU(0.9), 1, rollout.TreeSettings())
+    branch = tree.trajectories[1]
+    assert branch.seg_entropies == [1.0, 5.0] and branch.seg_entropies[0] == parent.seg_entropies[0]
+
+
+def test_branch_probability_is_clipped_to_the_unit_interval_before_tau():
+    """The official code clips P to [0, 1] before comparing it with τ: with τ ≤ 0 a negative P still branches (0 ≥ 0),
+    with τ > 1 no P does (1 < τ); without the clip P = −0.6 would not branch at τ = 0 and P = 1.4 would at τ = 1.2."""
+    assert decide([1.0, 1.0, -4.0], 2, u=0.4, gamma=0.2, tau=0.0)              # P = 0.4 − 1 = −0.6 -> 0 ≥ 0
+    assert not decide([1.0, 1.0, 6.0], 2, u=0.4, gamma=0.2, tau=1.2)           # P = 0.4 + 1 = 1.4 -> 1 < 1.2
+    assert decide([1.0, 1.0, 6.0], 2, u=0.4, gamma=0.2, tau=1.0)               # 1 ≥ 1
+
+
+def test_tool_limit_ends_appends_eos_as_a_policy_token():
+    """D10, --tool_limit_ends: at the tool-call limit the official code appends EOS as a policy token and ends the
+    trajectory; without it the trajectory reads a notice and goes on (here: to the token budget)."""
+    gen = ScriptedGenerator(n_tools=50, entropy=lambda s: 1.0)
+    trajs, stats = tree_rollout(prompts(1), gen, EchoTools(), TOK, k=2, seed=0, entropy_branching=False,
+                                max_tool_calls=2, max_response_tokens=100_000, tool_limit_ends=True)
+    for t in trajs:
+        assert t.finish_reason == "eos" and not t.truncated
+        assert t.response_ids[-1] == TOK.eos_token_id and t.loss_mask[-1] == 1   # EOS, trained as a policy token
+        assert [tool for tool, _ in t.tool_calls] == ["search", "search"] and "tool-call limit" not in t.text
+        assert TOK.decode(t.response_ids).endswith("</search>")                  # the third call, then EOS
+    assert stats["tool_limit_hits"] == 2
+    trajs, _ = tree_rollout(prompts(1), gen, EchoTools(), TOK, k=2, seed=0, entropy_branching=False,
+                            max_tool_calls=2, max_response_tokens=2_000)
+    assert all(t.finish_reason == "length" and "tool-call limit (2) reached" in t.text for t in trajs)

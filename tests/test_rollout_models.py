@@ -7,18 +7,8 @@ import rollout
 from harness import search as search_mod
 import tools
 from harness.generation import TransformersGenerator
-from rollout import Segment, tree_rollout
-from tests.conftest import make_tiny_model
-
-
-def chat_prompt(tokenizer, question):
-    return tokenizer.apply_chat_template(
-        [{"role": "system", "content": tools.SYSTEM_PROMPT}, {"role": "user", "content": question}],
-        add_generation_prompt=True, tokenize=True, return_dict=False)
-
-
-def as_ids(x):
-    return list(x["input_ids"]) if isinstance(x, dict) or hasattr(x, "keys") else list(x)
+from rollout import Sampling, Segment, tree_rollout
+from tests.conftest import as_ids, chat_prompt, make_tiny_model
 
 
 class ForcedFirstCall:
@@ -30,11 +20,11 @@ class ForcedFirstCall:
         self.vocab_size = inner.vocab_size
         self.log = []  # (context, segment)
 
-    def generate(self, contexts, max_new_tokens, seed):
+    def generate(self, contexts, max_new_tokens, seed, sampling=None, on_step=None):
         real = [i for i, c in enumerate(contexts) if len(c) > self.prompt_len]
         out = [None] * len(contexts)
         if real:
-            segs = self.inner.generate([contexts[i] for i in real], [max_new_tokens[i] for i in real], seed)
+            segs = self.inner.generate([contexts[i] for i in real], [max_new_tokens[i] for i in real], seed, sampling)
             for i, s in zip(real, segs):
                 out[i] = s
         for i, c in enumerate(contexts):
@@ -53,16 +43,16 @@ def real_tools(tmp_path_factory):
 
 
 def test_transformers_generator_segments(tokenizer, tiny_model):
-    gen = TransformersGenerator(tiny_model, tokenizer, temperature=1.0, top_p=0.9, batch_size=3)
+    gen = TransformersGenerator(tiny_model, tokenizer, batch_size=3)
     ctx = [as_ids(chat_prompt(tokenizer, q)) for q in ("a?", "a longer question here?", "b?", "c?")]
-    segs = gen.generate(ctx, [5, 12, 7, 1], seed=3)
+    segs = gen.generate(ctx, [5, 12, 7, 1], seed=3, sampling=Sampling(top_p=0.9))
     assert [len(s.token_ids) <= n for s, n in zip(segs, [5, 12, 7, 1])] == [True] * 4
     for s in segs:
         assert s.finish_reason in ("tool", "answer", "eos", "length")
         n = min(len(s.token_ids), 20)
         assert 0 <= s.h_seg <= n * 1.0 + 1e-6          # each position contributes ≤ log(10)/log|V| < 1
         assert s.text == tokenizer.decode(s.token_ids)
-    again = gen.generate(ctx, [5, 12, 7, 1], seed=3)
+    again = gen.generate(ctx, [5, 12, 7, 1], seed=3, sampling=Sampling(top_p=0.9))
     assert [s.token_ids for s in segs] == [s.token_ids for s in again]
 
 
@@ -84,7 +74,7 @@ def test_transformers_generator_cuts_at_stop_strings(tokenizer):
         count = 0
 
     model.register_forward_hook(forward_hook, with_kwargs=True)
-    gen = TransformersGenerator(model, tokenizer, temperature=1.0)
+    gen = TransformersGenerator(model, tokenizer)
     seg = gen.generate([as_ids(chat_prompt(tokenizer, "q"))], [20], seed=0)[0]
     assert seg.finish_reason == "tool"
     assert seg.text.endswith("</search>")
@@ -93,7 +83,7 @@ def test_transformers_generator_cuts_at_stop_strings(tokenizer):
 
 def test_full_tree_with_tiny_model_and_real_tools(tokenizer, tiny_model, real_tools):
     prompts = [as_ids(chat_prompt(tokenizer, "Where is the Eiffel Tower?"))]
-    inner = TransformersGenerator(tiny_model, tokenizer, temperature=1.0)
+    inner = TransformersGenerator(tiny_model, tokenizer)
     gen = ForcedFirstCall(inner, tokenizer, len(prompts[0]))
     trajs, stats = tree_rollout(prompts, gen, real_tools, tokenizer, k=4, gamma=5.0,
                                 max_response_tokens=420, seed=1)
@@ -131,11 +121,51 @@ def test_full_tree_with_tiny_model_and_real_tools(tokenizer, tiny_model, real_to
 def test_segment_entropy_is_from_the_raw_distribution(tokenizer, tiny_model):
     """With temperature and top-p on, H_seg still uses the model's own (T = 1) top-10 log-probs,
     recomputed here by a plain forward pass over the sampled tokens."""
-    gen = TransformersGenerator(tiny_model, tokenizer, temperature=0.5, top_p=0.9)
+    gen = TransformersGenerator(tiny_model, tokenizer)
     ctx = as_ids(chat_prompt(tokenizer, "entropy?"))
-    seg = gen.generate([ctx], [30], seed=11)[0]
+    seg = gen.generate([ctx], [30], seed=11, sampling=Sampling(temperature=0.5, top_p=0.9))[0]
     with torch.no_grad():
         logits = tiny_model(torch.tensor([ctx + seg.token_ids])).logits[0].float()
     first = logits[len(ctx) - 1: len(ctx) - 1 + min(20, len(seg.token_ids))]
     top = torch.log_softmax(first, -1).topk(10, -1).values.tolist()
     assert seg.h_seg == pytest.approx(rollout.segment_entropy(top, tiny_model.config.vocab_size), rel=1e-4)
+
+
+def peaked(tokenizer, seed=5):
+    """The tiny model with 40x larger (tied) embeddings: peaked next-token distributions that repeat tokens."""
+    lm = make_tiny_model(tokenizer, seed=seed)
+    with torch.no_grad():
+        lm.model.embed_tokens.weight.mul_(40.0)
+    return lm
+
+
+def raw_h_seg(model, context, token_ids):
+    """H_seg of a segment from the model's own logits, teacher-forced over its tokens (no penalty, T = 1)."""
+    with torch.no_grad():
+        logits = model(torch.tensor([context + token_ids])).logits[0].float()
+    first = logits[len(context) - 1: len(context) - 1 + min(20, len(token_ids))]
+    return rollout.segment_entropy(torch.log_softmax(first, -1).topk(10, -1).values.tolist(), model.config.vocab_size)
+
+
+def test_a_checkpoints_generation_config_does_not_shape_the_samples(tokenizer):
+    """algorithm.md §1: the generator samples the raw policy. A checkpoint whose generation_config sets a repetition
+    penalty, no_repeat_ngram_size, min_p and suppressed tokens (instruct checkpoints ship such settings) samples exactly
+    the tokens of the same weights without them, with the raw H_seg, and its generation_config is left as it was. A
+    repetition penalty given per call (an evaluation protocol's) does change the samples, and not H_seg."""
+    context = as_ids(chat_prompt(tokenizer, "What is the capital of France?"))
+    plain, shaped = peaked(tokenizer), peaked(tokenizer)
+    shaped.generation_config.update(repetition_penalty=2.0, no_repeat_ngram_size=2, min_p=0.3, suppress_tokens=[198])
+    a = TransformersGenerator(plain, tokenizer).generate([context], [30], seed=3)[0]
+    b = TransformersGenerator(shaped, tokenizer).generate([context], [30], seed=3)[0]
+    assert len(a.token_ids) > 5 and len(set(a.token_ids)) < len(a.token_ids)          # it repeats itself
+    assert b.token_ids == a.token_ids and b.h_seg == pytest.approx(a.h_seg, rel=1e-6)
+    assert a.h_seg == pytest.approx(raw_h_seg(plain, context, a.token_ids), rel=1e-4)
+    assert shaped.generation_config.repetition_penalty == 2.0 and shaped.generation_config.min_p == 0.3
+    c = TransformersGenerator(plain, tokenizer).generate([context], [30], seed=3,
+                                                         sampling=Sampling(repetition_penalty=2.0))[0]
+    assert c.token_ids != a.token_ids
+    assert c.h_seg == pytest.approx(raw_h_seg(plain, context, c.token_ids), rel=1e-4)
+    d = TransformersGenerator(plain, tokenizer).generate([context], [30], seed=3, sampling=Sampling(top_k=1))[0]
+    greedy = TransformersGenerator(plain, tokenizer).generate([context], [30], seed=4,
+                                                              sampling=Sampling(temperature=0.0))[0]
+    assert d.token_ids == greedy.token_ids                                            # top-k 1 is greedy

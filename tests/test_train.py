@@ -1,64 +1,24 @@
 """train.py: config errors, tensor layout and masks, gradients under 1 and 2 processes (DDP, FSDP2), the whole loop
 for two steps (1 and 2 processes), checkpoint/resume exactness. A tiny random Llama over the real SmolLM2 tokenizer
 stands in for the model; the search is a replay table written by the test (no index needed)."""
+import contextlib
 import json
 import os
-import socket
 import sys
-import zlib
 from pathlib import Path
 
 import pytest
 import torch
 import torch.multiprocessing as mp
 
-import rollout
 import tools
 from harness import coldstart
 from harness import cli
 from harness import config
 from harness import policy as policy_mod
 import train
-from tests.conftest import make_tiny_model
-
-QA = [("What is the capital of France?", "Paris"), ("Who wrote Hamlet?", "William Shakespeare"),
-      ("What is the largest planet?", "Jupiter"), ("In what year did World War II end?", "1945"),
-      ("What is the chemical symbol of gold?", "Au"), ("Who painted the Mona Lisa?", "Leonardo da Vinci")]
-
-
-def fake_reward(text, golds):
-    """Stand-in for the deep-research reward: a random model never produces the format, so every real reward is −1
-    and every advantage 0; this deterministic function of the text gives the groups a spread."""
-    return (zlib.crc32(text.encode()) % 97) / 97.0
-
-
-@pytest.fixture(scope="module")
-def setup(tmp_path_factory, tokenizer):
-    """A tiny model directory, a QA file with search queries and a replay search table."""
-    root = tmp_path_factory.mktemp("train")
-    make_tiny_model(tokenizer).save_pretrained(root / "tiny")
-    tokenizer.save_pretrained(root / "tiny")
-    with open(root / "qa.jsonl", "w") as f:
-        for q, a in QA:
-            f.write(json.dumps({"question": q, "answer": [a], "query": q.rstrip("?")}) + "\n")
-    (root / "search.json").write_text(json.dumps({q.rstrip("?"): f"Page 1: {q} The answer is {a}." for q, a in QA}))
-    return root
-
-
-def flags(root, run_name, **over):
-    base = dict(model=str(root / "tiny"), train_data=str(root / "qa.jsonl"), eval_data="", search="replay",
-                search_kw=json.dumps({"path": str(root / "search.json")}), cold_start="false", k=2,
-                questions_per_step=2, mini_batch_size=1, micro_batch_size=3, steps=2, max_response_tokens=12,
-                out_dir=str(root / "runs"), run_name=run_name, cache_dir=str(root / "cache"), save_every=1,
-                keep_checkpoints=3, lr=1e-3)
-    base.update(over)
-    return [f"--{key}={value}" for key, value in base.items()]
-
-
-def weights(path):
-    from safetensors.torch import load_file
-    return load_file(str(Path(path) / "model.safetensors"))
-
+from tests.conftest import QA, flags, free_port, hand_made_trajectories, make_tiny_model, weights
+from tests.fakes import fake_score
 
 # ---------------------------------------------------------------------------------------------------------------------
 # Config and bad input
@@ -195,31 +155,15 @@ def peaked_tiny_model(tokenizer):
     return lm
 
 
-def hand_made_trajectories(n_questions=4, k=2, seed=0):
-    g = torch.Generator().manual_seed(seed)
-    out = []
-    for q in range(n_questions):
-        prompt = torch.randint(100, 5000, (int(torch.randint(3, 8, (1,), generator=g)),), generator=g).tolist()
-        for j in range(k):
-            n = int(torch.randint(4, 12, (1,), generator=g))
-            resp = torch.randint(100, 5000, (n,), generator=g).tolist()
-            mask = [1] * n
-            mask[n // 3:n // 3 + 2] = [0, 0]                      # a tool result inside the response
-            out.append(rollout.Trajectory(q, j, prompt, resp, mask))
-    rewards = torch.rand(len(out), generator=g)
-    return out, rewards
-
-
 def gradients(policy, trajectories, rewards, cfg, world, n_minibatches=1):
     """What the loop does for one mini-batch: advantages, old pass, perturbed old log-probs (so ratios leave 1 and
     clipping happens), accumulate_gradients. Returns {name: full gradient}."""
-    groups = torch.tensor([t.group_id for t in trajectories])
-    adv = train.advantage.group_advantages(rewards, groups)
-    batches = train.micro_batches(trajectories, adv, n_minibatches, cfg, 0, "cpu")
-    train.old_policy_pass(policy, None, batches, cfg, train.contextlib.nullcontext)
+    adv = train.outcome_advantages(trajectories, rewards, cfg, 0)
+    batches = train.micro_batches(trajectories, adv, rewards, n_minibatches, cfg, 0, "cpu")
+    train.old_policy_pass(policy, None, batches, cfg, contextlib.nullcontext)
     for mb in (mb for mbs in batches for mb in mbs):              # a deterministic function of the token
         mb.old_logp = mb.old_logp + 0.4 * torch.sin(mb.input_ids[:, 1:].float()) * mb.mask
-    metrics = train.accumulate_gradients(policy, batches[0], cfg, world, train.contextlib.nullcontext, "test")
+    metrics = train.accumulate_gradients(policy, batches[0], cfg, world, contextlib.nullcontext, "test")
     grads = {}
     for name, p in policy_mod.unwrap(policy).named_parameters():
         grad = p.grad.full_tensor() if hasattr(p.grad, "full_tensor") else p.grad
@@ -273,12 +217,6 @@ def _grad_worker(rank, world, port, parallel, tok_dir, out):
         torch.distributed.destroy_process_group()
 
 
-def free_port():
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @pytest.fixture(scope="module")
 def single_process_gradient(tokenizer):
     cfg = config.Config(micro_batch_size=8)
@@ -286,7 +224,7 @@ def single_process_gradient(tokenizer):
     trajectories, rewards = hand_made_trajectories()
     grads, metrics = gradients(policy, trajectories, rewards, cfg, world=1)
     assert metrics["n_tokens"] > 0
-    assert metrics["clip_upper"] + metrics["clip_lower"] > 0       # the perturbation does make clipping happen
+    assert metrics["clip_hi"] + metrics["clip_lo"] > 0       # the perturbation does make clipping happen
     return grads
 
 
@@ -324,9 +262,9 @@ def test_bf16_and_gradient_checkpointing_update(tokenizer, single_process_gradie
     (getattr(lm, "activation_checkpointing_enable", None) or lm.gradient_checkpointing_enable)()
     policy = policy_mod.Policy(lm)
     trajectories, rewards = hand_made_trajectories()
-    groups = torch.tensor([t.group_id for t in trajectories])
-    batches = train.micro_batches(trajectories, train.advantage.group_advantages(rewards, groups), 1,
-                                  config.Config(micro_batch_size=3), 0, "cpu")
+    cfg = config.Config(micro_batch_size=3)
+    batches = train.micro_batches(trajectories, train.outcome_advantages(trajectories, rewards, cfg, 0), rewards, 1,
+                                  cfg, 0, "cpu")
     bf16 = lambda: torch.autocast("cpu", dtype=torch.bfloat16)        # noqa: E731
     train.old_policy_pass(policy, None, batches, config.Config(), bf16)
     assert all(mb.old_logp.dtype == torch.float32 for mb in batches[0])
@@ -344,12 +282,12 @@ def test_non_finite_loss_raises(tokenizer):
     policy = policy_mod.Policy(make_tiny_model(tokenizer))
     trajectories, rewards = hand_made_trajectories()
     cfg = config.Config(micro_batch_size=8)
-    adv = train.advantage.group_advantages(rewards, torch.tensor([t.group_id for t in trajectories]))
-    batches = train.micro_batches(trajectories, adv, 1, cfg, 0, "cpu")
-    train.old_policy_pass(policy, None, batches, cfg, train.contextlib.nullcontext)
+    adv = train.outcome_advantages(trajectories, rewards, cfg, 0)
+    batches = train.micro_batches(trajectories, adv, rewards, 1, cfg, 0, "cpu")
+    train.old_policy_pass(policy, None, batches, cfg, contextlib.nullcontext)
     batches[0][0].adv_tok[0, 3] = float("nan")
     with pytest.raises(ValueError, match="step 7, mini-batch 0, micro-batch 0: advantages.*non-finite"):
-        train.accumulate_gradients(policy, batches[0], cfg, 1, train.contextlib.nullcontext, "step 7, mini-batch 0")
+        train.accumulate_gradients(policy, batches[0], cfg, 1, contextlib.nullcontext, "step 7, mini-batch 0")
 
 
 # ---------------------------------------------------------------------------------------------------------------------
@@ -357,11 +295,10 @@ def test_non_finite_loss_raises(tokenizer):
 
 
 def test_two_steps_then_resume_is_exact(setup, monkeypatch, tokenizer):
-    monkeypatch.setattr(train.reward, "deep_research_reward", fake_reward)
     initial = {k: v.clone() for k, v in make_tiny_model(tokenizer).state_dict().items()}
     # interrupted: 2 steps (with a cold start and a 1-question eval), then resume for a third
     common = dict(cold_start="true", cold_start_questions=2, cold_start_steps=2, cold_start_batch=2, kl_coef=0.05)
-    out = train.main(flags(setup, "interrupted", eval_data=str(setup / "qa.jsonl"), eval_limit=1, **common))
+    out = train.main(flags(setup, "interrupted", eval_data=str(setup / "qa.jsonl"), eval_limit=1, **common), score=fake_score)
     run = Path(out["run_dir"])
     rows = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in rows] == [1, 2]
@@ -375,9 +312,9 @@ def test_two_steps_then_resume_is_exact(setup, monkeypatch, tokenizer):
         assert (run / name).exists(), name
     cs = list((setup / "cache" / "cold_start").iterdir())
     assert len(cs) == 1 and (cs[0] / "config.json").exists()      # cold start cached for the next run
-    train.main(flags(setup, "interrupted", steps=3, resume="true", **common))
+    train.main(flags(setup, "interrupted", steps=3, resume="true", **common), score=fake_score)
     # uninterrupted: 3 steps (reuses the cached cold start)
-    train.main(flags(setup, "straight", steps=3, **common))
+    train.main(flags(setup, "straight", steps=3, **common), score=fake_score)
     a = [json.loads(line) for line in (setup / "runs" / "interrupted" / "metrics.jsonl").read_text().splitlines()]
     b = [json.loads(line) for line in (setup / "runs" / "straight" / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in a] == [1, 2, 3]
@@ -395,11 +332,10 @@ def test_vllm_backend_loop(setup, monkeypatch):
     temperature -> sleep -> update -> wake weights -> every weight written -> wake KV cache -> reset; evaluation at
     its own temperature and back; the engine ends with the checkpoint's (bf16) weights and is shut down."""
     from tests import fake_vllm
-    monkeypatch.setattr(train.reward, "deep_research_reward", fake_reward)
     monkeypatch.setitem(sys.modules, "vllm", fake_vllm)
     monkeypatch.delenv("VLLM_ENABLE_V1_MULTIPROCESSING", raising=False)
     run = Path(train.main(flags(setup, "vllm", backend="vllm", eval_data=str(setup / "qa.jsonl"), eval_limit=1,
-                                eval_n=1, temperature=0.9, bf16="true"))["run_dir"])
+                                eval_n=1, temperature=0.9, bf16="true"), score=fake_score)["run_dir"])
     llm = fake_vllm.LLM.instances[-1]
     kinds = []                                   # the engine's calls, repeats collapsed, batch sizes dropped
     for event in llm.events:
@@ -417,11 +353,10 @@ def test_vllm_backend_loop(setup, monkeypatch):
 
 
 def test_existing_run_needs_resume(setup, monkeypatch):
-    monkeypatch.setattr(train.reward, "deep_research_reward", fake_reward)
     run = Path(train.main(flags(setup, "twice", steps=1, eval_data=str(setup / "qa.jsonl"), eval_limit=1,
-                                eval_before="false"))["run_dir"])
+                                eval_before="false"), score=fake_score)["run_dir"])
     assert not (run / "eval" / "before_summary.json").exists() and (run / "eval" / "after_summary.json").exists()
     row = json.loads((run / "metrics.jsonl").read_text())
     assert 0.0 <= row["branch_top_chain"] <= 1.0 and (row["branch_top_chain"] > 0) == (row["branches"] > 0)
     with pytest.raises(cli.UserError, match="--resume"):
-        train.main(flags(setup, "twice", steps=1))
+        train.main(flags(setup, "twice", steps=1), score=fake_score)

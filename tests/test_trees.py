@@ -7,14 +7,11 @@ import sys
 from pathlib import Path
 
 import pytest
-import torch.multiprocessing as mp  # noqa: F401 -- spawn helpers come from test_parallel
 
 from harness import trees
 from rollout import tree_rollout
-from tests.fakes import EchoTools, ScriptedGenerator
-from tests.test_parallel import spawn, _train_worker
-from tests.test_rollout import TOK, prompts
-from tests.test_train import flags, setup  # noqa: F401 -- the fixture
+from tests.conftest import flags, spawn, train_worker
+from tests.fakes import TOK, EchoTools, ScriptedGenerator, prompts
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "bench"))
@@ -54,9 +51,9 @@ def test_records_round_trip(k16, tmp_path):
         assert (rec["parent"], rec["kind"], rec["round"], rec["l"]) == (t.parent, t.kind, t.round, t.l)  # direct parent
 
 
-def test_a_run_records_every_ranks_questions_and_draws_the_last_step(setup):  # noqa: F811 -- the fixture
+def test_a_run_records_every_ranks_questions_and_draws_the_last_step(setup):
     """2 ranks, 1 question each per step: trees.jsonl holds both ranks' questions, k trajectories each."""
-    spawn(_train_worker, flags(setup, "trees_two_ranks", parallel="fsdp", mini_batch_size=2, steps=2, k=3))
+    spawn(train_worker, flags(setup, "trees_two_ranks", parallel="fsdp", mini_batch_size=2, steps=2, k=3))
     run = setup / "runs" / "trees_two_ranks"
     recs = [json.loads(line) for line in (run / "trees.jsonl").read_text().splitlines()]
     assert [r["step"] for r in recs] == [1, 1, 2, 2]

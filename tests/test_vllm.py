@@ -1,4 +1,4 @@
-"""generation.VLLMGenerator against tests/fake_vllm.py, a stand-in that behaves like vLLM 0.32 where it matters (the
+"""vllm_generation.VLLMGenerator against tests/fake_vllm.py, a stand-in that behaves like vLLM 0.32 where it matters (the
 executor modes, where each engine lands, platforms with and without sleep mode, the in-place reload and its name
 checks, the CPU build's packed LM head, int64 seeds, sleep levels): the same ids and H_seg as the transformers
 backend, one engine per rank on its own GPU index, the weight-sync cycle, and clear errors. The real engine:
@@ -11,11 +11,13 @@ import torch
 import torch.multiprocessing as mp
 
 from harness import policy as policy_mod
-from harness.generation import TransformersGenerator, VLLMGenerator
+from harness.generation import TransformersGenerator
+from harness.vllm_generation import VLLMGenerator
+from rollout import Sampling
 from tests import fake_vllm
-from tests.conftest import make_tiny_model
-from tests.test_rollout_models import as_ids, chat_prompt
-from tests.test_train import free_port
+from tests.conftest import as_ids, chat_prompt, free_port, make_tiny_model
+
+GREEDY = Sampling(temperature=0.0)
 
 
 @pytest.fixture(scope="module")
@@ -40,13 +42,12 @@ def one_process(monkeypatch):
 def test_vllm_adapter_matches_transformers_backend(tokenizer, tiny_model_dir, one_process):
     """Greedy decoding: both backends sample the same ids and compute the same H_seg (algorithm.md §1)."""
     from transformers import AutoModelForCausalLM
-    vgen = VLLMGenerator(str(tiny_model_dir), temperature=0.0, vllm_module=fake_vllm)
-    tgen = TransformersGenerator(AutoModelForCausalLM.from_pretrained(tiny_model_dir).eval(), tokenizer,
-                                 temperature=0.0)
+    vgen = VLLMGenerator(str(tiny_model_dir), vllm_module=fake_vllm)
+    tgen = TransformersGenerator(AutoModelForCausalLM.from_pretrained(tiny_model_dir).eval(), tokenizer)
     assert vgen.vocab_size == tgen.vocab_size
     ctx = [as_ids(chat_prompt(tokenizer, q)) for q in ("first?", "second question?")]
-    a = vgen.generate(ctx, [25, 8], seed=0)
-    b = tgen.generate(ctx, [25, 8], seed=0)
+    a = vgen.generate(ctx, [25, 8], seed=0, sampling=GREEDY)
+    b = tgen.generate(ctx, [25, 8], seed=0, sampling=GREEDY)
     for x, y in zip(a, b):
         assert x.token_ids == y.token_ids
         assert x.finish_reason == y.finish_reason
@@ -91,7 +92,7 @@ def test_multiprocess_engine_is_out_of_reach(tiny_model_dir, one_process):
     vgen.llm = fake_vllm.LLM(str(tiny_model_dir), seed=0)
     assert not hasattr(vgen.llm.llm_engine, "model_executor")
     with pytest.raises(RuntimeError, match="another process"):
-        vgen.load_weights([])
+        vgen.update_weights([])
 
 
 def test_unknown_engine_argument_is_rejected(tiny_model_dir, one_process):
@@ -102,7 +103,7 @@ def test_unknown_engine_argument_is_rejected(tiny_model_dir, one_process):
 def test_weight_sync_cycle(tokenizer, tiny_model_dir, one_process, tmp_path):
     """sleep (level 2 drops the weights) -> wake weights -> every parameter written -> wake KV -> prefix cache reset;
     afterwards the engine samples exactly what an engine built from the new weights samples."""
-    vgen = VLLMGenerator(str(tiny_model_dir), temperature=1.0, vllm_module=fake_vllm)
+    vgen = VLLMGenerator(str(tiny_model_dir), vllm_module=fake_vllm)
     llm = fake_vllm.LLM.instances[-1]
     ctx = [as_ids(chat_prompt(tokenizer, "q?"))]
     before = vgen.generate(ctx, [6], seed=4)[0]
@@ -112,12 +113,12 @@ def test_weight_sync_cycle(tokenizer, tiny_model_dir, one_process, tmp_path):
         vgen.generate(ctx, [6], seed=4)
     new = make_tiny_model(tokenizer, seed=99)
     n_params = len(list(new.named_parameters()))
-    vgen.wake_up(policy_mod.full_named_parameters(policy_mod.Policy(new), torch.bfloat16))
+    vgen.update_weights(policy_mod.full_named_parameters(policy_mod.Policy(new)))
     assert llm.events[-6:] == ["sleep2", "wake_up:weights", f"load_weights:{n_params}", "reload_weights",
                                "wake_up:kv_cache", "reset_prefix_cache"]
     new.save_pretrained(tmp_path / "new")
     tokenizer.save_pretrained(tmp_path / "new")
-    fresh = VLLMGenerator(str(tmp_path / "new"), temperature=1.0, vllm_module=fake_vllm)
+    fresh = VLLMGenerator(str(tmp_path / "new"), vllm_module=fake_vllm)
     with torch.no_grad():                                  # the engine holds bf16-rounded weights, like vLLM
         for p in fake_vllm.LLM.instances[-1].model.parameters():
             p.copy_(p.to(torch.bfloat16))
@@ -129,7 +130,7 @@ def test_weight_sync_cycle(tokenizer, tiny_model_dir, one_process, tmp_path):
 def test_each_request_samples_with_its_own_seed(tokenizer, tiny_model_dir, one_process):
     """A branch and its parent share their context: with one seed for every request of a call they would sample the
     same tokens. Two identical contexts in one call sample differently, and the same call again samples the same."""
-    vgen = VLLMGenerator(str(tiny_model_dir), temperature=1.0, vllm_module=fake_vllm)
+    vgen = VLLMGenerator(str(tiny_model_dir), vllm_module=fake_vllm)
     ctx = as_ids(chat_prompt(tokenizer, "q?"))
     first = [s.token_ids for s in vgen.generate([ctx, ctx], [6, 6], seed=3)]
     assert first[0] != first[1]
@@ -140,12 +141,12 @@ def test_weight_sync_errors(tokenizer, tiny_model_dir, one_process):
     vgen = VLLMGenerator(str(tiny_model_dir), vllm_module=fake_vllm)
     params = list(make_tiny_model(tokenizer, seed=5).named_parameters())
     with pytest.raises(ValueError, match="rejected a trainer parameter: .*'lm.model.norm.weight'"):
-        vgen.load_weights([("lm." + params[-1][0], params[-1][1])])          # a wrapper's prefix left on
+        vgen.update_weights([("lm." + params[-1][0], params[-1][1])])          # a wrapper's prefix left on
     with pytest.raises(RuntimeError, match=r"did not write 1 engine parameter"):
-        vgen.load_weights(params[:-1])
+        vgen.update_weights(params[:-1])
     with pytest.raises(ValueError, match="tied"):                            # a tied LM head without the embedding
-        vgen.load_weights(params[1:] + [("lm_head.weight", params[0][1])])
-    vgen.load_weights(params + [("lm_head.weight", params[0][1])])          # with it: skipped, as vLLM does
+        vgen.update_weights(params[1:] + [("lm_head.weight", params[0][1])])
+    vgen.update_weights(params + [("lm_head.weight", params[0][1])])          # with it: skipped, as vLLM does
 
 
 def _engine_worker(rank, world, port, model_dir, out_dir):
@@ -203,21 +204,21 @@ def test_cpu_build_tied_head_is_refreshed_after_a_sync(tokenizer, tiny_model_dir
     reloaded as a layer of its own, so the sync re-runs its process_weights_after_loading. After new weights the
     engine samples what an engine built from them samples (the stand-in keeps the stale copy otherwise)."""
     fake_vllm.use_platform("cpu")
-    vgen = VLLMGenerator(str(tiny_model_dir), temperature=0.0, dtype="float32", vllm_module=fake_vllm)
+    vgen = VLLMGenerator(str(tiny_model_dir), dtype="float32", vllm_module=fake_vllm)
     new = make_tiny_model(tokenizer, seed=7)
-    vgen.load_weights(policy_mod.full_named_parameters(policy_mod.Policy(new)))
+    vgen.update_weights(policy_mod.full_named_parameters(policy_mod.Policy(new)))
     new.save_pretrained(tmp_path / "new")
     tokenizer.save_pretrained(tmp_path / "new")
-    fresh = VLLMGenerator(str(tmp_path / "new"), temperature=0.0, dtype="float32", vllm_module=fake_vllm)
+    fresh = VLLMGenerator(str(tmp_path / "new"), dtype="float32", vllm_module=fake_vllm)
     ctx = [as_ids(chat_prompt(tokenizer, "q?"))]
-    a, b = vgen.generate(ctx, [8], seed=0)[0], fresh.generate(ctx, [8], seed=0)[0]
+    a, b = vgen.generate(ctx, [8], seed=0, sampling=GREEDY)[0], fresh.generate(ctx, [8], seed=0, sampling=GREEDY)[0]
     assert a.token_ids == b.token_ids and a.h_seg == pytest.approx(b.h_seg, rel=1e-6)
 
 
 def test_request_seeds_fit_int64(tokenizer, tiny_model_dir, one_process):
     """vLLM's GPU runner keeps per-request seeds in an int64 array: the seeds of --seed 1456 at world size 8 (rank 7,
     step 0, round 0: the rollout's own seed arithmetic) must still fit, and stay distinct per request."""
-    vgen = VLLMGenerator(str(tiny_model_dir), temperature=1.0, vllm_module=fake_vllm)
+    vgen = VLLMGenerator(str(tiny_model_dir), vllm_module=fake_vllm)
     rollout_seed = (1456 * 100_003 + 0) * 8 + 7                   # train.py, --seed 1456, world 8, rank 7
     ctx = as_ids(chat_prompt(tokenizer, "q?"))
     out = vgen.generate([ctx, ctx], [4, 4], seed=rollout_seed * 7919 + 0)   # rollout.py: seed * 7919 + round
@@ -227,7 +228,7 @@ def test_request_seeds_fit_int64(tokenizer, tiny_model_dir, one_process):
 def test_log_probs_only_where_h_seg_reads_them(tokenizer, tiny_model_dir, one_process):
     """vLLM detokenises every log-prob position it returns; H_seg reads the first n_entropy: no segment may ask for
     more (40-token segments, n_entropy 20 -> at most 20 positions each), and the tokens still run to the budget."""
-    vgen = VLLMGenerator(str(tiny_model_dir), temperature=1.0, vllm_module=fake_vllm)
+    vgen = VLLMGenerator(str(tiny_model_dir), vllm_module=fake_vllm)
     llm = fake_vllm.LLM.instances[-1]
     ctx = as_ids(chat_prompt(tokenizer, "q?"))
     out = vgen.generate([ctx, ctx], [40, 40], seed=1)

@@ -21,9 +21,12 @@ from pathlib import Path
 import pytest
 import torch
 
+from harness.vllm_generation import VLLMGenerator
+from rollout import Sampling
+from tests.conftest import VLLM_ON_CPU
+
 ROOT = Path(__file__).resolve().parents[1]
-VLLM_ON_CPU = ["python train.py --backend vllm --device cpu",
-               "torchrun --nproc_per_node=2 train.py --backend vllm --device cpu"]
+GREEDY = Sampling(temperature=0.0)
 QUICK = ["--steps", "2", "--eval_limit", "1", "--eval_n", "1", "--eval_before", "false", "--save_trainer_state",
          "false", "--run_name", "vllm"]
 
@@ -47,29 +50,29 @@ def test_greedy_generation_equals_transformers(cache):
     import tools
     from transformers import AutoModelForCausalLM
     _, model_dir = cache
-    vgen = generation.VLLMGenerator(str(model_dir), temperature=0.0, dtype="float32")
+    vgen = VLLMGenerator(str(model_dir), dtype="float32")
     lm = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
-    tgen = generation.TransformersGenerator(lm, vgen.tokenizer, temperature=0.0)
+    tgen = generation.TransformersGenerator(lm, vgen.tokenizer)
     rows = [json.loads(line) for line in (ROOT / "data" / "qa_test.jsonl").read_text().splitlines()[:3]]
     prompts = [list(tools.build_prompt(vgen.tokenizer, r["question"])) for r in rows]
     opening = vgen.tokenizer.encode("<think> I should look this up. </think> <search>", add_special_tokens=False)
     contexts = prompts + [p + opening for p in prompts]
     budgets = [40, 12, 30, 25, 25, 6]
-    want = tgen.generate(contexts, budgets, seed=0)
-    got = vgen.generate(contexts, budgets, seed=0)
+    want = tgen.generate(contexts, budgets, seed=0, sampling=GREEDY)
+    got = vgen.generate(contexts, budgets, seed=0, sampling=GREEDY)
     assert [s.finish_reason for s in want].count("tool") >= 2
     for a, b in zip(got, want):
         assert (a.token_ids, a.finish_reason, a.text) == (b.token_ids, b.finish_reason, b.text)
         assert a.h_seg == pytest.approx(b.h_seg, abs=1e-4)
-    cuts, cut = [], generation.VLLMGenerator._cut_after_stop
-    generation.VLLMGenerator._cut_after_stop = lambda self, ids, n: cuts.append(n) or cut(self, ids, n)
+    cuts, cut = [], VLLMGenerator._cut_after_stop
+    VLLMGenerator._cut_after_stop = lambda self, ids, n: cuts.append(n) or cut(self, ids, n)
     try:
         for n_entropy in range(1, 7):
             vgen.n_entropy = n_entropy
-            for a, b in zip(vgen.generate(contexts, budgets, seed=0), want):
+            for a, b in zip(vgen.generate(contexts, budgets, seed=0, sampling=GREEDY), want):
                 assert (a.token_ids, a.finish_reason) == (b.token_ids, b.finish_reason), n_entropy
     finally:
-        generation.VLLMGenerator._cut_after_stop = cut
+        VLLMGenerator._cut_after_stop = cut
         vgen.close()
     assert cuts, "no n_entropy split a tool tag: the test no longer covers the cut"
 
@@ -78,10 +81,9 @@ def test_a_sampled_batch_larger_than_one_prefill_step(cache):
     """Seeded sampling of more prompt tokens than one engine step prefills (24 different prompts): on the CPU
     build a prompt split over steps crashed vLLM ("CPU Generator does not use offset") in the first real evaluation;
     the same seed must give the same segments, another seed others."""
-    from harness import generation
     import tools
     _, model_dir = cache
-    vgen = generation.VLLMGenerator(str(model_dir), temperature=1.0, dtype="float32", max_model_len=1024)
+    vgen = VLLMGenerator(str(model_dir), dtype="float32", max_model_len=1024)
     try:
         rows = [json.loads(line) for line in (ROOT / "data" / "qa_test.jsonl").read_text().splitlines()[:24]]
         words = [vgen.tokenizer.encode(f" {r['question']}", add_special_tokens=False) for r in rows]
@@ -102,12 +104,11 @@ def test_weight_sync_matches_transformers(tie, tokenizer, tmp_path):
     new weights. A sync without one parameter raises (vLLM itself only logs it and keeps the old values)."""
     from harness import generation
     from harness import policy as policy_mod
-    from tests.conftest import make_tiny_model
-    from tests.test_rollout_models import as_ids, chat_prompt
+    from tests.conftest import as_ids, chat_prompt, make_tiny_model
     lm = make_tiny_model(tokenizer, seed=3, tie=tie, hidden_size=64)
     lm.save_pretrained(tmp_path / "tiny")
     tokenizer.save_pretrained(tmp_path / "tiny")
-    vgen = generation.VLLMGenerator(str(tmp_path / "tiny"), temperature=0.0, dtype="float32")
+    vgen = VLLMGenerator(str(tmp_path / "tiny"), dtype="float32")
     try:
         policy = policy_mod.Policy(lm)
         contexts = [as_ids(chat_prompt(tokenizer, q)) for q in ("What is the capital of France?", "Who wrote it?")]
@@ -120,11 +121,12 @@ def test_weight_sync_matches_transformers(tie, tokenizer, tmp_path):
             lm.model.layers[1].mlp.down_proj.weight.zero_()
         params = list(policy_mod.full_named_parameters(policy, torch.float32))
         with pytest.raises(RuntimeError, match="did not write 1 engine parameter"):
-            vgen.load_weights([(name, p) for name, p in params if name != "model.norm.weight"])
+            vgen.update_weights([(name, p) for name, p in params if name != "model.norm.weight"])
         vgen.sleep()
-        vgen.wake_up(iter(params))
-        tgen = generation.TransformersGenerator(lm, tokenizer, temperature=0.0)
-        for a, b in zip(vgen.generate(contexts, [12, 12], seed=0), tgen.generate(contexts, [12, 12], seed=0)):
+        vgen.update_weights(iter(params))
+        tgen = generation.TransformersGenerator(lm, tokenizer)
+        for a, b in zip(vgen.generate(contexts, [12, 12], seed=0, sampling=GREEDY),
+                        tgen.generate(contexts, [12, 12], seed=0, sampling=GREEDY)):
             assert a.token_ids == b.token_ids
             assert a.h_seg == pytest.approx(b.h_seg, abs=1e-4)
         prompts = [vgen.vllm.inputs.TokensPrompt(prompt_token_ids=c) for c in contexts]

@@ -1,0 +1,141 @@
+"""Everything a training run needs before its first step, checked and built in order: settings, data, tools, the run
+folder, the policy (with its cold start), the reference, the optimiser, the generator, and where a resume starts.
+
+Nothing is created until every input has been checked (a mistake ends in one line, with no run folder). Under
+several processes every rank calls `set_up`; rank 0 alone converts the embedded model and writes the run folder.
+"""
+from __future__ import annotations
+
+import contextlib
+import functools
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable
+
+import torch
+
+import rollout
+import tools
+from harness import checkpoint, cli, coldstart, config, dataset, models, parallel, runlog, search as search_mod
+from harness.policy import load_policy, unwrap
+
+
+@dataclass
+class Run:
+    """A training run, set up: what the step and the loop read (nothing here changes after `set_up`)."""
+    cfg: config.Config
+    rank: int
+    world: int
+    device: torch.device
+    dir: Path                                # the run folder
+    info: dict                               # git commit, versions, start time (runlog.run_info)
+    tokenizer: object
+    search: object                           # the search backend (harness/search.py)
+    tools: tools.Tools
+    train_rows: list[dict]
+    eval_rows: list[dict]
+    steps: int                               # the run's last step
+    start_step: int                          # 0, or the step of the checkpoint a resume starts from
+    policy: torch.nn.Module                  # harness.policy.Policy, placed for `world` processes
+    ref: torch.nn.Module | None              # the frozen reference (kl_coef > 0)
+    optimizer: torch.optim.Optimizer
+    generator: rollout.Generator
+    tree: rollout.TreeSettings               # the rollout's settings (algorithm.md §2)
+    sampling: rollout.Sampling               # the rollout's sampling (temperature, top-p)
+    score: Callable[[str, list], dict]       # reward.score_response (with --strict_format), or a test's stand-in
+    log: Callable[[str], None]               # a line on rank 0
+
+    @property
+    def master(self) -> bool:
+        return self.rank == 0
+
+    @property
+    def questions_here(self) -> int:
+        """Questions per step on this rank."""
+        return self.cfg.questions_per_step // self.world
+
+    def amp(self):
+        """bfloat16 autocast with --bf16 (a GPU setting), else nothing."""
+        return torch.autocast(self.device.type, dtype=torch.bfloat16) if self.cfg.bf16 else contextlib.nullcontext()
+
+
+def set_up(cfg: config.Config, rank: int, world: int, device: torch.device, state: runlog.RunState, score,
+           make_generator) -> Run:
+    """Check the settings and inputs, then build the run (see `Run`). state: filled as the run takes shape, so that
+    an interrupted start can say what was kept (runlog.RunState). score(text, golds, strict_format) ->
+    reward.score_response's dict;
+    make_generator: generation.make_generator, or a test's wrapper of it."""
+    from tqdm import tqdm
+
+    def log(line: str) -> None:
+        if rank == 0:
+            tqdm.write(line)
+
+    parallel.seed_all(cfg.seed + rank)
+    cfg, note = config.fit_world(cfg, world)
+    if note:
+        log(note)
+    config.check_files(cfg)
+    run_dir, ckpts = runlog.plan_run(cfg)
+    base_path = parallel.on_rank0(lambda: models.resolve_model(cfg))   # rank 0 converts the embedded model once
+    tokenizer = models.load_tokenizer(base_path)
+    search_kw = {"cache": cfg.cache_dir, **cfg.search_kw} if cfg.search == "bm25" and cfg.cache_dir else cfg.search_kw
+    search = search_mod.make_search(cfg.search, **search_kw)
+    search_mod.check_reachable(search)
+    log(config.python_isolation(cfg.python_isolation))                # every rank runs its own python calls
+    tool_runner = state.tools = tools.Tools(search, python_timeout_s=cfg.python_timeout_s,
+                                            python_kw={"max_processes": cfg.python_max_processes})
+    train_rows = dataset.load_questions(cfg.train_data, tokenizer, cfg.max_prompt_tokens, "train_data", cfg.skip_bad)
+    eval_rows = dataset.load_questions(cfg.eval_data, tokenizer, cfg.max_prompt_tokens, "eval_data",
+                                       cfg.skip_bad)[:cfg.eval_limit or None] if cfg.eval_data else []
+    demos, train_rows = coldstart.demonstrations(cfg, train_rows, search)
+    if len(train_rows) < cfg.questions_per_step:
+        raise cli.UserError(f"--train_data has {len(train_rows)} usable questions, fewer than "
+                            f"--questions_per_step ({cfg.questions_per_step})")
+    steps = cfg.steps or cfg.epochs * len(train_rows) // cfg.questions_per_step
+    state.run_dir, state.created, state.steps = run_dir, not cfg.resume, steps
+    info = runlog.create_run(cfg, run_dir, world, rank == 0)           # everything checked: the run folder
+    log(f"{len(train_rows)} training questions, {len(eval_rows)} held-out, {len(demos)} demonstrations; "
+        f"{steps} steps of {cfg.questions_per_step} questions × k={cfg.k}; {world} process(es) on {device}")
+
+    policy, init_path, ref_path = _policy(cfg, base_path, demos, tokenizer, ckpts, rank, world, device, log)
+    ref = None
+    if cfg.kl_coef > 0:                          # frozen reference: the policy RL starts from (also on --resume)
+        ref = unwrap(load_policy(ref_path, world, device, cfg.parallel, cfg.bf16, rank)).requires_grad_(False)
+    optimizer = torch.optim.AdamW(policy.parameters(), lr=cfg.lr, weight_decay=cfg.weight_decay)
+    generator = make_generator(cfg, init_path, policy, tokenizer, rank, device)
+    parallel.on_close(generator.close)           # a vLLM engine shuts down before the process group is left
+
+    start_step = 0
+    if cfg.resume:
+        start_step = checkpoint.load(ckpts[-1], policy, optimizer, rank)
+        log(f"resumed {run_dir} from {ckpts[-1].name} (step {start_step})")
+        if rank == 0:
+            runlog.trim_logs(run_dir, start_step)
+    state.first_step = state.steps_done = start_step
+    tree = rollout.TreeSettings(k=cfg.k, beta=cfg.beta, gamma=cfg.gamma, lam=cfg.lam, tau=cfg.tau,
+                                dynamic_budget=cfg.dynamic_budget, entropy_branching=cfg.entropy_branching,
+                                max_tool_calls=cfg.max_tool_calls, max_response_tokens=cfg.max_response_tokens,
+                                tool_limit_ends=cfg.tool_limit_ends)
+    return Run(cfg, rank, world, device, run_dir, info, tokenizer, search, tool_runner, train_rows, eval_rows, steps,
+               start_step, policy, ref, optimizer, generator, tree, rollout.Sampling(cfg.temperature, cfg.top_p),
+               functools.partial(score, strict_format=cfg.strict_format), log)
+
+
+def _policy(cfg, base_path: str, demos: list[dict], tokenizer, ckpts: list[Path], rank: int, world: int, device,
+            log) -> tuple[torch.nn.Module, str, str]:
+    """(the policy, the model directory it was loaded from, the reference's): the latest checkpoint (--resume), a
+    cached cold start, or the base model, cold-started first (D26) when demonstrations are given and none is cached."""
+    cs_dir = config.cache_dir(cfg.cache_dir) / "cold_start" / coldstart.cold_start_key(base_path, demos, cfg, world) \
+        if demos else None
+    need_cold_start = bool(demos) and not (cs_dir / "config.json").exists() and not cfg.resume
+    start_path = str(cs_dir) if demos else base_path                  # where RL starts (the reference)
+    init_path = str(ckpts[-1]) if cfg.resume else (base_path if need_cold_start else start_path)
+    policy = load_policy(init_path, world, device, cfg.parallel, cfg.bf16, rank, cfg.gradient_checkpointing)
+    if need_cold_start:
+        amp = (lambda: torch.autocast(device.type, dtype=torch.bfloat16)) if cfg.bf16 else contextlib.nullcontext
+        log(f"cold start: {len(demos)} demonstrations, {cfg.cold_start_steps} steps (cached in {cs_dir})")
+        coldstart.cold_start(policy, demos, tokenizer, cfg, rank, world, device, amp, log)
+        checkpoint.export_model(policy, tokenizer, cs_dir, rank)
+        init_path = str(cs_dir)
+    return policy, init_path, start_path

