@@ -12,7 +12,8 @@ file and tools.py copy alone.
 Deviations from the paper / official code (algorithm.md §8): D1 (one pre-monitor, kept as a global sample), D2
 (H_tool over its post-tool segments), D3 (m rounded up; no pre-monitor without the dynamic budget), D4 (the
 consecutive-branch count per path, fresh every step), D5 (a branch's ΔH reference is its path's first segment), D6
-(the pre-monitor's branching decisions taken when it finishes), D7 (groups completed with fresh samples), D10 (a
+(the pre-monitor's branching decisions taken when it finishes), D7 (groups completed with fresh samples, all at once,
+never branching), D10 (a
 notice at the tool-call limit; `tool_limit_ends` does what the official code does).
 """
 from __future__ import annotations

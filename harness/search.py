@@ -5,8 +5,8 @@ snippet` lines (10 snippets of at most 1,000 characters in the official code). E
 list[str]) -> list[str]`, one result text per query, so a rollout round's queries go out as one batch.
 
 Deviations from the paper / official code (algorithm.md §8): D13 (the default is offline BM25 over ~10,000 English
-Wikipedia summaries; the official Serper.dev web search, a Search-R1 retrieval server and the authors' recorded
-searches are backends).
+Wikipedia summaries; Serper.dev's web search, a Search-R1 retrieval server and the authors' recorded searches are
+backends; the official code calls Bright Data's SERP API over Bing, which no backend here does yet).
 """
 from __future__ import annotations
 
@@ -216,8 +216,8 @@ class HTTPSearch:
 
 
 class WebSearch:
-    """Serper.dev Google search (what the official ARPO/AEPO code used): POST {"q": query, "num": k} to `url`
-    with the key from $SERPER_API_KEY in the X-API-KEY header (never logged). Snippets are the organic results'
+    """Serper.dev Google search (the official code calls Bright Data's SERP API over Bing instead: D13): POST
+    {"q": query, "num": k} to `url` with the key from $SERPER_API_KEY in the X-API-KEY header (never logged). Snippets are the organic results'
     `snippet` texts, as in the authors' cache. Queries of a batch are sent concurrently."""
 
     def __init__(self, api_key: str | None = None, url: str = "https://google.serper.dev/search", topk: int = TOPK,

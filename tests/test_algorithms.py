@@ -109,3 +109,11 @@ def test_aepo(setup, calls):
     trees = run(setup, "aepo", seed=3)
     assert calls["entropy_weighted_advantages"] and loss_kw(calls)["sg_clip"] is True
     assert any(t["kind"] == "premonitor" for tree in trees for t in tree["trajectories"])
+
+
+def test_dr_grpo(setup, calls):
+    trees = run(setup, "dr_grpo")
+    kw = loss_kw(calls)
+    assert kw["loss_agg"] == "seq-mean-token-sum-norm" and kw["max_len"] == 64 and kw["sg_clip"] is False
+    assert calls["group_advantages"][0][1]["std_norm"] is False and not calls["entropy_weighted_advantages"]
+    assert all(t["kind"] == "global" for tree in trees for t in tree["trajectories"])
