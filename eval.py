@@ -193,7 +193,7 @@ def markdown_table(summaries: list[dict]) -> str:
 class EvalConfig:
     run: str = arg("", "a training run folder (runs/<name>): evaluate its latest checkpoint (or --step) with the data, "
                        "tools, search, token budget and sampling it trained with; the flags below override them")
-    step: int = arg(0, "with --run: the checkpoint of this step (0 = the latest)")
+    step: int = arg(0, "with --run: the checkpoint of this step (0 = the latest)", valid="[0, inf)")
     model: str = arg("", "a model directory (e.g. runs/<name>/checkpoints/step_000016) or hub id, evaluated with "
                          "the defaults below unless flags change them")
     data: Union[str, list[str]] = arg("data/qa_test.jsonl", "dataset file(s), .jsonl or verl .parquet; several: "
@@ -214,13 +214,15 @@ class EvalConfig:
     python_timeout_s: float = like("python_timeout_s")
     python_isolation: str = like("python_isolation")
     python_max_processes: int = like("python_max_processes")
+    python_memory_mb: int = like("python_memory_mb")
+    python_disk_mb: int = like("python_disk_mb")
     judge: bool = arg(False, "correctness by an OpenAI-compatible LLM judge instead of EM / math_equal")
     judge_url: str = arg("", "the judge's base URL (default $AEPO_JUDGE_URL)")
     judge_model: str = arg("", "the judge's model name (default $AEPO_JUDGE_MODEL)")
     judge_api_key: str = arg("", "the judge's API key (default $AEPO_JUDGE_API_KEY)")
     judge_cache: str = arg("", "JSON file of cached verdicts (default <out_dir>/judge_cache.json)")
     device: str = arg("cuda", "torch device (cpu when CUDA is unavailable)")
-    dtype: str = arg("auto", "model dtype: auto / float32 / bfloat16 / float16")
+    dtype: str = arg("auto", "model dtype", valid="auto | float32 | bfloat16 | float16")
     seed: int = like("seed", help="rollout seed")
     out_dir: str = arg("", "output directory (default: <run>/eval/<checkpoint>-<time> with --run, else "
                            "runs/eval/<time>)")
@@ -287,6 +289,7 @@ def main(argv=None) -> list[dict]:
         args["model"] = args["model"] or str(run_checkpoint(Path(args["run"]), args["step"]))
         source = f"the settings of {args['run']} and the flags"
     cfg = EvalConfig(**{k: v for k, v in args.items() if k != "config"})
+    config.check_valid(cfg)                      # before anything is read or written
     if not cfg.model:
         raise UserError("give --run runs/<name> (a training run) or --model PATH (python eval.py --help)")
     stamp = time.strftime("%Y%m%d-%H%M%S")
@@ -310,7 +313,8 @@ def main(argv=None) -> list[dict]:
     search_mod.check_reachable(search)
     print(config.python_isolation(cfg.python_isolation), flush=True)
     tool_runner = tools.Tools(search, python_timeout_s=cfg.python_timeout_s,
-                                  python_kw={"max_processes": cfg.python_max_processes})
+                              python_kw={"max_processes": cfg.python_max_processes,
+                                         "total_memory_mb": cfg.python_memory_mb, "disk_mb": cfg.python_disk_mb})
     new_dir = not out.exists()
     out.mkdir(parents=True, exist_ok=True)
     (out / "config.json").write_text(json.dumps(asdict(cfg), indent=2))

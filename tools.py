@@ -146,7 +146,7 @@ def format_result(text: str) -> str:
 # ---------------------------------------------------------------------------------------------------------------
 def _run_python(code: str, timeout_s: float = 10.0, max_output_chars: int = 4_000, memory_mb: int = 1_024,
                 cpu_s: int | None = None, file_size_mb: int = 16, no_network: bool = True,
-                max_processes: int = 64) -> tuple[str, str]:
+                max_processes: int = 64, total_memory_mb: int = 2_048, disk_mb: int = 64) -> tuple[str, str]:
     """run_python, also returning the status "ok" | "error" (non-zero exit, or the process limit hit) | "timeout"."""
     try:
         code.encode("utf-8")
@@ -158,7 +158,7 @@ def _run_python(code: str, timeout_s: float = 10.0, max_output_chars: int = 4_00
     except ImportError:                      # copied without harness/: a plain subprocess, as the official code
         return _run_unsandboxed(code, timeout_s, max_output_chars)
     result = sandbox.run(code, timeout_s, memory_mb, cpu, file_size_mb, no_network, max_processes,
-                         read_bytes=4 * max_output_chars)
+                         read_bytes=4 * max_output_chars, total_memory_mb=total_memory_mb, disk_mb=disk_mb)
     text = result.output
     if len(text) > max_output_chars or result.size > 4 * max_output_chars:
         text = text[:max_output_chars] + f"\n... [output truncated: {result.size} bytes in total]"
@@ -168,6 +168,10 @@ def _run_python(code: str, timeout_s: float = 10.0, max_output_chars: int = 4_00
         status = "error"
         text = ((text + "\n" if text else "") + f"Error: the program hit the process limit ({max_processes}): "
                 f"{result.refused} process creations were refused")
+    if result.oom_kills:  # the call's processes together went past the memory limit: an error, not cached
+        status = "error"
+        text = ((text + "\n" if text else "") + f"Error: the program hit the memory limit ({total_memory_mb} MB for "
+                f"all its processes): {result.oom_kills} process(es) killed")
     if result.timed_out:
         return (text + "\n" if text else "") + f"Error: timed out after {timeout_s:g} s", "timeout"
     if result.returncode != 0:
@@ -220,22 +224,24 @@ def _run_unsandboxed(code: str, timeout_s: float, max_output_chars: int) -> tupl
 
 def run_python(code: str, timeout_s: float = 10.0, max_output_chars: int = 4_000, memory_mb: int = 1_024,
                cpu_s: int | None = None, file_size_mb: int = 16, no_network: bool = True,
-               max_processes: int = 64) -> str:
+               max_processes: int = 64, total_memory_mb: int = 2_048, disk_mb: int = 64) -> str:
     """Run `code` as a program in a fresh `sys.executable -I` subprocess inside the sandbox; return its stdout + stderr.
 
     sandbox.run does the running: a private temporary working directory (removed afterwards; HOME and TMPDIR point
     there), a minimal environment, a wall-clock timeout after which everything the program started is killed,
-    RLIMIT_AS = memory_mb, RLIMIT_CPU = cpu_s (default timeout + 1 s), RLIMIT_FSIZE = file_size_mb per file, and
-    every isolation layer this machine offers (sandbox.isolation(): PID namespace, network namespace unless
-    no_network=False, a minimal root, Landlock: read-only interpreter and system libraries, read-write working
-    directory only, and a limit of max_processes processes and threads at once).
+    RLIMIT_AS = memory_mb per process, RLIMIT_CPU = cpu_s (default timeout + 1 s), RLIMIT_FSIZE = file_size_mb per
+    file, and every isolation layer this machine offers (sandbox.isolation(): PID, IPC and network namespaces (the
+    last unless no_network=False), a minimal root, Landlock: read-only interpreter and system libraries, read-write
+    working directory only, a seccomp filter closing vsock and io_uring, a limit of max_processes processes and
+    threads at once, total_memory_mb for all the call's processes together, disk_mb for its working directory).
     Here the output is cut to max_output_chars and failures become text (tracebacks, "Error: timed out after 10 s",
-    "Error: killed by SIGXCPU (CPU time limit)", "Error: the program hit the process limit (64): ..."); only failing
+    "Error: killed by SIGXCPU (CPU time limit)", "Error: the program hit the process limit (64): ...", "Error: the
+    program hit the memory limit (2048 MB for all its processes): ..."); only failing
     to start the program at all (no temporary directory, no interpreter, a sandbox layer that could not be set up)
     raises OSError.
     """
     return _run_python(code, timeout_s, max_output_chars, memory_mb, cpu_s, file_size_mb, no_network,
-                       max_processes)[0]
+                       max_processes, total_memory_mb, disk_mb)[0]
 
 
 # ---------------------------------------------------------------------------------------------------------------

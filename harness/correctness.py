@@ -9,10 +9,9 @@ import json
 import os
 import re
 import threading
-import urllib.error
-import urllib.request
 from pathlib import Path
 
+from harness import http_client
 from harness.cli import RunFailure, UserError
 from reward import as_list
 
@@ -91,18 +90,18 @@ class Judge:
         body = {"model": self.model, "temperature": 0.0, "max_tokens": 8, "messages": [
             {"role": "user", "content": JUDGE_PROMPT.format(question=question, golds=" | ".join(golds),
                                                              prediction=prediction)}]}
-        headers = {"Content-Type": "application/json"}
-        if self.api_key:
-            headers["Authorization"] = f"Bearer {self.api_key}"
-        request = urllib.request.Request(self.url, json.dumps(body).encode(), headers, method="POST")
+        headers = {"Authorization": f"Bearer {self.api_key}"} if self.api_key else {}
         self.requests += 1
+        try:                                     # the whole request within timeout_s, at most 1 MB of reply
+            status, raw = http_client.post_json(self.url, body, headers, self.timeout_s, max_bytes=1 << 20)
+        except http_client.ReplyError as err:
+            raise JudgeError(f"LLM judge at {self.url} is unreachable or cut off: {err}") from err
+        if status >= 300:
+            raise JudgeError(f"LLM judge at {self.url} answered HTTP {status}: {raw[:200]!r}")
         try:
-            with urllib.request.urlopen(request, timeout=self.timeout_s) as response:
-                reply = json.loads(response.read())
-        except urllib.error.HTTPError as err:
-            raise JudgeError(f"LLM judge at {self.url} answered HTTP {err.code}: {err.read()[:200]!r}") from err
-        except (urllib.error.URLError, TimeoutError, ConnectionError) as err:
-            raise JudgeError(f"LLM judge at {self.url} is unreachable: {err}") from err
+            reply = json.loads(raw)
+        except (ValueError, UnicodeDecodeError) as err:
+            raise JudgeError(f"LLM judge at {self.url} sent no JSON: {raw[:200]!r}") from err
         try:
             text = reply["choices"][0]["message"]["content"]
         except (KeyError, IndexError, TypeError) as err:

@@ -115,7 +115,7 @@ def load_dataset(path, skip_bad: bool = False) -> Dataset:
             records = [(f"row {i}", lambda r=r: _parquet_row(r, path.stem)) for i, r in
                        enumerate(pq.read_table(path).to_pylist())]
         else:
-            lines = path.read_text(encoding="utf-8").splitlines()
+            lines = path.read_text(encoding="utf-8-sig").splitlines()     # a byte-order mark (Excel) is not data
             records = [(f"line {i + 1}", lambda raw=raw: _jsonl_row(raw, path.stem))
                        for i, raw in enumerate(lines) if raw.strip()]
     except (OSError, UnicodeDecodeError, ValueError) as err:     # pyarrow's ArrowInvalid is a ValueError

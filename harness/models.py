@@ -8,6 +8,7 @@ laptop (algorithm.md §6).
 from __future__ import annotations
 
 import hashlib
+import json
 import importlib.util
 import os
 import shutil
@@ -86,6 +87,7 @@ def model_source(name: str, flag: str = "--model") -> str:
             hint = " (a run's models are in runs/<name>/checkpoints/step_NNNNNN, or use eval.py --run runs/<name>)" \
                 if (path / "checkpoints").is_dir() else ""
             raise UserError(f"{flag} {name}: no config.json there, so not a transformers model directory{hint}")
+        check_model_dir(path, flag)
         return str(path)
     if path.exists() or name.startswith((".", "/", "~")) or name.count("/") > 1:
         raise UserError(f"{flag} {name}: not a local model directory")
@@ -110,6 +112,64 @@ def model_source(name: str, flag: str = "--model") -> str:
     return name
 
 
+def check_model_dir(path: Path, flag: str = "--model") -> None:
+    """A local model directory that loading would fail on, refused in one line naming the file and what is wrong:
+    config.json unreadable or of an unknown model_type; no weights, a safetensors file whose header is unreadable or
+    whose tensors reach past its end (truncated), a shard of the index missing; no tokenizer files."""
+    from transformers.models.auto.configuration_auto import CONFIG_MAPPING_NAMES
+    path = Path(path)
+    try:
+        model_type = json.loads((path / "config.json").read_text(encoding="utf-8")).get("model_type")
+    except (OSError, ValueError, AttributeError) as err:
+        raise UserError(f"{flag} {path}: config.json is not a readable JSON object ({err})") from None
+    if model_type not in CONFIG_MAPPING_NAMES:
+        raise UserError(f"{flag} {path}: config.json's model_type {model_type!r} is not one this transformers "
+                        f"knows (a newer transformers may, or the file is not a model's)")
+    index = path / "model.safetensors.index.json"
+    if index.is_file():
+        try:
+            shards = sorted(set(json.loads(index.read_text(encoding="utf-8"))["weight_map"].values()))
+        except (OSError, ValueError, KeyError, AttributeError) as err:
+            raise UserError(f"{flag} {path}: {index.name} is not a readable index ({err})") from None
+        for shard in shards:
+            if not (path / shard).is_file():
+                raise UserError(f"{flag} {path}: {shard}, a shard {index.name} names, is missing")
+    weights = sorted(path.glob("*.safetensors")) + sorted(path.glob("pytorch_model*.bin"))
+    if not weights:
+        raise UserError(f"{flag} {path}: no weights (model.safetensors or pytorch_model.bin) in it")
+    for file in weights:
+        if file.suffix == ".safetensors":
+            problem = _safetensors_problem(file)
+            if problem:
+                raise UserError(f"{flag} {path}: {file.name} {problem}")
+        elif file.stat().st_size == 0:
+            raise UserError(f"{flag} {path}: {file.name} is empty")
+    if not any((path / name).is_file() for name in ("tokenizer.json", "tokenizer.model", "vocab.json",
+                                                    "tokenizer_config.json")):
+        raise UserError(f"{flag} {path}: no tokenizer files (tokenizer.json, tokenizer.model or vocab.json) in it")
+
+
+def _safetensors_problem(file: Path) -> str:
+    """'' for a complete safetensors file, else what is wrong with it (its 8-byte header length, its JSON header, and
+    every tensor's data inside the file)."""
+    size = file.stat().st_size
+    with open(file, "rb") as f:
+        head = f.read(8)
+        if len(head) < 8:
+            return f"is truncated ({size} bytes: not even the header's length)"
+        n = int.from_bytes(head, "little")
+        if n > size - 8:
+            return f"is truncated (its header is {n} bytes, the file {size})"
+        try:
+            header = json.loads(f.read(n))
+        except ValueError:
+            return "has an unreadable header (not JSON): a damaged file"
+    ends = [entry["data_offsets"][1] for key, entry in header.items() if key != "__metadata__"]
+    if 8 + n + max(ends, default=0) > size:
+        return f"is truncated (its tensors need {8 + n + max(ends)} bytes, the file has {size})"
+    return ""
+
+
 # ---------------------------------------------------------------------------------------------------------------------
 # Loading
 
@@ -118,7 +178,7 @@ def load_tokenizer(path: str):
     from transformers import AutoTokenizer
     try:
         tokenizer = AutoTokenizer.from_pretrained(path)
-    except OSError as err:                       # e.g. a hub id that does not exist
+    except (OSError, ValueError, ImportError) as err:   # a hub id that does not exist, tokenizer files it cannot read
         raise UserError(f"could not load the tokenizer of {path}: {' '.join(str(err).split())[:200]}") from None
     if tokenizer.pad_token_id is None:
         tokenizer.pad_token = tokenizer.eos_token

@@ -11,17 +11,17 @@ backends; the official code calls Bright Data's SERP API over Bing, which no bac
 from __future__ import annotations
 
 import hashlib
+import inspect
 import importlib.util
 import json
 import os
 import shutil
 import threading
 import time
-import urllib.error
-import urllib.request
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
+from harness import http_client
 from harness.cli import RunFailure, UserError
 from harness.config import cache_dir
 from tools import SearchError
@@ -153,28 +153,26 @@ class ReplaySearch:
                 for r in out]
 
 
-def _post_json(url: str, payload, headers: dict, timeout_s: float, retries: int, backoff_s: float):
-    """POST JSON and decode the JSON reply. Connection errors, timeouts, 429 and 5xx are retried with exponential
-    backoff (backoff_s * 2**attempt); other HTTP errors and invalid JSON raise SearchError at once.
-    Error messages name the URL and never the headers (they may hold an API key)."""
-    data = json.dumps(payload).encode("utf-8")
+def _post_json(url: str, payload, headers: dict, timeout_s: float, retries: int, backoff_s: float,
+               max_bytes: int = 16 << 20):
+    """POST JSON and decode the JSON reply; each attempt ends within timeout_s seconds (connect, headers and body
+    together) and reads at most max_bytes (http_client.post_json). Connection errors, cut replies, 429 and 5xx are
+    retried with exponential backoff (backoff_s * 2**attempt); other HTTP errors and invalid JSON raise SearchError
+    at once. Error messages name the URL and never the headers (they may hold an API key)."""
     for attempt in range(retries + 1):
-        req = urllib.request.Request(url, data=data, method="POST",
-                                     headers={"Content-Type": "application/json", **headers})
         try:
-            with urllib.request.urlopen(req, timeout=timeout_s) as resp:
-                body = resp.read()
-        except urllib.error.HTTPError as e:
-            if e.code != 429 and e.code < 500:
-                raise SearchError(f"{url} answered HTTP {e.code} {e.reason}") from e
-            why = f"HTTP {e.code} {e.reason}"
-        except (urllib.error.URLError, TimeoutError, ConnectionError) as e:
-            why = f"{type(e).__name__}: {getattr(e, 'reason', e)}"
+            status, body = http_client.post_json(url, payload, headers, timeout_s, max_bytes)
+        except http_client.ReplyError as e:
+            why = str(e)
         else:
-            try:
-                return json.loads(body)
-            except (json.JSONDecodeError, UnicodeDecodeError) as e:
-                raise SearchError(f"{url} returned invalid JSON: {body[:80]!r}") from e
+            if status < 300:
+                try:
+                    return json.loads(body)
+                except (json.JSONDecodeError, UnicodeDecodeError) as e:
+                    raise SearchError(f"{url} returned invalid JSON: {body[:80]!r}") from e
+            if status != 429 and status < 500:
+                raise SearchError(f"{url} answered HTTP {status}: {body[:80]!r}")
+            why = f"HTTP {status}"
         if attempt < retries:
             time.sleep(backoff_s * 2 ** attempt)
     raise SearchError(f"{url} failed after {retries + 1} attempts ({why})")
@@ -183,11 +181,13 @@ def _post_json(url: str, payload, headers: dict, timeout_s: float, retries: int,
 class HTTPSearch:
     """A Search-R1-style retrieval server: POST {"queries": [...], "topk": k, "return_scores": true} to
     `url` (e.g. http://127.0.0.1:8000/retrieve); the reply {"result": [[item, ...], ...]} holds one list per
-    query, each item {"document": {"contents": "Title\\ntext"}, "score": s} or the document itself."""
+    query, each item {"document": {"contents": "Title\\ntext"}, "score": s} or the document itself. Each request
+    ends within timeout_s seconds and reads at most max_bytes."""
 
     def __init__(self, url: str, topk: int = TOPK, timeout_s: float = 10.0, retries: int = 3,
-                 backoff_s: float = 0.5):
+                 backoff_s: float = 0.5, max_bytes: int = 16 << 20):
         self.url, self.topk, self.timeout_s, self.retries, self.backoff_s = url, topk, timeout_s, retries, backoff_s
+        self.max_bytes = max_bytes
 
     def __repr__(self):
         return f"HTTPSearch(url={self.url!r}, topk={self.topk})"
@@ -196,7 +196,7 @@ class HTTPSearch:
         if not queries:
             return []
         reply = _post_json(self.url, {"queries": list(queries), "topk": self.topk, "return_scores": True}, {},
-                           self.timeout_s, self.retries, self.backoff_s)
+                           self.timeout_s, self.retries, self.backoff_s, self.max_bytes)
         result = reply.get("result") if isinstance(reply, dict) else None
         if not isinstance(result, list) or len(result) != len(queries):
             raise SearchError(f"{self.url}: expected {{'result': [one list per query]}} for {len(queries)} "
@@ -217,23 +217,25 @@ class HTTPSearch:
 
 class WebSearch:
     """Serper.dev Google search (the official code calls Bright Data's SERP API over Bing instead: D13): POST
-    {"q": query, "num": k} to `url` with the key from $SERPER_API_KEY in the X-API-KEY header (never logged). Snippets are the organic results'
-    `snippet` texts, as in the authors' cache. Queries of a batch are sent concurrently."""
+    {"q": query, "num": k} to `url` with the key from $SERPER_API_KEY in the X-API-KEY header (never logged).
+    Snippets are the organic results' `snippet` texts, as in the authors' cache. Queries of a batch are sent
+    concurrently; each request ends within timeout_s seconds and reads at most max_bytes."""
 
     def __init__(self, api_key: str | None = None, url: str = "https://google.serper.dev/search", topk: int = TOPK,
-                 timeout_s: float = 20.0, retries: int = 3, backoff_s: float = 1.0, max_workers: int = 8):
+                 timeout_s: float = 20.0, retries: int = 3, backoff_s: float = 1.0, max_workers: int = 8,
+                 max_bytes: int = 16 << 20):
         self._key = api_key or os.environ.get("SERPER_API_KEY")
         if not self._key:
             raise UserError("--search web needs a Serper.dev API key: set SERPER_API_KEY (or --search bm25, offline)")
         self.url, self.topk, self.timeout_s, self.retries, self.backoff_s = url, topk, timeout_s, retries, backoff_s
-        self.max_workers = max_workers
+        self.max_workers, self.max_bytes = max_workers, max_bytes
 
     def __repr__(self):
         return f"WebSearch(url={self.url!r}, topk={self.topk})"  # keeps the key out of logs
 
     def _one(self, query: str) -> str:
         reply = _post_json(self.url, {"q": query, "num": self.topk}, {"X-API-KEY": self._key},
-                           self.timeout_s, self.retries, self.backoff_s)
+                           self.timeout_s, self.retries, self.backoff_s, self.max_bytes)
         organic = reply.get("organic") if isinstance(reply, dict) else None
         if not isinstance(organic, list):
             raise SearchError(f"{self.url}: reply has no 'organic' result list: {str(reply)[:80]}")
@@ -262,14 +264,16 @@ def check_reachable(backend) -> None:
 
 def make_search(backend: str = "bm25", **kw):
     """Build a search backend: "bm25" (default, offline; kw: corpus_path, cache, topk), "replay" (kw: path,
-    fallback = a backend or a backend name), "http" (kw: url, topk, timeout_s, retries) or "web" (Serper.dev)."""
-    if backend == "bm25":
-        return BM25Search(**kw)
-    if backend == "replay":
-        fallback = kw.pop("fallback", None)
-        return ReplaySearch(fallback=make_search(fallback) if isinstance(fallback, str) else fallback, **kw)
-    if backend == "http":
-        return HTTPSearch(**kw)
-    if backend == "web":
-        return WebSearch(**kw)
-    raise UserError(f"--search {backend}: unknown search backend; choose bm25, replay, http or web")
+    fallback = a backend or a backend name), "http" (kw: url, topk, timeout_s, retries) or "web" (Serper.dev).
+    A keyword the backend does not take is a UserError naming it and the ones it takes."""
+    classes = {"bm25": BM25Search, "replay": ReplaySearch, "http": HTTPSearch, "web": WebSearch}
+    if backend not in classes:
+        raise UserError(f"--search {backend}: unknown search backend; choose bm25, replay, http or web")
+    takes = [name for name in inspect.signature(classes[backend]).parameters if name != "self"]
+    unknown = sorted(set(kw) - set(takes))
+    if unknown:
+        raise UserError(f"--search_kw: {', '.join(unknown)} is not a setting of the {backend} search (it takes "
+                        f"{', '.join(takes)})")
+    if backend == "replay" and isinstance(kw.get("fallback"), str):
+        kw["fallback"] = make_search(kw["fallback"])
+    return classes[backend](**kw)

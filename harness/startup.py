@@ -77,14 +77,16 @@ def set_up(cfg: config.Config, rank: int, world: int, device: torch.device, stat
         log(note)
     config.check_files(cfg)
     run_dir, ckpts = runlog.plan_run(cfg)
-    base_path = parallel.on_rank0(lambda: models.resolve_model(cfg))   # rank 0 converts the embedded model once
-    tokenizer = models.load_tokenizer(base_path)
     search_kw = {"cache": cfg.cache_dir, **cfg.search_kw} if cfg.search == "bm25" and cfg.cache_dir else cfg.search_kw
     search = search_mod.make_search(cfg.search, **search_kw)
     search_mod.check_reachable(search)
+    base_path = parallel.on_rank0(lambda: models.resolve_model(cfg))   # rank 0 converts the embedded model once
+    tokenizer = models.load_tokenizer(base_path)
     log(config.python_isolation(cfg.python_isolation))                # every rank runs its own python calls
     tool_runner = state.tools = tools.Tools(search, python_timeout_s=cfg.python_timeout_s,
-                                            python_kw={"max_processes": cfg.python_max_processes})
+                                            python_kw={"max_processes": cfg.python_max_processes,
+                                                       "total_memory_mb": cfg.python_memory_mb,
+                                                       "disk_mb": cfg.python_disk_mb})
     train_rows = dataset.load_questions(cfg.train_data, tokenizer, cfg.max_prompt_tokens, "train_data", cfg.skip_bad)
     eval_rows = dataset.load_questions(cfg.eval_data, tokenizer, cfg.max_prompt_tokens, "eval_data",
                                        cfg.skip_bad)[:cfg.eval_limit or None] if cfg.eval_data else []
@@ -130,6 +132,8 @@ def _policy(cfg, base_path: str, demos: list[dict], tokenizer, ckpts: list[Path]
         if demos else None
     need_cold_start = bool(demos) and not (cs_dir / "config.json").exists() and not cfg.resume
     start_path = str(cs_dir) if demos else base_path                  # where RL starts (the reference)
+    if cfg.resume:                               # a checkpoint damaged by hand or a full disk: one line, not a traceback
+        models.check_model_dir(ckpts[-1], "--resume")
     init_path = str(ckpts[-1]) if cfg.resume else (base_path if need_cold_start else start_path)
     policy = load_policy(init_path, world, device, cfg.parallel, cfg.bf16, rank, cfg.gradient_checkpointing)
     if need_cold_start:

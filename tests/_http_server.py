@@ -73,3 +73,52 @@ class FakeServer:
     def __exit__(self, *exc):
         self.httpd.shutdown()
         self.httpd.server_close()
+
+
+class _Misbehaving(BaseHTTPRequestHandler):
+    """/huge: a 200 reply of `huge_bytes` streamed in 1 MiB chunks; /drip: one byte every `drip_s`; /hang: reads the
+    request, then never answers."""
+
+    def log_message(self, *args):
+        pass
+
+    def do_POST(self):
+        srv = self.server
+        self.rfile.read(int(self.headers.get("Content-Length", 0)))
+        try:
+            if self.path == "/hang":
+                srv.release.wait(60)
+                return
+            self.send_response(200)
+            self.send_header("Content-Type", "application/json")
+            if self.path == "/huge":
+                self.send_header("Content-Length", str(srv.huge_bytes))
+                self.end_headers()
+                chunk, sent = b" " * (1 << 20), 0
+                while sent < srv.huge_bytes and not srv.release.is_set():
+                    self.wfile.write(chunk)
+                    sent += len(chunk)
+            elif self.path == "/drip":
+                self.send_header("Content-Length", "1000")
+                self.end_headers()
+                for _ in range(1000):
+                    if srv.release.wait(srv.drip_s):
+                        return
+                    self.wfile.write(b" ")
+                    self.wfile.flush()
+        except (BrokenPipeError, ConnectionResetError):
+            pass                                 # the client cut it: what the tests want
+
+
+class MisbehavingServer(FakeServer):
+    """A server that streams `huge_bytes`, drips a byte at a time or hangs (paths /huge, /drip, /hang)."""
+
+    def __init__(self, huge_bytes: int = 300 << 20, drip_s: float = 0.2):
+        self.httpd = ThreadingHTTPServer(("127.0.0.1", 0), _Misbehaving)
+        self.httpd.daemon_threads = True
+        self.httpd.huge_bytes, self.httpd.drip_s, self.httpd.release = huge_bytes, drip_s, threading.Event()
+        self.thread = threading.Thread(target=self.httpd.serve_forever, daemon=True)
+
+    def __exit__(self, *exc):
+        self.httpd.release.set()
+        super().__exit__(*exc)

@@ -22,6 +22,8 @@ from tests.fakes import SearchFirst, fake_score
 
 ROOT = Path(__file__).resolve().parents[1]
 
+ROOT = Path(__file__).resolve().parents[1]
+
 
 def command(capsys, main, argv) -> tuple[int, str]:
     """cli.run_cli, as the command line runs it: (exit code, stderr)."""
@@ -275,3 +277,167 @@ def test_trees_of_a_missing_step_is_one_line(tmp_path):
     assert proc.returncode == 2
     assert proc.stderr.strip().splitlines() == [f"error: {tmp_path / 'run' / 'trees.jsonl'}: no trees of step 5 "
                                                 "(steps 1..1)"]
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# Every setting's valid values, from the field definitions: below, at and above each bound
+
+
+def boundary_cases():
+    """(command, flag, value, accepted) for every field with a valid interval (Config for train.py, EvalConfig for
+    eval.py): each finite bound itself (accepted iff closed), a step outside (refused) and a step inside (accepted);
+    an infinite bound refuses inf and nan. Choices: each accepted, a made-up one refused."""
+    import dataclasses
+    cases = []
+    for command, cls in (("train", config.Config), ("eval", evaluation.EvalConfig)):
+        for f in dataclasses.fields(cls):
+            valid = f.metadata.get("valid", "")
+            interval = config._INTERVAL.fullmatch(valid)
+            if not valid:
+                continue
+            if interval is None:
+                cases += [(command, f.name, choice.strip(), True) for choice in valid.split("|")]
+                cases.append((command, f.name, "no-such-choice", False))
+                continue
+            opening, low, high, closing = interval.groups()
+            step = 1 if f.type in ("int", int) else 0.5
+            for bound, closed, outward in ((low, opening == "[", -step), (high, closing == "]", step)):
+                if bound in ("inf", "-inf"):                            # an int flag cannot be inf: the parser says
+                    cases += [(command, f.name, bound, False)] if step != 1 else []
+                    continue
+                value = int(bound) if step == 1 else float(bound)
+                cases += [(command, f.name, value, closed), (command, f.name, value + outward, False),
+                          (command, f.name, value - outward, True)]
+            if step != 1:
+                cases.append((command, f.name, "nan", False))
+    return cases
+
+
+@pytest.mark.parametrize("command, flag, value, accepted", boundary_cases(),
+                         ids=lambda x: str(x))
+def test_every_setting_is_checked_at_its_bounds(command, flag, value, accepted, tmp_path):
+    """The range check runs at parse time, before anything is loaded: a value outside is one UserError naming the
+    flag, the value and its valid values. (Cross-setting rules, e.g. --overlong_cache below --max_response_tokens,
+    are other checks; the boundary values here avoid them.)"""
+    argv = [f"--{flag}={value}"]
+    if flag == "questions_per_step":                                  # the two must divide each other
+        argv.append("--mini_batch_size=1")
+    if flag == "mini_batch_size" and isinstance(value, int) and value > 0:
+        argv.append(f"--questions_per_step={value}")
+    if command == "train":
+        if flag == "steps" and str(value) == "0":
+            argv += ["--epochs", "1"]
+        if flag == "epochs" and str(value) == "0":
+            argv += ["--steps", "1"]
+        if not accepted:
+            with pytest.raises(cli.UserError, match=rf'--{flag} .* is out of range: it must be|Parser key "{flag}"'):
+                config.parse_config(argv)
+        else:
+            config.parse_config(argv)
+        return
+    parser = config.build_parser(evaluation.EvalConfig, prog="eval.py")
+
+    def parse_and_check():
+        parsed = config.parse_args(parser, argv, "eval.py")
+        config.check_valid(evaluation.EvalConfig(**{k: v for k, v in parsed.items() if k != "config"}))
+    if not accepted:
+        with pytest.raises(cli.UserError, match=rf'--{flag} .* is out of range: it must be|Parser key "{flag}"'):
+            parse_and_check()
+    else:
+        parse_and_check()
+
+
+def test_out_of_range_settings_end_in_one_line_before_any_work(tmp_path):
+    """The commands of issue 30's list, run as a user would: one `error:` line naming the flag, exit code 2, and
+    nothing created (no run folder, no eval output folder)."""
+    cases = [("train.py", ["--lr", "-1"]), ("train.py", ["--steps", "-1"]), ("train.py", ["--temperature", "0"]),
+             ("train.py", ["--top_p", "2"]), ("train.py", ["--k", "99999999999999999999"]),
+             ("train.py", ["--seed", str(2 ** 70)]), ("train.py", ["--search_kw", "{bogus: 1}"]),
+             ("eval.py", ["--model", "embedded", "--n", "0"]), ("eval.py", ["--model", "embedded", "--limit", "-1"]),
+             ("eval.py", ["--model", "embedded", "--dtype", "float8"])]
+    for script, argv in cases:
+        out = tmp_path / script.split(".")[0]
+        proc = subprocess.run([sys.executable, script, *argv, "--out_dir", str(out)], cwd=ROOT, capture_output=True,
+                              text=True, timeout=300)
+        lines = [line for line in proc.stderr.splitlines() if line.strip()]
+        assert proc.returncode == 2 and lines and lines[-1].startswith("error: "), (argv, proc.stderr[-500:])
+        assert "Traceback" not in proc.stderr and not out.exists(), argv
+        print(f"{script} {' '.join(argv)}: {lines[-1]}")
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# Damaged or foreign model directories: one line naming the file, in train.py and eval.py
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory, tokenizer):
+    from tests.conftest import make_tiny_model
+    path = tmp_path_factory.mktemp("model") / "m"
+    make_tiny_model(tokenizer).save_pretrained(path)
+    tokenizer.save_pretrained(path)
+    return path
+
+
+def damaged(model_dir, tmp_path, how):
+    import shutil
+    path = tmp_path / how
+    shutil.copytree(model_dir, path)
+    weights = path / "model.safetensors"
+    if how == "truncated":
+        weights.write_bytes(weights.read_bytes()[:weights.stat().st_size // 2])
+    elif how == "empty":
+        weights.write_bytes(b"")
+    elif how == "garbage_header":
+        weights.write_bytes((64).to_bytes(8, "little") + b"{not json" + b" " * 80)
+    elif how == "unknown_model_type":
+        cfg = json.loads((path / "config.json").read_text())
+        (path / "config.json").write_text(json.dumps({**cfg, "model_type": "llama_from_the_future"}))
+    elif how == "no_tokenizer":
+        for name in ("tokenizer.json", "tokenizer_config.json", "vocab.json", "tokenizer.model"):
+            (path / name).unlink(missing_ok=True)
+    elif how == "no_weights":
+        weights.unlink()
+    return path
+
+
+@pytest.mark.parametrize("how, says", [("truncated", "model.safetensors is truncated"),
+                                       ("empty", "model.safetensors is truncated"),
+                                       ("garbage_header", "model.safetensors has an unreadable header"),
+                                       ("unknown_model_type", "model_type 'llama_from_the_future'"),
+                                       ("no_tokenizer", "no tokenizer files"), ("no_weights", "no weights")])
+def test_damaged_model_directories_are_refused_in_one_line(how, says, model_dir, setup, tmp_path):
+    path = damaged(model_dir, tmp_path, how)
+    with pytest.raises(cli.UserError, match=f"--model {path}: .*{says}"):
+        train.main(flags(setup, f"damaged_{how}", model=str(path)))
+    assert not (setup / "runs" / f"damaged_{how}").exists()
+    with pytest.raises(cli.UserError, match=f"--model {path}: .*{says}"):
+        evaluation.main(["--model", str(path), "--data", str(setup / "qa.jsonl"), "--out_dir", str(tmp_path / "ev"),
+                         "--device", "cpu"])
+    assert not (tmp_path / "ev").exists()
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# Paths: the run folder stays under --out_dir; a byte-order mark is not data; an empty config is an empty overlay
+
+
+@pytest.mark.parametrize("name", ["../../escaped_run", "a/b", "..", ".", "/tmp/abs"])
+def test_run_name_is_a_plain_name(name):
+    with pytest.raises(cli.UserError, match="--run_name .*a plain folder name"):
+        config.parse_config(["--run_name", name])
+    assert config.parse_config(["--run_name", "fine-name_1"]).run_name == "fine-name_1"
+
+
+def test_bom_prefixed_jsonl_is_read(tmp_path):
+    from harness import dataset
+    path = tmp_path / "excel.jsonl"
+    path.write_bytes(b"\xef\xbb\xbf" + json.dumps({"question": "Q?", "answer": ["A"]}).encode() + b"\n")
+    rows = dataset.load_dataset(path)
+    assert [(r["question"], r["golds"]) for r in rows] == [("Q?", ["A"])]
+
+
+def test_an_empty_config_file_is_an_empty_overlay(tmp_path):
+    empty, comments = tmp_path / "empty.yaml", tmp_path / "comments.yaml"
+    empty.write_text("")
+    comments.write_text("# nothing set here yet\n\n")
+    assert config.parse_config([f"--config={empty}"]) == config.Config()
+    assert config.parse_config(["--config", str(comments), "--k", "8"]).k == 8

@@ -25,14 +25,14 @@ MODULES = sorted([*ROOT.glob("*.py"), *(p for p in ROOT.glob("harness/*.py") if 
 PAPER_FILES = {"rollout.py", "loss.py", "advantage.py", "reward.py", "tools.py", "train.py", "eval.py"}
 
 
-def flag_rows(section: str) -> dict[str, tuple[str, str]]:
-    """{flag: (default, meaning)} of the table under the reference's heading `section`."""
+def flag_rows(section: str) -> dict[str, tuple[str, str, str]]:
+    """{flag: (default, valid values, meaning)} of the table under the reference's heading `section`."""
     text = REFERENCE.split(section, 1)[1].split("\n## ", 1)[0]
     rows = {}
     for line in text.splitlines():
-        m = re.fullmatch(r"\| `--(\w+)` \| `(.*?)` \| (.*) \|", line)
+        m = re.fullmatch(r"\| `--(\w+)` \| `(.*?)` \| (.*?) \| (.*) \|", line)
         if m:
-            rows[m.group(1)] = (m.group(2), m.group(3))
+            rows[m.group(1)] = (m.group(2), m.group(3), m.group(4))
     return rows
 
 
@@ -43,8 +43,9 @@ def test_flag_tables_are_the_configs(section, cls):
     fields = {f.name: f for f in dataclasses.fields(cls)}
     assert set(rows) == set(fields)
     defaults = cls()
-    for name, (default, meaning) in rows.items():
+    for name, (default, valid, meaning) in rows.items():
         assert default == repr(getattr(defaults, name)), name
+        assert valid == (fields[name].metadata.get("valid", "").replace("|", "/") or "—"), name
         assert meaning == fields[name].metadata["help"].replace("|", "/"), name
 
 

@@ -341,3 +341,36 @@ def test_reinforce_pp_normalises_over_all_ranks(tokenizer, tmp_path):
     for (_, _, a), (_, _, b) in zip(one, two):
         assert b == pytest.approx(a, rel=1e-5, abs=1e-6)
     assert len({round(v, 6) for _, _, adv in one for v in adv}) > 2                # the returns do vary
+
+
+class Killed(Exception):
+    """Stands in for a kill between two writes of a checkpoint."""
+
+
+@pytest.mark.parametrize("point", ["trainer shards", "export", "trainer_state.pt"])
+def test_a_checkpoint_folder_appears_only_complete(point, setup, monkeypatch):
+    """A failure between the writes of checkpoint 2 (after its trainer shards, its export or its trainer_state.pt
+    began) leaves no step_000002 folder at all, complete or not: the files go into a temporary folder that is
+    renamed into place last. --resume then starts from checkpoint 1 and writes checkpoint 2 whole."""
+    import torch.distributed.checkpoint as dcp
+    run = setup / "runs" / f"atomic_{point.split()[0].replace('.', '_')}"
+    real = {"trainer shards": (dcp, "save"), "export": (checkpoint, "_write_export"),
+            "trainer_state.pt": (checkpoint.torch, "save")}[point]
+    original = getattr(*real)
+
+    def killed_at_step_2(*args, **kwargs):
+        writes_it = point != "trainer_state.pt" or str(args[1]).endswith("trainer_state.pt")   # not DCP's own saves
+        if writes_it and (run / "checkpoints" / "step_000001" / "trainer_state.pt").exists():
+            raise Killed(f"killed while writing the {point} of checkpoint 2")
+        return original(*args, **kwargs)
+    monkeypatch.setattr(*real, killed_at_step_2)
+    with pytest.raises(Killed):
+        train.main(flags(setup, run.name), score=fake_score)
+    assert not (run / "checkpoints" / "step_000002").exists()
+    assert [p.name for p in checkpoint.checkpoint_dirs(run)] == ["step_000001"]
+    monkeypatch.setattr(*real, original)
+    train.main(flags(setup, run.name, resume="true"), score=fake_score)
+    final = run / "checkpoints" / "step_000002"
+    assert [p.name for p in checkpoint.checkpoint_dirs(run)] == ["step_000001", "step_000002"]
+    assert {"trainer_state.pt", "config.yaml", "run_info.json", "model.safetensors", "trainer"} <= \
+        {p.name for p in final.iterdir()}

@@ -210,7 +210,7 @@ def test_http_search_retries_then_fails_or_recovers():
         assert srv.hits["/error500"] == 3
         flaky = search.HTTPSearch(srv.url("/flaky"), retries=3, backoff_s=0.01).search(["q"])
         assert flaky[0].startswith("Page 1: Doc 0 for q") and srv.hits["/flaky"] == 3
-        with pytest.raises(search.SearchError, match=r"failed after 2 attempts \(.*timed out"):
+        with pytest.raises(search.SearchError, match=r"failed after 2 attempts \(.*no complete reply within 0.2 s"):
             search.HTTPSearch(srv.url("/slow"), timeout_s=0.2, retries=1, backoff_s=0.01).search(["q"])
         assert srv.hits["/slow"] == 2  # both attempts timed out (the message says so): none waited for the answer
         with pytest.raises(search.SearchError, match="returned invalid JSON"):
@@ -269,6 +269,18 @@ def test_python_killed_by_a_signal_is_an_observation():
     assert run_python(code) == f"Error: killed by signal {signal.SIGRTMIN + 6}"
 
 
+def test_python_memory_limit_is_an_error_observation():
+    """A call whose processes together pass total_memory_mb is stopped by the memory cgroup: the policy reads that it
+    hit the memory limit (not a bare SIGKILL), and the result is an error, never cached as ok."""
+    from harness import sandbox
+    if not sandbox.isolation()["memory_limit"]:
+        pytest.skip("no memory cgroup can be made here (the start-up line says so)")
+    code = "blocks = []\nfor _ in range(40):\n    blocks.append(bytearray(16 << 20))\nprint('done')"
+    out, status = tools._run_python(code, memory_mb=1_024, total_memory_mb=128)
+    assert status == "error" and "Error: the program hit the memory limit (128 MB" in out and "done" not in out
+    assert tools._run_python("print('small')", total_memory_mb=128) == ("small", "ok")
+
+
 # ---------------------------------------------------------------------------------------------------------------
 # A round of calls
 # ---------------------------------------------------------------------------------------------------------------
@@ -310,3 +322,29 @@ def test_tools_end_to_end_with_bm25(bm25):
     obs, counts = t.run([parse_tool_call(segment)])
     assert "A Sunday Afternoon on the Island of La Grande Jatte" in obs[0] and counts["search/calls"] == 1
     t.close()
+
+
+@pytest.mark.parametrize("path, cut", [("/huge", "sent more than 1,048,576 bytes"),
+                                       ("/drip", "no complete reply within 1.5 s"),
+                                       ("/hang", "no complete reply within 1.5 s")])
+def test_a_misbehaving_server_is_cut_by_size_and_deadline(path, cut):
+    """Every HTTP reply is read with a size cap and one deadline for the whole request: a 300 MB stream is dropped at
+    the cap (memory stays small), a server that drips a byte every 0.2 s or never answers is cut at the deadline (the
+    per-read timeout alone would wait for ever); the tools turn it into the observation the policy reads, naming the
+    cut, and the judge into its one-line error."""
+    import resource
+    import time
+    from harness import correctness
+    from tests._http_server import MisbehavingServer
+    with MisbehavingServer() as srv:
+        backend = search.HTTPSearch(srv.url(path), timeout_s=1.5, retries=0, max_bytes=1 << 20)
+        rss_before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+        start = time.monotonic()
+        observations, counts = tools.Tools(backend, search_timeout_s=30).run([tools.ToolCall("search", "q")])
+        took = time.monotonic() - start
+        assert observations[0].startswith("Error: search failed: SearchError") and cut in observations[0]
+        assert counts["search/errors"] == 1 and took < 5, (took, observations)
+        assert resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - rss_before < 100_000    # KB: not 300 MB
+        judge = correctness.Judge(srv.url(path), "m", timeout_s=1.5)
+        with pytest.raises(correctness.JudgeError, match="unreachable or cut off"):
+            judge._ask("q", "p", ("g",))
