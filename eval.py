@@ -1,16 +1,22 @@
-"""Evaluation: n rollouts per held-out question, Pass@1 and unbiased Pass@k, EM, F1 and the reward.
+"""Evaluation: n rollouts per held-out question, Pass@1 and unbiased Pass@k, EM, F1 and the reward; or the authors'
+own evaluation protocol.
 
 Paper: Dong et al., "Agentic Entropy-Balanced Policy Optimization", arXiv:2510.14545, paper §4 experimental setup;
 algorithm.md §6: each question gets n independent trajectories from the training rollout code (no branching) at
 temperature 0.6 and top-p 0.95; Pass@1 is the mean correctness and Pass@k the unbiased estimator. Correct is exact
-match of the boxed answer, `math_equal` for math questions, or an LLM judge (harness/correctness.py).
+match of the boxed answer, `math_equal` for math questions, or an LLM judge (harness/correctness.py). `--protocol
+official` runs the authors' evaluation instead (harness/official_eval.py: text completion with per-tool limits, the
+browse-and-summarise search, their judge rule, Pass@k over --runs runs), each of its settings a flag whose default
+under that protocol is the official value.
 
     python eval.py --run runs/<name>                   # a run's latest checkpoint, evaluated the way it trained
     python eval.py --model PATH --data data/qa_test.jsonl --n 5
     python eval.py --model PATH --data '[data/qa_test.jsonl, ../shared/data/benchmarks/bamboogle.jsonl]'
+    python eval.py --protocol official --model PATH --data ../shared/data/benchmarks/gaia.jsonl --summarizer_url URL \\
+        --judge_url URL                                # the paper's evaluation (README: Evaluation)
 
 Deviations from the paper / official code (algorithm.md §8): D24 ("correct" explicit per data set), D25 (several
-processes split the questions in whole chunks, each with its one-process seed).
+processes split the questions in whole chunks, each with its one-process seed); under --protocol official, D33-D43.
 """
 from __future__ import annotations
 
@@ -26,7 +32,8 @@ from typing import Union
 
 import rollout
 import tools
-from harness import checkpoint, cli, config, generation, parallel, runlog, search as search_mod, trees
+from harness import checkpoint, cli, config, generation, parallel, rundir, runlog, search as search_mod, trees
+from harness import official_eval
 from harness.cli import UserError
 from harness.config import arg, like
 from harness.correctness import Judge, math_equal
@@ -202,13 +209,16 @@ class EvalConfig:
     n: int = like("eval_n", 5, "samples per question (Pass@k for every k <= n; algorithm.md §6: 5)")
     temperature: float = like("eval_temperature")
     top_p: float = like("eval_top_p")
-    max_response_tokens: int = like("max_response_tokens", 4096)
+    max_response_tokens: int = like("max_response_tokens", 4096, "response budget per trajectory: policy tokens + "
+                                    "tool results (official protocol: tokens per generate call, 4096)")
     max_tool_calls: int = like("max_tool_calls")
     strict_format: bool = like("strict_format")
     batch_size: int = like("gen_batch_size", help="trajectories generated together (batch_size // n questions per "
                                                   "rollout call)")
     skip_bad: bool = like("skip_bad")
-    search: str = like("search")
+    search: str = arg("bm25", "search backend for search.make_search: bm25 (embedded Wikipedia), replay, http, web, "
+                              "brightdata (official protocol: brightdata, whose results' pages it browses)",
+                      valid="bm25 | replay | http | web | brightdata", train_key="search")
     search_kw: dict = like("search_kw", {}, "keyword arguments for search.make_search (default: 10 snippets, as the "
                                             "official code)")
     python_timeout_s: float = like("python_timeout_s")
@@ -216,11 +226,37 @@ class EvalConfig:
     python_max_processes: int = like("python_max_processes")
     python_memory_mb: int = like("python_memory_mb")
     python_disk_mb: int = like("python_disk_mb")
-    judge: bool = arg(False, "correctness by an OpenAI-compatible LLM judge instead of EM / math_equal")
+    judge: bool = arg(False, "correctness by an OpenAI-compatible LLM judge instead of EM / math_equal (official "
+                             "protocol: on, with its rule)")
     judge_url: str = arg("", "the judge's base URL (default $AEPO_JUDGE_URL)")
     judge_model: str = arg("", "the judge's model name (default $AEPO_JUDGE_MODEL)")
     judge_api_key: str = arg("", "the judge's API key (default $AEPO_JUDGE_API_KEY)")
     judge_cache: str = arg("", "JSON file of cached verdicts (default <out_dir>/judge_cache.json)")
+    protocol: str = arg("training", "training: n rollouts per question with the training rollout and search; "
+                                    "official: the authors' evaluation (algorithm.md §6), the flags below its own",
+                        valid="training | official")
+    top_k: int = arg(0, "top-k sampling, 0 = off (official protocol: 20)", valid="[0, inf)")
+    repetition_penalty: float = arg(1.0, "repetition penalty on sampling only, never on H_seg or log-probs; 1 = off "
+                                         "(official protocol: 1.1)", valid="(0, inf)")
+    runs: int = arg(5, "official protocol: runs over every question, one output file each; Pass@k over them "
+                       "(official 5)", valid="[1, 1024]")
+    calls_per_step: int = arg(4, "official protocol: generate calls per step; a call whose text has no closing tag "
+                                 "is continued (official 4: the first and 3 more)", valid="[1, 100]")
+    python_limit: int = arg(5, "official protocol: python calls per question (official 5)", valid="[0, 1000]")
+    search_limit: int = arg(10, "official protocol: search calls per question (official 10)", valid="[0, 1000]")
+    tool_timeout_s: float = arg(120.0, "official protocol: seconds per tool call (official 120)", valid="(0, inf)")
+    sample_timeout_s: float = arg(1500.0, "official protocol: seconds per question (official 1500)", valid="(0, inf)")
+    max_model_len: int = arg(32768, "official protocol: the policy's context; a call that would pass it ends the "
+                                    "question (official: vllm serve --max-model-len 32768)", valid="[1, inf)")
+    policy_url: str = arg("", "official protocol: an OpenAI-compatible endpoint serving the policy (vllm serve "
+                              "CHECKPOINT) instead of sampling --model here, which then names the tokenizer")
+    summarizer_url: str = arg("", "official protocol: the summariser's base URL (default $AEPO_SUMMARIZER_URL; API "
+                                  "key $AEPO_SUMMARIZER_API_KEY)")
+    summarizer_model: str = arg("", "the summariser's model name (default $AEPO_SUMMARIZER_MODEL, else the first "
+                                    "model its endpoint lists)")
+    page_cache: str = arg("", "official protocol: SQLite file of SERP replies and pages, kept across runs (default "
+                              "<cache_dir>/browse/pages.sqlite)")
+    fetch_timeout_s: float = arg(20.0, "official protocol: seconds per page fetch (official 20)", valid="(0, inf)")
     device: str = arg("cuda", "torch device (cpu when CUDA is unavailable)")
     dtype: str = arg("auto", "model dtype", valid="auto | float32 | bfloat16 | float16")
     seed: int = like("seed", help="rollout seed")
@@ -228,13 +264,16 @@ class EvalConfig:
                            "runs/eval/<time>)")
 
 
+# the official protocol's values of the flags both protocols read (algorithm.md §6); its own flags default to theirs
+OFFICIAL = {"temperature": 0.6, "top_p": 0.95, "top_k": 20, "repetition_penalty": 1.1, "max_response_tokens": 4096,
+            "search": "brightdata", "search_kw": {}, "judge": True, "batch_size": 50}
 # eval.py flag <- the run's config.yaml key
 FROM_RUN = {f.name: f.metadata["train_key"] for f in fields(EvalConfig) if "train_key" in f.metadata}
 
 
 def run_settings(run_dir: Path) -> dict:
     """The eval.py flags a training run implies (its config.yaml, newest start), as parser defaults."""
-    saved = runlog.saved_config(run_dir)
+    saved = rundir.saved_config(run_dir)
     if not saved:
         raise UserError(f"--run {run_dir}: no config.yaml there (not a training run folder)")
     out = {flag: saved[key] for flag, key in FROM_RUN.items() if key in saved}
@@ -282,10 +321,16 @@ def main(argv=None) -> list[dict]:
     parser = config.build_parser(EvalConfig, prog="eval.py",
                                  description="Evaluate a tool-using policy (AEPO, arXiv:2510.14545): Pass@k, EM, F1")
     args = config.parse_args(parser, argv, "eval.py")
+    official = args["protocol"] == "official"
     source = "the defaults and flags"
-    if args["run"]:
-        parser.set_defaults(**run_settings(Path(args["run"])))        # the run's settings; flags still override
+    if args["run"]:                                                   # the run's settings; flags still override
+        parser.set_defaults(**{k: v for k, v in run_settings(Path(args["run"])).items()
+                               if not (official and k in OFFICIAL)})
+    if official:
+        parser.set_defaults(**OFFICIAL)
+    if args["run"] or official:
         args = config.parse_args(parser, argv, "eval.py")
+    if args["run"]:
         args["model"] = args["model"] or str(run_checkpoint(Path(args["run"]), args["step"]))
         source = f"the settings of {args['run']} and the flags"
     cfg = EvalConfig(**{k: v for k, v in args.items() if k != "config"})
@@ -295,9 +340,9 @@ def main(argv=None) -> list[dict]:
     stamp = time.strftime("%Y%m%d-%H%M%S")
     out = Path(cfg.out_dir) if cfg.out_dir else \
         Path(cfg.run, "eval", f"{Path(cfg.model).name}-{stamp}") if cfg.run else Path("runs", "eval", stamp)
-    print(f"evaluating {cfg.model} with {source}: data {cfg.data}, limit {cfg.limit}, n {cfg.n}, temperature "
-          f"{cfg.temperature}, top_p {cfg.top_p}, max_response_tokens {cfg.max_response_tokens}, max_tool_calls "
-          f"{cfg.max_tool_calls}, search {cfg.search} {cfg.search_kw}", flush=True)
+    print(f"evaluating {cfg.model} ({cfg.protocol} protocol) with {source}: data {cfg.data}, limit {cfg.limit}, n "
+          f"{cfg.n}, temperature {cfg.temperature}, top_p {cfg.top_p}, max_response_tokens {cfg.max_response_tokens}, "
+          f"max_tool_calls {cfg.max_tool_calls}, search {cfg.search} {cfg.search_kw}", flush=True)
     if not cfg.run and (note := _training_note(cfg.model, cfg)):
         print(note, flush=True)
     datasets = [(path, load_dataset(path, skip_bad=cfg.skip_bad))          # every input checked before any output
@@ -306,6 +351,8 @@ def main(argv=None) -> list[dict]:
         if not rows:
             raise UserError(f"--data {path}: no questions in it")
     config.check_writable(str(out), "out_dir")
+    if official:
+        return official_eval.main(cfg, datasets, out, load_model)
     judge = Judge.from_env(cfg.judge_url, cfg.judge_model, cfg.judge_api_key,
                            cfg.judge_cache or out / "judge_cache.json") if cfg.judge else None
     model, tokenizer = load_model(cfg.model, cfg.device, cfg.dtype)
@@ -319,7 +366,8 @@ def main(argv=None) -> list[dict]:
     out.mkdir(parents=True, exist_ok=True)
     (out / "config.json").write_text(json.dumps(asdict(cfg), indent=2))
     generator = generation.TransformersGenerator(model, tokenizer, batch_size=cfg.batch_size)
-    settings = EvalSettings(n=cfg.n, sampling=rollout.Sampling(cfg.temperature, cfg.top_p),
+    settings = EvalSettings(n=cfg.n, sampling=rollout.Sampling(cfg.temperature, cfg.top_p, cfg.top_k,
+                                                               cfg.repetition_penalty),
                             max_response_tokens=cfg.max_response_tokens, max_tool_calls=cfg.max_tool_calls,
                             batch_size=cfg.batch_size, seed=cfg.seed, strict_format=cfg.strict_format)
     summaries = []

@@ -16,6 +16,8 @@ exp and 0 at mask-0 tokens, a safeguard neither official loss has; k3 clamped to
 low_var_kl), D18 (token entropy over the full vocabulary in float32, chunk by chunk from the hidden states), D19 (the
 entropy bonus a setting of its own), D20 (CISPO's lower bound off through eps_low = 1).
 """
+import math
+
 import torch
 
 # ---------------------------------------------------------------------------------------------
@@ -248,7 +250,7 @@ def clip_metrics(ratio, log_ratio, adv, valid, eps_low, eps_high, clip_c, kept_h
 
 def policy_loss(logp, old_logp, advantages, mask, n_valid, eps_low=0.2, eps_high=0.2, clip_c=3.0,
                 sg_clip=True, ref_logp=None, kl_coef=0.0, *, sg_clip_low=False, cispo=False, entropy=None,
-                entropy_coeff=0.0, loss_agg="token-mean", n_seqs=None, max_len=None):
+                entropy_coeff=0.0, loss_agg="token-mean", n_seqs=None, max_len=None, weights=None):
     """Eq. (algorithm.md §4): r = exp(logp − old_logp); loss = aggregate(−J) + kl_coef·aggregate(k3)
     − entropy_coeff·aggregate(H), J the surrogate: `aepo_surrogate` (PPO with sg_clip=False), `gppo_surrogate`
     (sg_clip_low) or `cispo_surrogate` (cispo); k3 = clamp(e^d − d − 1, −10, 10), d = ref_logp − logp (verl's
@@ -257,12 +259,13 @@ def policy_loss(logp, old_logp, advantages, mask, n_valid, eps_low=0.2, eps_high
     mask: (B, T), 1 = token sampled by the policy; n_valid: mask-1 tokens of the whole optimiser mini-batch (all
     micro-batches and ranks); ref_logp: (B, T) frozen reference (k3 always reported, in the loss when kl_coef > 0);
     entropy: (B, T) current-policy H with its gradient (in the loss when entropy_coeff != 0); loss_agg, n_seqs,
-    max_len: see `aggregate`. The log-ratio is clamped to [−20, 20] and 0 at mask-0 tokens (D17).
+    max_len: see `aggregate`; weights: (B, T) detached per-token factors of J (`rollout_correction`), None = 1.
+    The log-ratio is clamped to [−20, 20] and 0 at mask-0 tokens (D17).
     Returns (loss 0-d, metrics): `clip_metrics`' sums, and "kl_ref" (Σ k3), "pg_loss", "kl_loss", "entropy_loss"
     (this call's additive parts of the loss); sum them over micro-batches and ranks, divide by the global count."""
     shape = logp.shape
     for name, t in (("old_logp", old_logp), ("advantages", advantages), ("mask", mask), ("ref_logp", ref_logp),
-                    ("entropy", entropy)):
+                    ("entropy", entropy), ("weights", weights)):
         if t is not None and t.shape != shape:
             raise ValueError(f"{name} has shape {tuple(t.shape)}, expected {tuple(shape)} like logp")
     for name, t in (("logp", logp), ("old_logp", old_logp), ("advantages", advantages), ("mask", mask)):
@@ -280,6 +283,8 @@ def policy_loss(logp, old_logp, advantages, mask, n_valid, eps_low=0.2, eps_high
         j = gppo_surrogate(ratio, adv, eps_low, eps_high, clip_c, sg_clip)
     else:
         j = aepo_surrogate(ratio, adv, eps_low, eps_high, clip_c, sg_clip)
+    if weights is not None:
+        j = j * weights.detach()                                             # sg(.): the rollout correction
     pg_loss = aggregate(j, valid, scale=-1.0, **agg)
     zero = torch.zeros((), dtype=torch.float32, device=logp.device)
     kl_ref, kl_loss, entropy_loss = zero, zero, zero
@@ -297,3 +302,68 @@ def policy_loss(logp, old_logp, advantages, mask, n_valid, eps_low=0.2, eps_high
     metrics.update({name: value.detach().double() for name, value in
                     (("kl_ref", kl_ref), ("pg_loss", pg_loss), ("kl_loss", kl_loss), ("entropy_loss", entropy_loss))})
     return pg_loss + kl_loss + entropy_loss, metrics
+
+
+# ---------------------------------------------------------------------------------------------
+# Generator–trainer mismatch (an extension, not in the paper: algorithm.md §4b)
+
+LOG_RATIO_EDGES = (-4.0, 4.0, 160)                 # the histogram of log ρ: 160 bins over [−4, 4], ends open
+
+
+def mismatch_stats(old_logp, gen_logp, mask):
+    """Sums over the mask-1 tokens whose generator log-prob is finite, with ρ = π_old/π_gen = exp(old − gen):
+    [tokens, Σ k1, Σ k3, Σ [ρ ∉ [1/2, 2]], sequences, Σ over sequences of their mean k1, then the histogram of log ρ]
+    (float64, one vector: sum it over micro-batches and ranks), k1 = log π_gen − log π_old (samples from the
+    generator: KL(π_gen‖π_old) ≈ mean k1), k3 = ρ − 1 − log ρ. old_logp, gen_logp, mask: (B, T)."""
+    valid = mask.bool() & torch.isfinite(gen_logp)
+    log_rho = torch.where(valid, old_logp.double() - gen_logp.double(), 0.0).clamp(-20.0, 20.0)
+    k1, k3 = -log_rho, torch.where(valid, log_rho.exp() - 1.0 - log_rho, 0.0)
+    per_seq = valid.sum(-1)
+    has = per_seq > 0
+    seq_mean = torch.where(has, k1.sum(-1) / per_seq.clamp(min=1), 0.0)
+    low, high, n_bins = LOG_RATIO_EDGES
+    bins = ((log_rho - low) / (high - low) * n_bins).floor().clamp(0, n_bins - 1).long()
+    hist = torch.zeros(n_bins, dtype=torch.float64, device=old_logp.device).index_add_(
+        0, bins[valid], torch.ones_like(log_rho[valid]))
+    outside = valid & ((log_rho < -math.log(2.0)) | (log_rho > math.log(2.0)))
+    head = torch.stack([valid.sum().double(), k1.sum(), k3.sum(), outside.sum().double(), has.sum().double(),
+                        seq_mean.sum()])
+    return torch.cat([head, hist])
+
+
+def _run_ids(valid):
+    """(B, T) long: 1, 2, ... for each run of consecutive mask-1 tokens of a row (its segments), 0 elsewhere."""
+    starts = valid & ~torch.nn.functional.pad(valid, (1, 0))[:, :-1]
+    return torch.where(valid, starts.long().cumsum(-1), 0)
+
+
+def _mean_within(values, groups, valid):
+    """Each valid entry's group mean of `values` (groups: (B, T) ids, 0 = none, per row), broadcast back."""
+    n_groups = int(groups.max()) + 1 if groups.numel() else 1
+    flat = (torch.arange(groups.shape[0], device=groups.device)[:, None] * n_groups + groups).flatten()
+    w = valid.flatten().double()
+    sums = torch.zeros(groups.shape[0] * n_groups, dtype=torch.float64, device=values.device)
+    sums.index_add_(0, flat, values.flatten().double() * w)
+    counts = torch.zeros_like(sums).index_add_(0, flat, w)
+    return (sums / counts.clamp(min=1))[flat].view(groups.shape)
+
+
+def rollout_correction(old_logp, gen_logp, mask, tis_cap=0.0, token_band=None, segment_band=None,
+                       sequence_band=None):
+    """Eq. (the decoupled correction of verl's rollout correction; algorithm.md §4b), ρ_t = π_old/π_gen:
+         w_t = sg(min(ρ_t, tis_cap))                                  (tis_cap > 0: truncated importance weight)
+             · [ρ_t ∈ token_band]                                     (token mask, IcePop)
+             · [exp(mean_{t' ∈ segment} log ρ_t') ∈ segment_band]     (a policy span between tool results)
+             · [exp(mean_{t' ∈ trajectory} log ρ_t') ∈ sequence_band]  (geometric mean over the trajectory)
+    multiplying the surrogate J_t, whose ratio stays π_θ/π_old. Bands are (low, high) or None (off); tokens with no
+    finite generator log-prob get w = 1. old_logp, gen_logp, mask: (B, T). Returns (w (B, T) detached, masked (B, T)
+    bool: the tokens a band set to 0)."""
+    valid = mask.bool() & torch.isfinite(gen_logp)
+    log_rho = torch.where(valid, old_logp.detach().double() - gen_logp.double(), 0.0).clamp(-20.0, 20.0)
+    w = torch.where(valid & (tis_cap > 0), log_rho.exp().clamp(max=tis_cap if tis_cap > 0 else 1.0), 1.0)
+    keep = torch.ones_like(valid)
+    for band, level in ((token_band, log_rho), (segment_band, _mean_within(log_rho, _run_ids(valid), valid)),
+                        (sequence_band, _mean_within(log_rho, valid.long(), valid))):
+        if band is not None:
+            keep &= ~valid | ((level >= math.log(band[0])) & (level <= math.log(band[1])))
+    return (w * keep).float().detach(), valid & ~keep                       # sg(.)

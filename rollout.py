@@ -94,6 +94,8 @@ class Segment:
     finish_reason: str  # "tool" (closing tool tag), "answer" (</answer>), "eos", "length"
     h_seg: float        # segment_entropy of its first 20 positions
     text: str           # decoded, for parsing the tool call only (never re-encoded)
+    logprobs: list[float] | None = None  # log-prob of each token at the sampling temperature, over the whole
+    #                                      vocabulary (no top-k/top-p renormalisation); None where the backend has none
 
 
 class Generator(Protocol):
@@ -150,6 +152,9 @@ class Trajectory:
     kind: str = "global"              # "premonitor" | "global" | "branch" | "completion"
     tool_calls: list[tuple[str, str]] = field(default_factory=list)
     observations: list[str] = field(default_factory=list)  # what each call returned (before format_result)
+    gen_logp: list[float] | None = field(default_factory=list)  # the generator's log-prob of each response token
+    #                                      (Segment.logprobs; 0.0 at tool tokens, nan at a token it did not sample),
+    #                                      None once a segment came without them
     seg_entropies: list[float] = field(default_factory=list)
     branch_l: list[int] = field(default_factory=list)   # l at each branch this trajectory created
     result_ends: list[int] = field(default_factory=list)  # len(response_ids) after each tool result
@@ -237,6 +242,7 @@ def _append_segment(t: Trajectory, seg: Segment, s: TreeSettings, tokenizer, cou
     `tools.ToolError` the policy will read), or None when it ends the trajectory."""
     t.response_ids += seg.token_ids
     t.loss_mask += [1] * len(seg.token_ids)
+    t.gen_logp = t.gen_logp + list(seg.logprobs) if t.gen_logp is not None and seg.logprobs is not None else None
     t.seg_entropies.append(seg.h_seg)
     call = None
     if seg.finish_reason != "tool":
@@ -247,6 +253,8 @@ def _append_segment(t: Trajectory, seg: Segment, s: TreeSettings, tokenizer, cou
             if len(t.response_ids) < s.max_response_tokens:
                 t.response_ids.append(tokenizer.eos_token_id)
                 t.loss_mask.append(1)
+                if t.gen_logp is not None:           # a token the generator did not sample: no log-prob for it
+                    t.gen_logp.append(math.nan)
             t.finish_reason = "eos"
             return None
         call = tools.ToolError(f"tool-call limit ({s.max_tool_calls}) reached; give your final answer now")
@@ -268,6 +276,7 @@ def _append_result(t: Trajectory, observation: str, tokenizer, max_response_toke
     room = max_response_tokens - len(t.response_ids)
     t.response_ids += ids[:room]
     t.loss_mask += [0] * len(ids[:room])
+    t.gen_logp = None if t.gen_logp is None else t.gen_logp + [0.0] * len(ids[:room])
     if len(ids) >= room:
         t.finish_reason, t.truncated = "length", True
         return False
@@ -303,6 +312,7 @@ def _maybe_branch(t: Trajectory, step: int, tree: Tree, rng: random.Random, rnd:
     fork = t.result_ends[step]
     tree.trajectories.append(Trajectory(
         t.group_id, len(tree.trajectories), list(t.prompt_ids), t.response_ids[:fork], t.loss_mask[:fork],
+        gen_logp=None if t.gen_logp is None else t.gen_logp[:fork],
         parent=t.traj_id, fork_offset=fork, round=rnd, l=t.l, kind="branch", tool_calls=t.tool_calls[:step + 1],
         observations=t.observations[:step + 1], seg_entropies=t.seg_entropies[:step + 1],
         result_ends=t.result_ends[:step + 1]))

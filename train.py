@@ -35,7 +35,7 @@ import loss
 import reward
 import rollout
 import tools
-from harness import checkpoint, cli, config, dataset, generation, parallel, runlog, trees
+from harness import checkpoint, cli, config, dataset, generation, parallel, rundir, runlog, trees
 from harness.policy import backward_micro_batches, full_named_parameters, optimizer_step, tensorize, unwrap
 from harness.startup import Run, set_up
 
@@ -75,7 +75,7 @@ def rl_step(run: Run, step: int, progress=None) -> tuple[dict, runlog.StepBatch]
                             run.tokenizer.pad_token_id, run.device)
 
     # ---- old-policy log-probs and token entropies (one no-grad pass), entropy-aware advantage Ã (§3b)
-    entropy = old_policy_pass(run.policy, run.ref, batches, cfg, run.amp)
+    entropy, mismatch = old_policy_pass(run.policy, run.ref, batches, cfg, run.amp)
     t_old = time.time() - t1
 
     # ---- policy update (algorithm.md §4): ppo_epochs × mini-batches, each one optimiser step
@@ -88,6 +88,7 @@ def rl_step(run: Run, step: int, progress=None) -> tuple[dict, runlog.StepBatch]
 
     batch = runlog.StepBatch(rows, trajectories, scores, rewards, tree["m_per_question"])
     metrics = runlog.step_metrics(step + 1, batch, tree, adv, entropy, losses, grad_norms)
+    metrics.update(runlog.mismatch_metrics(mismatch))
     metrics.update({"lr": lr, "time/rollout": t_rollout, "time/old_logp": t_old, "time/update": t_update,
                     "time/step": time.time() - t0,
                     "update_tokens_per_s": metrics["n_valid_tokens"] * cfg.ppo_epochs / max(t_update, 1e-9)})
@@ -98,14 +99,14 @@ def rl_step(run: Run, step: int, progress=None) -> tuple[dict, runlog.StepBatch]
 # The training loop: set-up, then per step the step, its log, an evaluation and a checkpoint when due
 
 
-def train(cfg, rank: int, world: int, device: torch.device, state: runlog.RunState | None = None, *,
+def train(cfg, rank: int, world: int, device: torch.device, state: rundir.RunState | None = None, *,
           score=reward.score_response, make_generator=generation.make_generator) -> dict:
     """The whole run on this rank (every rank calls it). score(text, golds) -> reward.score_response's dict and
     make_generator (generation.make_generator's arguments) are what a test may replace."""
     from tqdm import tqdm
-    state = state or runlog.RunState()
+    state = state or rundir.RunState()
     run = set_up(cfg, rank, world, device, state, score, make_generator)
-    trackers = runlog.Trackers(run.cfg, run.dir, run.master)
+    trackers, watch = runlog.Trackers(run.cfg, run.dir, run.master), runlog.MismatchWatch()
     evals = {}
     before = evaluate(run, "before") if run.start_step == 0 and cfg.eval_before else runlog.saved_eval(run.dir,
                                                                                                         "before")
@@ -121,6 +122,8 @@ def train(cfg, rank: int, world: int, device: torch.device, state: runlog.RunSta
         state.steps_done = step + 1
         if run.master:
             runlog.log_step(run.dir, metrics, batch, run.steps, run.cfg.log_samples, run.search, run.log)
+            if warning := watch.check(step + 1, metrics):
+                run.log(warning)
             trees.append(run.dir / "trees.jsonl", [rec for recs in step_trees for rec in recs])
             trackers.log(metrics, step + 1)
             bar.set_postfix_str("")
@@ -129,7 +132,7 @@ def train(cfg, rank: int, world: int, device: torch.device, state: runlog.RunSta
             evaluate(run, f"step{step + 1}")
         if (run.cfg.save_every and (step + 1) % run.cfg.save_every == 0) or step + 1 == run.steps:
             checkpoint.save(run.dir, step + 1, run.policy, run.optimizer, run.tokenizer, rank=rank,
-                            keep=run.cfg.keep_checkpoints, config_yaml=runlog.config_yaml(run.cfg), info=run.info,
+                            keep=run.cfg.keep_checkpoints, config_yaml=rundir.config_yaml(run.cfg), info=run.info,
                             export_dtype=torch.bfloat16 if run.cfg.bf16 else torch.float32,
                             trainer_state=run.cfg.save_trainer_state)
     bar.close()
@@ -220,28 +223,32 @@ def micro_batches(trajectories, adv: torch.Tensor, rewards: torch.Tensor, n_mini
         for s in range(0, len(chunk), cfg.micro_batch_size):
             idx = chunk[s:s + cfg.micro_batch_size]
             items = [(trajectories[i].prompt_ids, trajectories[i].response_ids, trajectories[i].loss_mask) for i in idx]
-            mbs.append(tensorize(items, pad_id, device, adv=adv[idx], reward=rewards[idx]))
+            mbs.append(tensorize(items, pad_id, device, adv=adv[idx], reward=rewards[idx],
+                                 gen_logp=[trajectories[i].gen_logp for i in idx]))
         out.append(mbs)
     return out
 
 
 @torch.no_grad()
-def old_policy_pass(policy, ref, batches: list[list], cfg, amp) -> torch.Tensor:
+def old_policy_pass(policy, ref, batches: list[list], cfg, amp) -> tuple[torch.Tensor, torch.Tensor]:
     """Fill every micro-batch with old_logp and entropy (π_old at the rollout temperature), ref_logp (with a
     reference), and adv_tok = Ã (§3b) z-scored with entropy statistics over all ranks; with --reinforce_pp the
-    advantage is first the batch-normalised per-token return (§7). Returns the old policy's entropy statistics
-    [count, ΣH, ΣH²] over all ranks (float64)."""
+    advantage is first the batch-normalised per-token return (§7). Returns, over all ranks (one all-reduce), the old
+    policy's entropy statistics [count, ΣH, ΣH²] and the generator–trainer mismatch sums (loss.mismatch_stats)."""
     unwrap(policy).eval()
-    local = torch.zeros(3, dtype=torch.float64)
     flat = [mb for mbs in batches for mb in mbs]
+    local = torch.zeros(3 + 6 + loss.LOG_RATIO_EDGES[2], dtype=torch.float64)
     with amp():
         for mb in flat:
             mb.old_logp, mb.entropy = policy(mb.input_ids, mb.attention_mask, mb.mask, cfg.temperature,
                                              cfg.logp_chunk_size)
             if ref is not None:
                 mb.ref_logp, _ = ref(mb.input_ids, mb.attention_mask, mb.mask, cfg.temperature, cfg.logp_chunk_size)
-            local += advantage.entropy_stats(mb.entropy, mb.mask).cpu()
-    stats = parallel.all_reduce_sum(local)
+            local[:3] += advantage.entropy_stats(mb.entropy, mb.mask).cpu()
+            if mb.gen_logp is not None:
+                local[3:] += loss.mismatch_stats(mb.old_logp, mb.gen_logp, mb.mask).cpu()
+    reduced = parallel.all_reduce_sum(local)
+    stats, mismatch = reduced[:3], reduced[3:]
     mean_h, std_h = advantage.mean_std(stats)
     if cfg.reinforce_pp:                        # returns with the KL in the reward, normalised over all ranks
         kl = cfg.kl_coef if cfg.kl_in_reward else 0.0
@@ -256,7 +263,7 @@ def old_policy_pass(policy, ref, batches: list[list], cfg, amp) -> torch.Tensor:
             mb.adv_tok = advantage.entropy_weighted_advantages(mb.adv, mb.entropy, mb.mask, mean_h, std_h, cfg.alpha)
         else:
             mb.adv_tok = mb.adv * mb.mask
-    return stats
+    return stats, mismatch
 
 
 def update(run: Run, batches: list[list], step: int) -> tuple[dict, list[float], float]:
@@ -286,13 +293,31 @@ def accumulate_gradients(policy, mbs: list, cfg, world: int, amp, where: str) ->
     n_valid, n_seqs = parallel.all_reduce_sum(counts).tolist()
 
     def objective(mb, logp, entropy):
+        weights = rollout_correction(mb, cfg)
         return loss.policy_loss(
             logp, mb.old_logp, mb.adv_tok, mb.mask, n_valid, eps_low=cfg.eps_low, eps_high=cfg.eps_high,
             clip_c=cfg.clip_c, sg_clip=cfg.sg_clip, ref_logp=mb.ref_logp, kl_coef=0.0 if cfg.kl_in_reward else cfg.kl_coef,
             sg_clip_low=cfg.sg_clip_low, cispo=cfg.cispo, entropy=entropy if cfg.entropy_coeff else None,
-            entropy_coeff=cfg.entropy_coeff, loss_agg=cfg.loss_agg, n_seqs=n_seqs, max_len=cfg.max_response_tokens)
+            entropy_coeff=cfg.entropy_coeff, loss_agg=cfg.loss_agg, n_seqs=n_seqs, max_len=cfg.max_response_tokens,
+            weights=weights)
 
     return backward_micro_batches(policy, mbs, world, amp, cfg.temperature, cfg.logp_chunk_size, objective, where)
+
+
+def rollout_correction(mb, cfg):
+    """The opt-in generator–trainer correction's per-token weights (loss.rollout_correction; algorithm.md §4b), or
+    None when every switch is off."""
+    band = (cfg.mismatch_low, cfg.mismatch_high)
+    if not (cfg.tis_cap or cfg.mismatch_token_mask or cfg.mismatch_segment_mask or cfg.mismatch_sequence_mask):
+        return None
+    if mb.gen_logp is None or not torch.isfinite(mb.gen_logp[mb.mask.bool()]).any():
+        raise cli.UserError("the mismatch correction needs the generator's log-probs, which this generator did not "
+                            "give (vLLM gives them at --temperature 1 only)")
+    weights, _ = loss.rollout_correction(mb.old_logp, mb.gen_logp, mb.mask, cfg.tis_cap,
+                                         band if cfg.mismatch_token_mask else None,
+                                         band if cfg.mismatch_segment_mask else None,
+                                         band if cfg.mismatch_sequence_mask else None)
+    return weights
 
 
 # ---------------------------------------------------------------------------------------------------------------------
@@ -302,9 +327,9 @@ def accumulate_gradients(policy, mbs: list, cfg, world: int, amp, where: str) ->
 def main(argv=None, *, score=reward.score_response, make_generator=generation.make_generator) -> dict:
     cfg = config.parse_config(argv)
     if cfg.resume:                               # the run's own settings, unless a flag changes them
-        cfg = config.parse_config(argv, defaults=runlog.saved_config(runlog.resumed_run(cfg)))
+        cfg = config.parse_config(argv, defaults=rundir.saved_config(rundir.resumed_run(cfg)))
     rank, world, device = parallel.init(cfg.device, cfg.dist_timeout_min)
-    state = runlog.RunState()
+    state = rundir.RunState()
     try:
         out = train(cfg, rank, world, device, state, score=score, make_generator=make_generator)
     except BaseException as err:                 # a new run that finished no step leaves no folder

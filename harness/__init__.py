@@ -3,6 +3,6 @@ startup (a training run's set-up), config (the flags), cli (how a command ends),
 model), policy (the model on 1..N processes), generation and vllm_generation (the two generation backends),
 coldstart (the embedded model's supervised cold start), dataset, search (the search tool's backends), correctness
 (math_equal and the LLM judge), sandbox with sandbox_cgroups, sandbox_seccomp, sandbox_cleanup, landlock and rootfs
-(the python tool's isolation), parallel (process group), checkpoint, runlog (run folder, logs, plots), trees (rollout
-trees recorded and drawn). Nothing is imported here: `python harness/sandbox.py` starts from a bare interpreter.
+(the python tool's isolation), parallel (process group), checkpoint, rundir (the run folder and its settings), runlog
+(logs, plots), http_client (bounded HTTP requests), trees (rollout trees recorded and drawn). Nothing is imported here: `python harness/sandbox.py` starts from a bare interpreter.
 """

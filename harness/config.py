@@ -168,6 +168,17 @@ class Config:
     loss_agg: str = arg("token-mean", "loss aggregation (verl's names): token-mean, seq-mean-token-sum, "
                                       "seq-mean-token-mean, seq-mean-token-sum-norm",
                         valid=" | ".join(LOSS_AGGS))
+    # the generator-trainer mismatch correction (an extension, not in the paper: algorithm.md §4b; off by default)
+    tis_cap: float = arg(0.0, "truncated importance weight min(π_old/π_gen, cap) on each token's objective (0 = off; "
+                              "2 is usual)", valid="[0, inf)")
+    mismatch_token_mask: bool = arg(False, "SWITCH (IcePop): drop the tokens whose π_old/π_gen is outside "
+                                           "[mismatch_low, mismatch_high]")
+    mismatch_segment_mask: bool = arg(False, "SWITCH: drop the segments (policy spans between tool results) whose "
+                                             "geometric-mean π_old/π_gen is outside the band")
+    mismatch_sequence_mask: bool = arg(False, "SWITCH: drop the trajectories whose geometric-mean π_old/π_gen is "
+                                              "outside the band")
+    mismatch_low: float = arg(0.5, "lower end of the mismatch band", valid="(0, 1]")
+    mismatch_high: float = arg(2.0, "upper end of the mismatch band", valid="[1, inf)")
     logp_chunk_size: int = arg(1024, "tokens per chunk of the memory-bounded log-prob/entropy computation",
                                valid="[1, inf)")
     # distribution and precision

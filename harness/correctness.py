@@ -1,4 +1,6 @@
-"""What evaluation counts as correct beyond exact match: math answers by math-verify and an LLM judge's verdict.
+"""What evaluation counts as correct beyond exact match: math answers by math-verify and an LLM judge's verdict; and
+the official evaluator's own checks (its EM, accuracy, F1, string math_equal and judge rule) for eval.py --protocol
+official.
 
 Deviations from the paper / official code (algorithm.md §8): D23 (`math_equal` drops trailing unit words), D24
 ("correct" explicit per data set).
@@ -9,6 +11,8 @@ import json
 import os
 import re
 import threading
+import time
+from collections import Counter
 from pathlib import Path
 
 from harness import http_client
@@ -112,3 +116,155 @@ class Judge:
         if word in ("incorrect", "no"):
             return False
         raise JudgeError(f"LLM judge verdict not understood (expected Correct/Incorrect): {text!r:.200}")
+
+
+# --------------------------------------------------------------------------------------------------
+# The official evaluator's checks: its answer metrics (EM, accuracy, F1, math_equal) and its judge (llm_equal)
+
+
+def _fix_fracs(s: str) -> str:
+    """\\frac12 → \\frac{1}{2}, \\frac1b → \\frac{1}{b}, \\frac1{72} → \\frac{1}{72}."""
+    parts = s.split("\\frac")
+    out = parts[0]
+    for part in parts[1:]:
+        out += "\\frac"
+        if part[0] == "{":                       # an empty part (\\frac at the end) raises, as the official code
+            out += part
+        elif len(part) < 2:
+            return s
+        else:
+            out += "{" + part[0] + "}" + (part[1:] if part[1] == "{" else "{" + part[1] + "}" + part[2:])
+    return out
+
+
+def _fix_a_slash_b(s: str) -> str:
+    """3/4 → \\frac{3}{4} for two plain integers."""
+    parts = s.split("/")
+    try:
+        a, b = (int(x) for x in parts) if len(parts) == 2 else (None, None)
+    except ValueError:
+        return s
+    return f"\\frac{{{a}}}{{{b}}}" if a is not None and s == f"{a}/{b}" else s
+
+
+def _fix_sqrt(s: str) -> str:
+    """\\sqrt3 → \\sqrt{3}."""
+    parts = s.split("\\sqrt")
+    return parts[0] + "".join("\\sqrt" + (p if p[0] == "{" else "{" + p[0] + "}" + p[1:]) for p in parts[1:])
+
+
+def _strip_math(s: str) -> str:
+    """The MATH benchmark's answer normalisation (Hendrycks et al.), which the official math_equal compares: no line
+    breaks, \\!, \\left/\\right, degrees, \\$, units after "\\text{ ", \\%, spaces; tfrac/dfrac → frac; a leading
+    "." → "0."; "k = " dropped; \\sqrt3, \\frac12, 0.5 and 3/4 written out. Raises on the shapes the original
+    raises on (two "\\text{ " units, an empty \\sqrt or \\frac), which math_string_equal turns into plain equality."""
+    for old, new in (("\n", ""), ("\\!", ""), ("\\\\", "\\"), ("tfrac", "frac"), ("dfrac", "frac"), ("\\left", ""),
+                     ("\\right", ""), ("^{\\circ}", ""), ("^\\circ", ""), ("\\$", "")):
+        s = s.replace(old, new)
+    if "\\text{ " in s:
+        units = s.split("\\text{ ")
+        if len(units) != 2:
+            raise ValueError("more than one \\text{ unit")
+        s = units[0]
+    s = s.replace("\\%", "").replace(" .", " 0.").replace("{.", "{0.")
+    if not s:
+        return s
+    s = "0" + s if s[0] == "." else s
+    if len(s.split("=")) == 2 and len(s.split("=")[0]) <= 2:
+        s = s.split("=")[1]
+    s = _fix_fracs(_fix_sqrt(s).replace(" ", ""))
+    return _fix_a_slash_b("\\frac{1}{2}" if s == "0.5" else s)
+
+
+def math_string_equal(prediction, gold) -> bool:
+    """The official math_equal: the two answers equal after `_strip_math` (plain equality where it raises or an
+    answer is not a string)."""
+    if prediction is None or gold is None:
+        return prediction is None and gold is None
+    try:
+        return _strip_math(prediction) == _strip_math(gold)
+    except (ValueError, IndexError, AttributeError, TypeError):
+        return prediction == gold
+
+
+def official_normalize(text: str, articles: bool = True) -> str:
+    """The official evaluator's normalisation: lower case, a, an and the dropped (QA only), spaces squashed;
+    punctuation is kept."""
+    text = str(text).lower().strip()
+    text = re.sub(r"\b(a|an|the)\b", " ", text) if articles else text
+    return " ".join(text.split())
+
+
+def official_scores(prediction: str, golds, task: str = "qa") -> dict:
+    """EM, acc (the gold inside the prediction), token F1 and math_equal, each the best over the gold aliases, after
+    official_normalize (articles kept for task "math")."""
+    pred = official_normalize(prediction, task != "math")
+    out = {"em": 0, "acc": 0, "f1": 0.0, "math_equal": 0}
+    for gold in as_list(golds):
+        ref = official_normalize(gold, task != "math")
+        same = sum((Counter(pred.split()) & Counter(ref.split())).values())
+        f1 = 2 * same / (len(pred.split()) + len(ref.split())) if same else 0.0     # = 2PR / (P + R)
+        out = {"em": max(out["em"], int(pred == ref)), "acc": max(out["acc"], int(ref in pred)),
+               "f1": max(out["f1"], f1), "math_equal": max(out["math_equal"], int(math_string_equal(pred, ref)))}
+    return out
+
+
+OFFICIAL_JUDGE_PROMPT = """You are given a Question, its Golden Answer and a Predicted Answer. Decide whether the \
+Predicted Answer is correct: it is correct when it fully agrees with the meaning and the key information of the Golden \
+Answer. Reply "Correct" if it is correct and "Incorrect" if it is not.
+The Golden Answer may list several acceptable answers; agreeing with any one of them is correct.
+
+Question: {question}
+Golden Answer: {gold}
+Predicted Answer: {prediction}
+"""
+
+
+def official_verdict(reply: str, prediction: str, golds) -> bool:
+    """The official judge's rule: correct iff the prediction equals a gold by math_string_equal, or the reply (its
+    <judgment>…</judgment> part when it has one) contains "correct" and none of "incorrect", "wrong", "not correct"
+    (case-insensitive)."""
+    text = reply.strip()
+    if "<judgment>" in text and "</judgment>" in text:
+        text = text[text.index("<judgment>") + len("<judgment>"):text.index("</judgment>")].strip()
+    text = text.lower()
+    said = "correct" in text and not any(word in text for word in ("incorrect", "wrong", "not correct"))
+    return any(math_string_equal(prediction, gold) for gold in as_list(golds)) or said
+
+
+class OfficialJudge:
+    """The official evaluation's judge (llm_equal): OFFICIAL_JUDGE_PROMPT as one user message to an OpenAI-compatible
+    chat endpoint with the server's own sampling defaults (the official client sets none), up to `retries` attempts
+    (waiting retry_delay_s, then twice that, …); the verdict by `official_verdict`; after the last failed attempt,
+    the verdict is the equivalence alone. Not cached: the official evaluator asks again for every run."""
+
+    def __init__(self, url: str, model: str = "", api_key: str = "", timeout_s: float = 300.0, retries: int = 3,
+                 retry_delay_s: float = 1.0):
+        from harness import openai_client
+        if not url:
+            raise UserError("the official judge needs a URL: --judge_url http://HOST:PORT/v1 (or $AEPO_JUDGE_URL)")
+        self.client, self.url, self.api_key = openai_client, url, api_key
+        self.model = model or openai_client.served_model(url, api_key)
+        self.timeout_s, self.retries, self.retry_delay_s = timeout_s, retries, retry_delay_s
+        self.requests = 0
+
+    @classmethod
+    def from_env(cls, url=None, model=None, api_key=None) -> "OfficialJudge":
+        return cls(url or os.environ.get("AEPO_JUDGE_URL", ""), model or os.environ.get("AEPO_JUDGE_MODEL", ""),
+                   api_key or os.environ.get("AEPO_JUDGE_API_KEY", ""))
+
+    def __call__(self, question: str, prediction: str, golds) -> tuple[bool, str, bool]:
+        """(verdict, the judge's reply or "Error", whether the judge failed)."""
+        golds = as_list(golds)
+        prompt = OFFICIAL_JUDGE_PROMPT.format(question=question, gold=golds[0] if len(golds) == 1 else str(golds),
+                                              prediction=prediction)
+        for attempt in range(self.retries):
+            self.requests += 1
+            try:
+                reply = self.client.chat(self.url, self.model, prompt, {}, self.api_key, self.timeout_s).strip()
+            except self.client.EndpointError:
+                if attempt + 1 < self.retries:
+                    time.sleep(self.retry_delay_s * (attempt + 1))
+                continue
+            return official_verdict(reply, prediction, golds), reply, False
+        return any(math_string_equal(prediction, gold) for gold in golds), "Error", True

@@ -32,21 +32,35 @@ def make_generator(cfg, init_path: str, policy, tokenizer, rank: int, device):
     return TransformersGenerator(lm, tokenizer, batch_size=cfg.gen_batch_size)
 
 
-class _TopkRecorder:
-    """A logits processor that records the top-k log-probs of the logits it receives for the first n steps and
-    changes nothing. Custom processors run after transformers' own ones (which `_raw_generation_config` leaves out)
-    and before temperature, top-k and top-p, so it sees the model's own distribution; keeping only (B, k) per step
-    avoids storing (B, V) logits."""
+class _Recorder:
+    """A logits processor that changes nothing and records, from the logits it receives, the top-k log-probs (T = 1)
+    of the first n steps (H_seg) and the log-prob at temperature T of every sampled token (the mismatch metrics of
+    docs/reference.md: what the trainer's old log-probs are compared with). Custom processors run after transformers'
+    own ones (which `_raw_generation_config` leaves out) and before temperature, top-k and top-p, so it sees the
+    model's own distribution. The token sampled at a step is known at the next call (the last one in `finish`): one
+    (B, V) row of log-probs is kept, never the whole history."""
 
-    def __init__(self, k: int, n: int, on_step=None):
-        self.k, self.n, self.steps, self.on_step = k, n, [], on_step
+    def __init__(self, k: int, n: int, temperature: float, on_step=None):
+        self.k, self.n, self.temperature, self.on_step = k, n, temperature, on_step
+        self.steps, self.sampled, self.previous = [], [], None
 
     def __call__(self, input_ids, scores):
+        z = scores.float()
+        if self.previous is not None:
+            self.sampled.append(self.previous.gather(1, input_ids[:, -1:].to(z.device)).squeeze(1).cpu())
         if len(self.steps) < self.n:
-            self.steps.append(torch.log_softmax(scores.float(), -1).topk(self.k, -1).values.cpu())
+            self.steps.append(torch.log_softmax(z, -1).topk(self.k, -1).values.cpu())
+        self.previous = torch.log_softmax(z / self.temperature, -1)
         if self.on_step is not None:
             self.on_step(scores.shape[0])
         return scores
+
+    def finish(self, last_ids) -> torch.Tensor:
+        """(steps, B) log-probs of the sampled tokens, given the last step's tokens."""
+        if self.previous is not None:
+            self.sampled.append(self.previous.gather(1, last_ids[:, None].to(self.previous.device)).squeeze(1).cpu())
+            self.previous = None
+        return torch.stack(self.sampled) if self.sampled else torch.empty(0, len(last_ids))
 
 
 @contextlib.contextmanager
@@ -67,7 +81,7 @@ def _raw_generation_config(model):
 class TransformersGenerator:
     """All contexts of a round in batched `model.generate` calls (left padding), stopping at the closing tool tags,
     `</answer>` and EOS, sampling the model's own distribution shaped only by the call's `Sampling` (a checkpoint's
-    generation_config is not applied). H_seg uses the top-10 log-probs of the raw logits (T=1, before any repetition
+    generation_config is not applied). Each segment carries the log-prob of its tokens at the sampling temperature. H_seg uses the top-10 log-probs of the raw logits (T=1, before any repetition
     penalty), the same quantity vLLM returns, so trees do not depend on the backend. It samples from `model`, which
     is the policy's own LM with one process or DDP (update_weights then has nothing to copy) and an unsharded copy
     under FSDP2 (D27)."""
@@ -115,7 +129,7 @@ class TransformersGenerator:
             attn[i, width - len(c):] = 1
         torch.manual_seed(seed)
         sample = sampling.temperature > 0
-        recorder = _TopkRecorder(self.topk, self.n_entropy, on_step)
+        recorder = _Recorder(self.topk, self.n_entropy, sampling.temperature if sample else 1.0, on_step)
         processors = LogitsProcessorList([recorder])
         if sampling.repetition_penalty != 1.0:       # after the recorder: H_seg reads the raw logits
             processors.append(RepetitionPenaltyLogitsProcessor(sampling.repetition_penalty,
@@ -130,11 +144,13 @@ class TransformersGenerator:
         new = gen.sequences[:, width:].tolist()
         n_ent = len(recorder.steps)
         topk = torch.stack(recorder.steps) if n_ent else torch.empty(0, len(contexts), self.topk)  # (n, B, topk)
+        sampled = recorder.finish(gen.sequences[:, -1]) if new and new[0] else torch.empty(0, len(contexts))
         segments = []
         for i, row in enumerate(new):
             token_ids, reason, text = self._cut(row, max_new_tokens[i])
             per_pos = topk[:min(len(token_ids), n_ent), i].tolist()
-            segments.append(Segment(token_ids, reason, segment_entropy(per_pos, self.vocab_size), text))
+            segments.append(Segment(token_ids, reason, segment_entropy(per_pos, self.vocab_size), text,
+                                    sampled[:len(token_ids), i].tolist()))
         return segments
 
     def _cut(self, row: list[int], limit: int) -> tuple[list[int], str, str]:

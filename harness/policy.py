@@ -142,14 +142,15 @@ def load_policy(path: str, world: int, device, parallel: str = "ddp", bf16: bool
 class MicroBatch:
     """The trajectories of one forward/backward, right-padded to the longest. `tensorize` builds it (input_ids,
     attention_mask: (b, L); mask: (b, L-1), 1 where the *next* token was sampled by the policy, i.e. is scored; adv:
-    (b, L-1) the per-token outcome advantage A; reward: (b,) R_j); the old-policy pass (train.old_policy_pass) adds
-    old_logp, entropy, ref_logp: (b, L-1) the old policy's log-probs and token entropies and the reference's log-probs,
-    and adv_tok: (b, L-1) Ã per token."""
+    (b, L-1) the per-token outcome advantage A; reward: (b,) R_j; gen_logp: (b, L-1) the generator's log-probs,
+    nan where it has none); the old-policy pass (train.old_policy_pass) adds old_logp, entropy, ref_logp: (b, L-1)
+    the old policy's log-probs and token entropies and the reference's log-probs, and adv_tok: (b, L-1) Ã per token."""
     input_ids: torch.Tensor
     attention_mask: torch.Tensor
     mask: torch.Tensor
     adv: torch.Tensor | None = None
     reward: torch.Tensor | None = None
+    gen_logp: torch.Tensor | None = None
     old_logp: torch.Tensor | None = None
     entropy: torch.Tensor | None = None
     ref_logp: torch.Tensor | None = None
@@ -157,21 +158,25 @@ class MicroBatch:
 
 
 def tensorize(items: list[tuple[list[int], list[int], list[int]]], pad_id: int, device, adv=None,
-              reward=None) -> MicroBatch:
+              reward=None, gen_logp=None) -> MicroBatch:
     """items: (prompt_ids, response_ids, loss_mask) per trajectory -> a MicroBatch on `device`. adv: (b, W >= L-1)
     per-token advantages in the layout of a wider tensorize of the same trajectories (cut to this one's width);
-    reward: (b,)."""
+    reward: (b,); gen_logp: per trajectory the generator's log-prob of each response token, or None (nan then)."""
     width = max(len(p) + len(r) for p, r, _ in items)
     ids = torch.full((len(items), width), pad_id, dtype=torch.long)
     attn = torch.zeros((len(items), width), dtype=torch.long)
     mask = torch.zeros((len(items), width - 1), dtype=torch.float32)
+    gen = torch.full((len(items), width - 1), float("nan"), dtype=torch.float32)
     for i, (p, r, m) in enumerate(items):
         ids[i, :len(p) + len(r)] = torch.tensor(p + r)
         attn[i, :len(p) + len(r)] = 1
         mask[i, len(p) - 1:len(p) - 1 + len(r)] = torch.tensor(m, dtype=torch.float32)
+        if gen_logp is not None and gen_logp[i] is not None and len(gen_logp[i]) == len(r):
+            gen[i, len(p) - 1:len(p) - 1 + len(r)] = torch.tensor(gen_logp[i], dtype=torch.float32)
     return MicroBatch(ids.to(device), attn.to(device), mask.to(device),
                       adv=None if adv is None else adv[:, :width - 1].to(device),
-                      reward=None if reward is None else reward.to(device))
+                      reward=None if reward is None else reward.to(device),
+                      gen_logp=None if gen_logp is None else gen.to(device))
 
 
 def backward_micro_batches(policy, mbs: list[MicroBatch], world: int, amp, temperature: float, chunk_size: int,

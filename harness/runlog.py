@@ -1,143 +1,21 @@
-"""A run's directory and logs: the run folder, one line per step, metrics.jsonl, samples.jsonl, curves.png.
+"""A run's logs: one line per step, metrics.jsonl, samples.jsonl, curves.png, TensorBoard / W&B, the mismatch watch.
 
 The metrics are the paper's quantities (reward, accuracy, token entropy, clipped fractions, tool calls, branching,
 rollout diversity) as docs/reference.md defines them. Every rank contributes sums; one all-reduce turns them into means
-over all ranks, and rank 0 writes. Also here: the settings a run records about itself and what a --resume may change.
+over all ranks, and rank 0 writes. The run folder and the settings a run records about itself are harness/rundir.py's.
 """
 from __future__ import annotations
 
 import dataclasses
-import datetime
-import importlib.metadata
 import json
-import shutil
-import subprocess
-import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
-from harness import checkpoint
-from harness import cli
-from harness import config
 from harness import parallel
 from harness import trees
-
-# ---------------------------------------------------------------------------------------------------------------------
-# The run directory
-
-
-def resumed_run(cfg) -> Path:
-    """The run --resume continues: <out_dir>/<run_name>, or the run under out_dir with the newest checkpoint."""
-    out = Path(cfg.out_dir)
-    if cfg.run_name:
-        return out / cfg.run_name
-    runs = sorted((p for p in out.glob("*") if checkpoint.checkpoint_dirs(p)),
-                  key=lambda p: checkpoint.checkpoint_dirs(p)[-1].stat().st_mtime)
-    if not runs:
-        raise cli.UserError(f"--resume: no run with a checkpoint under {out}/ (give --out_dir or --run_name)")
-    return runs[-1]
-
-
-def plan_run(cfg) -> tuple[Path, list[Path]]:
-    """(run directory, its checkpoints), creating nothing. A new run gets <out_dir>/<run_name or model-date-time>
-    (rank 0's clock names it for every rank); --resume takes resumed_run(cfg), whose settings must match."""
-    if cfg.resume:
-        run_dir = resumed_run(cfg)
-    else:
-        name = cfg.run_name or parallel.broadcast(f"{Path(cfg.model).name}-{datetime.datetime.now():%Y%m%d-%H%M%S}")
-        run_dir = Path(cfg.out_dir) / name
-    ckpts = checkpoint.checkpoint_dirs(run_dir)
-    if cfg.resume and not ckpts:
-        raise cli.UserError(f"--resume: no checkpoint in {run_dir}/checkpoints")
-    if not cfg.resume and ckpts:
-        raise cli.UserError(f"{run_dir} already has checkpoints: add --resume to continue it, or give another "
-                               "--run_name")
-    if cfg.resume:
-        changes = config_changes(saved_config(run_dir), cfg)
-        if changes and not cfg.allow_config_change:
-            raise cli.UserError(f"--resume: settings differ from {run_dir}'s: " + "; ".join(changes) +
-                                   " (use the run's values, or add --allow_config_change to resume with these)")
-    return run_dir, ckpts
-
-
-def saved_config(run_dir: Path) -> dict:
-    """The settings the run last started with: the newest document of config_history.yaml, else config.yaml."""
-    import yaml
-    history = run_dir / "config_history.yaml"
-    if history.exists():
-        return [doc for doc in yaml.safe_load_all(history.read_text()) if doc][-1]
-    return yaml.safe_load((run_dir / "config.yaml").read_text()) if (run_dir / "config.yaml").exists() else {}
-
-
-def create_run(cfg, run_dir: Path, world: int, master: bool) -> dict:
-    """Rank 0 writes the run's config.yaml and run_info.json (a new run) or appends this start's settings to
-    config_history.yaml (a resumed run: config.yaml keeps the first start's). Returns the run info."""
-    info = run_info(world)
-    if master:
-        run_dir.mkdir(parents=True, exist_ok=True)
-        text = config_yaml(cfg)
-        print(text, flush=True)
-        if cfg.resume:
-            with open(run_dir / "config_history.yaml", "a") as f:
-                f.write(f"--- # resumed {info['started']}, git {info['git_commit']}\n" + text)
-        else:
-            (run_dir / "config.yaml").write_text(text)
-            (run_dir / "run_info.json").write_text(json.dumps(info, indent=2))
-    parallel.barrier()
-    return info
-
-
-def trim_logs(run_dir: Path, step: int) -> None:
-    """On resume: drop the lines metrics.jsonl, samples.jsonl and trees.jsonl got after the checkpoint of `step`, and
-    a last line torn by a crash or Ctrl-C mid-write."""
-    for name in ("metrics.jsonl", "samples.jsonl", "trees.jsonl"):
-        path = run_dir / name
-        if path.exists():
-            kept = [line for line in path.read_text().splitlines() if _step_of(line) <= step]
-            path.write_text("".join(line + "\n" for line in kept))
-
-
-def _step_of(line: str) -> float:
-    try:
-        return json.loads(line)["step"]
-    except (json.JSONDecodeError, KeyError, TypeError):
-        return float("inf")                      # a torn line: dropped
-
-
-class RunState:
-    """How far the run got, for the line a stopped run prints: the run folder, whether this start created it, the
-    steps finished and the checkpoints. A new run stopped before its first step leaves no folder."""
-
-    def __init__(self):
-        self.run_dir, self.created, self.first_step, self.steps_done, self.steps = None, False, 0, 0, 0
-        self.tools = None                        # the run's tools.Tools, closed however the run ends
-
-    def stop(self, cfg, rank: int, world: int) -> str:
-        """After an interrupt or a failure: rank 0 removes the folder of a new run that finished no step. Returns
-        the one line saying what was kept and how to continue."""
-        if self.run_dir is None or not (self.run_dir.exists() or self.created):
-            return "nothing was written"
-        if self.steps_done == self.first_step:
-            if self.created and not checkpoint.checkpoint_dirs(self.run_dir):
-                if rank == 0:
-                    shutil.rmtree(self.run_dir, ignore_errors=True)
-                return f"no training step was finished, so {self.run_dir} was removed (nothing to keep)"
-            return f"no new step was finished; {self.run_dir} is as it was"
-        ckpts = checkpoint.checkpoint_dirs(self.run_dir)
-        kept = f"{self.run_dir} keeps the logs of steps 1-{self.steps_done}"
-        if not ckpts:
-            return (f"stopped after step {self.steps_done}/{self.steps}: {kept} but no checkpoint yet (--save_every "
-                    f"{cfg.save_every}), so it cannot be resumed")
-        redo = self.steps_done - int(ckpts[-1].name.split("_")[-1])
-        launch = "python train.py" if world == 1 else "your torchrun command with"
-        where = f" --out_dir {cfg.out_dir}" if cfg.out_dir != config.Config().out_dir else ""
-        return (f"stopped after step {self.steps_done}/{self.steps}: {kept} and checkpoint {ckpts[-1].name}"
-                + (f" ({redo} step(s) after it will run again)" if redo else "") +
-                f"; continue with: {launch} --resume true --run_name {self.run_dir.name}{where}")
-
 
 # ---------------------------------------------------------------------------------------------------------------------
 # One line per step on rank 0, metrics.jsonl, samples.jsonl, optional TensorBoard / W&B, a PNG at the end
@@ -146,7 +24,7 @@ class RunState:
 LINE = [("reward", "reward", "{:.3f}"), ("acc", "acc", "{:.2f}"), ("entropy", "entropy", "{:.2f}"),
         ("clip_hi", "clip_hi", "{:.3f}"), ("clip_lo", "clip_lo", "{:.3f}"), ("preserved", "preserved", "{:.3f}"),
         ("m", "m", "{:.1f}"), ("branches", "branches", "{:.1f}"), ("tool_calls", "tool_calls", "{:.1f}"),
-        ("resp_len", "resp_len", "{:.0f}")]
+        ("resp_len", "resp_len", "{:.0f}"), ("mismatch", "mismatch/k3", "{:.1e}")]
 
 # what each rank sums, and what the sum is divided by to give the logged mean (docs/reference.md defines each)
 PER_TRAJECTORY = ("reward", "acc", "f1", "format_ok", "tool_calls", "resp_len", "seq_len", "gen_len", "truncated",
@@ -200,6 +78,47 @@ def step_metrics(step: int, batch: StepBatch, tree: dict, adv, entropy, losses: 
     return m
 
 
+class MismatchWatch:
+    """A one-line warning when the mismatch of a step, the first rollout after a weight sync, is far above its running
+    level (the median of the last 8 steps): a generator sampling with stale or half-loaded weights."""
+
+    def __init__(self, factor: float = 10.0, floor: float = 1e-3):
+        self.factor, self.floor, self.history = factor, floor, []
+
+    def check(self, step: int, m: dict) -> str:
+        k3 = m.get("mismatch/k3")
+        if k3 is None:
+            return ""
+        recent = sorted(self.history[-8:])
+        self.history.append(k3)
+        level = recent[len(recent) // 2] if recent else None
+        if level is None or k3 <= max(self.factor * level, self.floor):
+            return ""
+        return (f"warning: step {step}: mismatch/k3 {k3:.2e} is {k3 / max(level, 1e-12):.0f}x its running level "
+                f"{level:.2e}: the generator may be sampling with stale or half-loaded weights (the weight sync)")
+
+
+def mismatch_metrics(sums) -> dict:
+    """The generator–trainer mismatch of the step (loss.mismatch_stats summed over all ranks) as logged means: mean k1
+    and k3, the log-perplexity difference (per trajectory, averaged), the quantiles of ρ = π_old/π_gen (from the
+    histogram of log ρ) and the share of tokens with ρ outside [1/2, 2]. Empty when no token had a generator
+    log-prob (a backend without them, vLLM at a temperature other than 1)."""
+    import math
+
+    import loss
+    n, k1, k3, outside, n_seq, seq_k1 = (float(x) for x in sums[:6])
+    if n == 0:
+        return {}
+    hist, (low, high, n_bins) = sums[6:].double(), loss.LOG_RATIO_EDGES
+    cdf = hist.cumsum(0) / hist.sum()
+
+    def quantile(q):                              # the upper edge of the bin where the cdf passes q
+        return math.exp(low + (high - low) * (int((cdf < q).sum()) + 1) / n_bins)
+    return {"mismatch/k1": k1 / n, "mismatch/k3": k3 / n, "mismatch/log_ppl_diff": seq_k1 / max(1.0, n_seq),
+            "mismatch/ratio_p01": quantile(0.01), "mismatch/ratio_p50": quantile(0.5),
+            "mismatch/ratio_p99": quantile(0.99), "mismatch/out_2x": outside / n}
+
+
 class RolloutProgress:
     """tree_rollout's `progress`: the postfix of a tqdm bar, moving while a rollout generates: the round, the
     trajectories finished and the tokens decoded so far (`on_step`, which the transformers backend calls after every
@@ -239,7 +158,7 @@ def saved_eval(run_dir: Path, name: str) -> dict | None:
 
 
 def format_line(step: int, steps: int, m: dict) -> str:
-    parts = [f"step {step}/{steps}"] + [f"{label} {fmt.format(m[key])}" for label, key, fmt in LINE]
+    parts = [f"step {step}/{steps}"] + [f"{label} {fmt.format(m[key])}" for label, key, fmt in LINE if key in m]
     parts += [f"{tool} errors {errors}/{calls}" for tool, errors, calls in failing_tools(m)]
     return " | ".join(parts) + f" | rollout {m['time/rollout']:.1f}s old_logp {m['time/old_logp']:.1f}s " \
                                f"update {m['time/update']:.1f}s"
@@ -336,44 +255,3 @@ def write_step(run_dir: Path, m: dict, batch: StepBatch, n_samples: int) -> None
             f.write(json.dumps({"step": m["step"], "question": row["question"], "golds": row["golds"],
                                 "traj_id": t.traj_id, "parent": t.parent, "reward": r, "em": s["em"],
                                 "text": t.text}, ensure_ascii=False) + "\n")
-
-
-# ---------------------------------------------------------------------------------------------------------------------
-# What a run records about itself: its settings (and what a --resume may change), git commit and versions
-
-
-# settings a resumed run may change: length, evaluation, logging, output, and how (not what) it computes
-RESUMABLE = {"steps", "epochs", "eval_data", "eval_limit", "eval_n", "eval_every", "eval_before", "eval_temperature",
-             "eval_top_p", "log_samples", "tensorboard", "wandb", "wandb_project", "out_dir", "run_name", "resume",
-             "save_every", "keep_checkpoints", "save_trainer_state", "device", "dist_timeout_min", "cache_dir",
-             "micro_batch_size", "gen_batch_size", "logp_chunk_size", "gradient_checkpointing", "parallel",
-             "backend", "vllm_gpu_memory_utilization", "allow_config_change"}
-
-
-def config_changes(saved: dict, cfg: config.Config) -> list[str]:
-    """`name: saved -> now` for every setting outside RESUMABLE that differs from the run's saved config."""
-    now = dataclasses.asdict(cfg)
-    return [f"{key}: {saved.get(key)!r} -> {now[key]!r}" for key in now
-            if key not in RESUMABLE and saved.get(key, now[key]) != now[key]]
-
-
-def config_yaml(cfg: config.Config) -> str:
-    import yaml
-    return yaml.safe_dump(dataclasses.asdict(cfg), sort_keys=False, allow_unicode=True)
-
-
-def run_info(world: int) -> dict:
-    """Git commit and library versions, saved next to every config."""
-    try:
-        commit = subprocess.run(["git", "rev-parse", "HEAD"], cwd=Path(__file__).parent, capture_output=True,
-                                text=True, timeout=10).stdout.strip() or None
-    except (OSError, subprocess.SubprocessError):
-        commit = None
-    versions = {}
-    for name in ("torch", "transformers", "numpy", "vllm", "bm25s", "jsonargparse"):
-        try:
-            versions[name] = importlib.metadata.version(name)
-        except importlib.metadata.PackageNotFoundError:
-            pass
-    return {"git_commit": commit, "versions": versions, "python": sys.version.split()[0], "world_size": world,
-            "argv": sys.argv, "started": datetime.datetime.now().isoformat(timespec="seconds")}

@@ -2,11 +2,14 @@
 
 The policy's <search> calls (the setup of paper §4) go to a search engine whose top results come back as `Page i:
 snippet` lines (10 snippets of at most 1,000 characters in the official code). Every backend has `search(queries:
-list[str]) -> list[str]`, one result text per query, so a rollout round's queries go out as one batch.
+list[str]) -> list[str]`, one result text per query, so a rollout round's queries go out as one batch. The two web
+backends (Bright Data's SERP API over Bing, as the official code calls it, and Serper.dev) also give their results
+themselves (`organic`), which the official evaluation's browsing search fetches and summarises (harness/browse.py).
 
 Deviations from the paper / official code (algorithm.md §8): D13 (the default is offline BM25 over ~10,000 English
-Wikipedia summaries; Serper.dev's web search, a Search-R1 retrieval server and the authors' recorded searches are
-backends; the official code calls Bright Data's SERP API over Bing, which no backend here does yet).
+Wikipedia summaries; Bright Data's SERP API over Bing, the official training and evaluation search, is the
+`brightdata` backend; Serper.dev's web search, a Search-R1 retrieval server and the authors' recorded searches are
+the others).
 """
 from __future__ import annotations
 
@@ -15,11 +18,13 @@ import inspect
 import importlib.util
 import json
 import os
+import re
 import shutil
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
+from urllib.parse import urlencode
 
 from harness import http_client
 from harness.cli import RunFailure, UserError
@@ -113,13 +118,16 @@ class BM25Search:
     def _tokenize(self, texts: list[str]) -> list[list[str]]:
         return self._bm25s.tokenize(texts, stopwords="en", return_ids=False, show_progress=False)
 
-    def search(self, queries: list[str]) -> list[str]:
+    def top_ids(self, queries: list[str]) -> list[list[int]]:
+        """Per query, the indices (into self.docs) of its top documents with a positive score, best first."""
         if not queries:
             return []
-        k = min(self.topk, len(self.docs))
-        ids, scores = self.index.retrieve(self._tokenize(list(queries)), k=k, show_progress=False)
-        return [format_pages([self.docs[i] for i, s in zip(row, srow) if s > 0], self.topk)
-                for row, srow in zip(ids.tolist(), scores.tolist())]
+        ids, scores = self.index.retrieve(self._tokenize(list(queries)), k=min(self.topk, len(self.docs)),
+                                          show_progress=False)
+        return [[i for i, s in zip(row, srow) if s > 0] for row, srow in zip(ids.tolist(), scores.tolist())]
+
+    def search(self, queries: list[str]) -> list[str]:
+        return [format_pages([self.docs[i] for i in row], self.topk) for row in self.top_ids(queries)]
 
 
 class ReplaySearch:
@@ -216,10 +224,10 @@ class HTTPSearch:
 
 
 class WebSearch:
-    """Serper.dev Google search (the official code calls Bright Data's SERP API over Bing instead: D13): POST
-    {"q": query, "num": k} to `url` with the key from $SERPER_API_KEY in the X-API-KEY header (never logged).
-    Snippets are the organic results' `snippet` texts, as in the authors' cache. Queries of a batch are sent
-    concurrently; each request ends within timeout_s seconds and reads at most max_bytes."""
+    """Serper.dev Google search: POST {"q": query, "num": k} to `url` with the key from $SERPER_API_KEY in the
+    X-API-KEY header (never logged). Snippets are the organic results' `snippet` texts, as in the authors' cache.
+    Queries of a batch are sent concurrently; each request ends within timeout_s seconds and reads at most
+    max_bytes."""
 
     def __init__(self, api_key: str | None = None, url: str = "https://google.serper.dev/search", topk: int = TOPK,
                  timeout_s: float = 20.0, retries: int = 3, backoff_s: float = 1.0, max_workers: int = 8,
@@ -233,22 +241,88 @@ class WebSearch:
     def __repr__(self):
         return f"WebSearch(url={self.url!r}, topk={self.topk})"  # keeps the key out of logs
 
-    def _one(self, query: str) -> str:
+    def _reply(self, query: str) -> list:
         reply = _post_json(self.url, {"q": query, "num": self.topk}, {"X-API-KEY": self._key},
                            self.timeout_s, self.retries, self.backoff_s, self.max_bytes)
         organic = reply.get("organic") if isinstance(reply, dict) else None
         if not isinstance(organic, list):
             raise SearchError(f"{self.url}: reply has no 'organic' result list: {str(reply)[:80]}")
-        return format_pages([r.get("snippet", "") for r in organic if isinstance(r, dict)], self.topk)
+        return [r for r in organic if isinstance(r, dict)]
+
+    def organic(self, query: str) -> list[dict]:
+        """The top results as {"title", "url", "site_name", "date", "snippet"} (harness/browse.py reads them)."""
+        return [{"title": str(r.get("title", "")), "url": str(r.get("link", "")), "site_name": "",
+                 "date": str(r.get("date", "")), "snippet": str(r.get("snippet", ""))}
+                for r in self._reply(query)[:self.topk]]
 
     def search(self, queries: list[str]) -> list[str]:
+        def one(query: str) -> str:
+            return format_pages([r.get("snippet", "") for r in self._reply(query)], self.topk)
         with ThreadPoolExecutor(max_workers=max(1, min(self.max_workers, len(queries)))) as pool:
-            return list(pool.map(self._one, queries))
+            return list(pool.map(one, queries))
+
+
+_CJK = re.compile(r"[\u4e00-\u9fff]")
+
+
+class BrightDataSearch:
+    """Bing results through Bright Data's SERP API, the official code's search in training and evaluation: POST
+    {"zone": zone, "url": "https://www.bing.com/search?q=…&mkt=…&setLang=…&brd_json=1&cc=<location>", "format":
+    "raw"} to `url` with the key from $BRIGHTDATA_API_KEY as a Bearer token (never logged; the zone from
+    $BRIGHTDATA_ZONE, else "serp_api1"); the market is zh-CN for a query with Chinese characters, else en-US. The
+    reply's `organic` results give `search` its `Page i:` snippet lines (their `description`s, as the training
+    tool) and `organic` the results themselves, asked for as the evaluation's browsing search asks (11 results,
+    HTML text decorations, whose <b> tags are dropped). Queries of a batch are sent concurrently; each request ends
+    within timeout_s seconds and reads at most max_bytes."""
+
+    def __init__(self, api_key: str | None = None, zone: str | None = None,
+                 url: str = "https://api.brightdata.com/request", topk: int = TOPK, location: str = "cn",
+                 timeout_s: float = 20.0, retries: int = 2, backoff_s: float = 1.0, max_workers: int = 8,
+                 max_bytes: int = 16 << 20):
+        self._key = api_key or os.environ.get("BRIGHTDATA_API_KEY")
+        if not self._key:
+            raise UserError("--search brightdata needs a Bright Data API key: set BRIGHTDATA_API_KEY (or --search "
+                            "bm25, offline)")
+        self.zone = zone or os.environ.get("BRIGHTDATA_ZONE") or "serp_api1"
+        self.url, self.topk, self.location, self.timeout_s = url, topk, location, timeout_s
+        self.retries, self.backoff_s, self.max_workers, self.max_bytes = retries, backoff_s, max_workers, max_bytes
+
+    def __repr__(self):
+        return f"BrightDataSearch(url={self.url!r}, zone={self.zone!r}, topk={self.topk})"  # keeps the key out
+
+    def bing_url(self, query: str, browse: bool = False) -> str:
+        """The Bing address Bright Data fetches for `query` (browse: as the evaluation's browsing search asks)."""
+        market = ("zh-CN", "zh") if _CJK.search(query) else ("en-US", "en")
+        params = {"q": query, "mkt": market[0], "setLang": market[1]}
+        if browse:
+            params.update(num=11, textDecorations=True, textFormat="HTML")
+        return f"https://www.bing.com/search?{urlencode(params)}&brd_json=1&cc={self.location}"
+
+    def _reply(self, query: str, browse: bool) -> list:
+        reply = _post_json(self.url, {"zone": self.zone, "url": self.bing_url(query, browse), "format": "raw"},
+                           {"Authorization": f"Bearer {self._key}"}, self.timeout_s, self.retries, self.backoff_s,
+                           self.max_bytes)
+        if not isinstance(reply, dict):
+            raise SearchError(f"{self.url}: expected a JSON object, got {str(reply)[:80]}")
+        return [r for r in reply.get("organic") or [] if isinstance(r, dict)]   # no `organic`: no results
+
+    def organic(self, query: str) -> list[dict]:
+        """The top results as {"title", "url", "site_name", "date", "snippet"} (harness/browse.py reads them)."""
+        return [{"title": str(r.get("title", "")), "url": str(r.get("link", "")),
+                 "site_name": str(r.get("site_name", "")), "date": str(r.get("datePublished", "")).split("T")[0],
+                 "snippet": str(r.get("description", "")).replace("<b>", "").replace("</b>", "")}
+                for r in self._reply(query, browse=True)[:self.topk]]
+
+    def search(self, queries: list[str]) -> list[str]:
+        def one(query: str) -> str:
+            return format_pages([r.get("description", "") for r in self._reply(query, browse=False)], self.topk)
+        with ThreadPoolExecutor(max_workers=max(1, min(self.max_workers, len(queries)))) as pool:
+            return list(pool.map(one, queries))
 
 
 def check_reachable(backend) -> None:
-    """Fail fast: one probe query, without retries, to a backend behind a URL (http, web); a RunFailure naming it
-    if it does not answer. Local backends (bm25, replay) have nothing to reach."""
+    """Fail fast: one probe query, without retries, to a backend behind a URL (http, web, brightdata); a RunFailure
+    naming it if it does not answer. Local backends (bm25, replay) have nothing to reach."""
     url = getattr(backend, "url", None)
     if url is None:
         return
@@ -264,11 +338,13 @@ def check_reachable(backend) -> None:
 
 def make_search(backend: str = "bm25", **kw):
     """Build a search backend: "bm25" (default, offline; kw: corpus_path, cache, topk), "replay" (kw: path,
-    fallback = a backend or a backend name), "http" (kw: url, topk, timeout_s, retries) or "web" (Serper.dev).
-    A keyword the backend does not take is a UserError naming it and the ones it takes."""
-    classes = {"bm25": BM25Search, "replay": ReplaySearch, "http": HTTPSearch, "web": WebSearch}
+    fallback = a backend or a backend name), "http" (kw: url, topk, timeout_s, retries), "web" (Serper.dev) or
+    "brightdata" (Bright Data's SERP API over Bing; kw: zone, url, location, ...). A keyword the backend does not take
+    is a UserError naming it and the ones it takes."""
+    classes = {"bm25": BM25Search, "replay": ReplaySearch, "http": HTTPSearch, "web": WebSearch,
+               "brightdata": BrightDataSearch}
     if backend not in classes:
-        raise UserError(f"--search {backend}: unknown search backend; choose bm25, replay, http or web")
+        raise UserError(f"--search {backend}: unknown search backend; choose bm25, replay, http, web or brightdata")
     takes = [name for name in inspect.signature(classes[backend]).parameters if name != "self"]
     unknown = sorted(set(kw) - set(takes))
     if unknown:

@@ -16,7 +16,7 @@ import torch
 
 import rollout
 import tools
-from harness import checkpoint, cli, coldstart, config, dataset, models, parallel, runlog, search as search_mod
+from harness import checkpoint, cli, coldstart, config, dataset, models, parallel, rundir, runlog, search as search_mod
 from harness.policy import load_policy, unwrap
 
 
@@ -28,7 +28,7 @@ class Run:
     world: int
     device: torch.device
     dir: Path                                # the run folder
-    info: dict                               # git commit, versions, start time (runlog.run_info)
+    info: dict                               # git commit, versions, start time (rundir.run_info)
     tokenizer: object
     search: object                           # the search backend (harness/search.py)
     tools: tools.Tools
@@ -59,10 +59,10 @@ class Run:
         return torch.autocast(self.device.type, dtype=torch.bfloat16) if self.cfg.bf16 else contextlib.nullcontext()
 
 
-def set_up(cfg: config.Config, rank: int, world: int, device: torch.device, state: runlog.RunState, score,
+def set_up(cfg: config.Config, rank: int, world: int, device: torch.device, state: rundir.RunState, score,
            make_generator) -> Run:
     """Check the settings and inputs, then build the run (see `Run`). state: filled as the run takes shape, so that
-    an interrupted start can say what was kept (runlog.RunState). score(text, golds, strict_format) ->
+    an interrupted start can say what was kept (rundir.RunState). score(text, golds, strict_format) ->
     reward.score_response's dict;
     make_generator: generation.make_generator, or a test's wrapper of it."""
     from tqdm import tqdm
@@ -76,7 +76,7 @@ def set_up(cfg: config.Config, rank: int, world: int, device: torch.device, stat
     if note:
         log(note)
     config.check_files(cfg)
-    run_dir, ckpts = runlog.plan_run(cfg)
+    run_dir, ckpts = rundir.plan_run(cfg)
     search_kw = {"cache": cfg.cache_dir, **cfg.search_kw} if cfg.search == "bm25" and cfg.cache_dir else cfg.search_kw
     search = search_mod.make_search(cfg.search, **search_kw)
     search_mod.check_reachable(search)
@@ -96,7 +96,7 @@ def set_up(cfg: config.Config, rank: int, world: int, device: torch.device, stat
                             f"--questions_per_step ({cfg.questions_per_step})")
     steps = cfg.steps or cfg.epochs * len(train_rows) // cfg.questions_per_step
     state.run_dir, state.created, state.steps = run_dir, not cfg.resume, steps
-    info = runlog.create_run(cfg, run_dir, world, rank == 0)           # everything checked: the run folder
+    info = rundir.create_run(cfg, run_dir, world, rank == 0)           # everything checked: the run folder
     log(f"{len(train_rows)} training questions, {len(eval_rows)} held-out, {len(demos)} demonstrations; "
         f"{steps} steps of {cfg.questions_per_step} questions × k={cfg.k}; {world} process(es) on {device}")
 
@@ -113,7 +113,7 @@ def set_up(cfg: config.Config, rank: int, world: int, device: torch.device, stat
         start_step = checkpoint.load(ckpts[-1], policy, optimizer, rank)
         log(f"resumed {run_dir} from {ckpts[-1].name} (step {start_step})")
         if rank == 0:
-            runlog.trim_logs(run_dir, start_step)
+            rundir.trim_logs(run_dir, start_step)
     state.first_step = state.steps_done = start_step
     tree = rollout.TreeSettings(k=cfg.k, beta=cfg.beta, gamma=cfg.gamma, lam=cfg.lam, tau=cfg.tau,
                                 dynamic_budget=cfg.dynamic_budget, entropy_branching=cfg.entropy_branching,

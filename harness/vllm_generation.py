@@ -130,31 +130,38 @@ class VLLMGenerator:
         """Each segment in up to two requests: its first n_entropy tokens with their top-k log-probs, then (if it
         neither stopped nor used its budget) the rest without log-probs. A stop string that straddles the two parts
         is found in their joined text and the segment cut after it, as one request would have stopped. vLLM reports
-        no decoding steps: on_step is not called."""
+        no decoding steps: on_step is not called. With a sampling temperature of 1 each segment carries its tokens'
+        log-probs (vLLM's raw ones: the trainer's at T = 1; at other temperatures the engine's raw log-probs are not
+        the trainer's, and a segment has none)."""
         n_head = [min(n, self.n_entropy) for n in max_new_tokens]
         heads = self._sample(contexts, n_head, [_request_seed(seed, i, 0) for i in range(len(contexts))], self.topk,
                              sampling)
         rest = [i for i, o in enumerate(heads) if o.finish_reason == "length" and len(o.token_ids) < max_new_tokens[i]]
         tails = dict(zip(rest, self._sample([list(contexts[i]) + list(heads[i].token_ids) for i in rest],
                                             [max_new_tokens[i] - len(heads[i].token_ids) for i in rest],
-                                            [_request_seed(seed, i, 1) for i in rest], None, sampling)))
+                                            [_request_seed(seed, i, 1) for i in rest],
+                                            0 if sampling.temperature == 1.0 else None, sampling)))
         segments = []
         for i, head in enumerate(heads):
             # vLLM adds the sampled token to the top-k when it is outside it: keep ranks 1..topk only
             per_pos = [[lp.logprob for lp in head.logprobs[pos].values() if lp.rank is not None and lp.rank <= self.topk]
                        for pos in range(min(len(head.logprobs or ()), self.n_entropy))]
             h_seg = segment_entropy(per_pos, self.vocab_size)
+            sampled = _sampled_logprobs(head) if sampling.temperature == 1.0 else None
             if i not in tails:
-                segments.append(Segment(list(head.token_ids), _reason(head), h_seg, head.text))
+                segments.append(Segment(list(head.token_ids), _reason(head), h_seg, head.text, sampled))
                 continue
             tail = tails[i]
             token_ids, text = list(head.token_ids) + list(tail.token_ids), head.text + tail.text
+            tail_logprobs = _sampled_logprobs(tail)
+            sampled = None if sampled is None or tail_logprobs is None else sampled + tail_logprobs
             hit = tools.first_stop(text)
             if hit is not None and hit[0] - len(hit[1]) < len(head.text):     # a stop string across the two parts
                 token_ids, text = self._cut_after_stop(token_ids, len(head.token_ids))
-                segments.append(Segment(token_ids, tools.finish_reason(hit[1]), h_seg, text))
+                sampled = None if sampled is None else sampled[:len(token_ids)]
+                segments.append(Segment(token_ids, tools.finish_reason(hit[1]), h_seg, text, sampled))
             else:
-                segments.append(Segment(token_ids, _reason(tail), h_seg, text))
+                segments.append(Segment(token_ids, _reason(tail), h_seg, text, sampled))
         return segments
 
     def _sample(self, contexts, max_tokens, seeds, logprobs, sampling: Sampling):
@@ -233,6 +240,14 @@ class VLLMGenerator:
     def _reset_prefix_cache(self) -> None:
         if not self.llm.reset_prefix_cache():
             raise RuntimeError("vLLM could not reset its prefix cache (KV blocks still in use)")
+
+
+def _sampled_logprobs(output) -> list[float] | None:
+    """The log-prob vLLM returned for each sampled token (raw: the model's own distribution at temperature 1, which
+    is the trainer's only at a rollout temperature of 1: `generate` asks for them then), or None without them."""
+    if output.logprobs is None or len(output.logprobs) < len(output.token_ids):
+        return None
+    return [entry[token].logprob for token, entry in zip(output.token_ids, output.logprobs)]
 
 
 def _reason(output) -> str:

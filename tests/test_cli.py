@@ -48,7 +48,7 @@ def mistakes(root: Path, tmp: Path) -> dict:
         "no such model": (dict(model=tmp / "gone"), "not a local model directory"),
         "bad sizes": (dict(questions_per_step=6, mini_batch_size=4), "must be a multiple of --mini_batch_size"),
         "unknown flag": (dict(learning_rate=0.1), "unrecognized arguments: --learning_rate"),
-        "unknown backend": (dict(search="bing"), "--search bing: unknown search backend"),
+        "unknown backend": (dict(search="bing"), "--search 'bing' is out of range: it must be one of bm25"),
         "too few questions": (dict(questions_per_step=8, mini_batch_size=8), "fewer than --questions_per_step"),
     }
 

@@ -10,6 +10,7 @@ tests/conftest.py, the injected score and generators (`fake_score`, `AnswerAtOnc
 steps of 2 questions × k = 2 unless a test says otherwise."""
 import contextlib
 import json
+import math
 import sys
 from pathlib import Path
 
@@ -19,6 +20,7 @@ import torch
 import advantage
 from harness import dataset
 from harness import checkpoint
+from harness import cli
 from harness import coldstart
 from harness import config
 import loss
@@ -467,3 +469,60 @@ def test_dynamic_sampling_keeps_the_groups_whose_rewards_differ_first():
     trajectories, _ = hand_made_trajectories(n_questions=4, k=2)
     kept_rows, *_ = train.keep_varied_groups(rows, trajectories, scores, rewards, tree, 3)
     assert [r["question"] for r in kept_rows] == ["q1", "q3", "q0"]
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# The generator–trainer mismatch (algorithm.md §4b): measured every step, a stale generator caught
+
+
+def copy_generator(stale: bool):
+    """make_generator for a transformers generator sampling from its own copy of the model (as under FSDP2), whose
+    update_weights takes the new weights, or (stale) ignores them: a weight sync that silently failed."""
+    from harness import generation, models
+
+    class Stale(generation.TransformersGenerator):
+        def update_weights(self, named_tensors):
+            for _ in named_tensors:               # read to the end (a collective under FSDP2), written nowhere
+                pass
+
+    def make(cfg, init_path, policy, tokenizer, rank, device):
+        cls = Stale if stale else generation.TransformersGenerator
+        return cls(models.load_lm(init_path, device), tokenizer, batch_size=cfg.gen_batch_size)
+    return make
+
+
+@pytest.mark.parametrize("stale", [False, True], ids=["synced", "stale"])
+def test_a_generator_left_with_old_weights_trips_the_mismatch_warning(stale, setup, capsys):
+    """Four steps at a learning rate that moves the tiny model: with the weights synced the mismatch stays at float
+    rounding (k3 < 1e-6) and nothing is said; a generator that keeps the first step's weights is far from the
+    trainer from step 2 on, and the step line is followed by the warning naming the step and the figure."""
+    run = Path(train.main(flags(setup, f"mismatch_{'stale' if stale else 'synced'}", steps=4, lr=0.05, k=2,
+                                max_response_tokens=24, save_every=4), score=fake_score,
+                          make_generator=copy_generator(stale))["run_dir"])
+    rows = rows_of(run, "metrics.jsonl")
+    out = capsys.readouterr().out
+    assert all("mismatch/k3" in r and r["mismatch/ratio_p50"] > 0 for r in rows)
+    if stale:
+        assert rows[0]["mismatch/k3"] < 1e-6 and all(r["mismatch/k3"] > 1e-3 for r in rows[1:])
+        assert "warning: step 2: mismatch/k3" in out and "stale or half-loaded weights" in out
+    else:
+        assert all(r["mismatch/k3"] < 1e-6 for r in rows) and "mismatch/k3" not in out.replace("mismatch ", "")
+
+
+def test_the_correction_switches_reach_the_loss():
+    """train.rollout_correction reads each switch: all off gives no weights (the default run's loss is unchanged);
+    each on gives loss.rollout_correction's weights with its band; no generator log-probs is an error."""
+    from harness.policy import MicroBatch
+    mb = MicroBatch(torch.zeros(1, 4, dtype=torch.long), torch.ones(1, 4, dtype=torch.long), torch.ones(1, 3),
+                    gen_logp=torch.tensor([[0.0, -1.0, 0.5]]), old_logp=torch.zeros(1, 3))   # ρ = 1, e, e^−0.5
+    assert train.rollout_correction(mb, config.Config()) is None
+    assert train.rollout_correction(mb, config.Config(tis_cap=2.0))[0].tolist() == \
+        pytest.approx([1.0, 2.0, math.exp(-0.5)])
+    assert train.rollout_correction(mb, config.Config(mismatch_token_mask=True)).tolist() == [[1.0, 0.0, 1.0]]
+    assert train.rollout_correction(mb, config.Config(mismatch_sequence_mask=True, mismatch_high=1.2)).tolist() == \
+        [[1.0, 1.0, 1.0]]                                                  # geo-mean e^(0.5/3) = 1.18
+    assert train.rollout_correction(mb, config.Config(mismatch_segment_mask=True, mismatch_high=1.1)).tolist() == \
+        [[0.0, 0.0, 0.0]]
+    mb.gen_logp = torch.full((1, 3), float("nan"))
+    with pytest.raises(cli.UserError, match="needs the generator's log-probs"):
+        train.rollout_correction(mb, config.Config(tis_cap=2.0))

@@ -553,3 +553,60 @@ def test_entropy_bonus_gradient_is_minus_coeff_times_dH_dz():
     loss0, m0 = L.policy_loss(L.token_logprobs(z, ids), L.token_logprobs(z, ids).detach(), torch.zeros(2, 5), mask, n,
                               entropy=h)
     assert loss0.item() == 0.0 and m0["entropy_loss"].item() == 0.0
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# The generator–trainer mismatch and its opt-in correction (algorithm.md §4b)
+
+
+def test_mismatch_stats_by_hand():
+    """ρ = π_old/π_gen = e^(old − gen): tokens (ρ = e^0.1, e^−1, e^2) and a mask-0 token and a nan one left out:
+    Σ k1 = −(0.1 − 1 + 2), Σ k3 = Σ (ρ − 1 − log ρ), outside [1/2, 2]: e^−1 and e^2; per sequence mean k1."""
+    old = torch.tensor([[0.1, -1.0, 0.0], [2.0, 5.0, 0.0]])
+    gen = torch.tensor([[0.0, 0.0, float("nan")], [0.0, 0.0, 0.0]])
+    mask = torch.tensor([[1.0, 1.0, 1.0], [1.0, 0.0, 0.0]])
+    s = L.mismatch_stats(old, gen, mask)
+    rho = [math.exp(0.1), math.exp(-1.0), math.exp(2.0)]
+    assert s[0].item() == 3 and s[1].item() == pytest.approx(-(0.1 - 1.0 + 2.0))
+    assert s[2].item() == pytest.approx(sum(r - 1 - math.log(r) for r in rho))
+    assert s[3].item() == 2 and s[4].item() == 2
+    assert s[5].item() == pytest.approx(-(0.1 - 1.0) / 2 - 2.0)              # mean k1 of each sequence, summed
+    hist = s[6:]
+    assert hist.sum().item() == 3 and hist[int((2.0 + 4) / 8 * 160)].item() == 1          # log ρ = 2 in its bin
+
+
+def test_rollout_correction_weights_by_hand():
+    """log ρ per token (row 0: segments {0, 1} and {3}, token 2 a tool result; row 1: one segment, token 3 without a
+    generator log-prob): TIS caps ρ at C; the token band drops ρ outside [1/2, 2]; the segment band the segments
+    whose geometric mean is outside (row 0's first: e^0.75 = 2.12); the sequence band whole trajectories (row 1:
+    e^(1.7/3) = 1.76 > 1.7, row 0: e^(1.4/3) = 1.59). nan and mask-0 tokens keep weight 1."""
+    log_rho = torch.tensor([[0.0, 1.5, 0.0, -0.1], [0.2, 0.3, 1.2, float("nan")]])
+    mask = torch.tensor([[1.0, 1.0, 0.0, 1.0], [1.0, 1.0, 1.0, 1.0]])
+    old, gen = torch.zeros(2, 4), -log_rho
+    w, _ = L.rollout_correction(old, gen, mask, tis_cap=2.0)
+    expected = torch.tensor([[1.0, 2.0, 1.0, math.exp(-0.1)], [math.exp(0.2), math.exp(0.3), 2.0, 1.0]])
+    torch.testing.assert_close(w, expected)
+    w, dropped = L.rollout_correction(old, gen, mask, token_band=(0.5, 2.0))
+    assert w.tolist() == [[1, 0, 1, 1], [1, 1, 0, 1]] and dropped.sum().item() == 2   # e^1.5 and e^1.2 > 2
+    w, _ = L.rollout_correction(old, gen, mask, segment_band=(0.5, 2.0))
+    assert w.tolist() == [[0, 0, 1, 1], [1, 1, 1, 1]]
+    w, _ = L.rollout_correction(old, gen, mask, sequence_band=(0.5, 1.7))
+    assert w.tolist() == [[1, 1, 1, 1], [0, 0, 0, 1]]
+    assert not w.requires_grad
+
+
+def test_rollout_correction_gradient_is_weight_times_the_surrogates():
+    """Decoupled: the ratio stays π_θ/π_old, the weight multiplies J and carries no gradient. With r = 1 (one
+    optimiser step per rollout) ∂loss/∂log π = −w·Ã/N at every token, and 0 where a band dropped it."""
+    logp = torch.tensor([[-1.0, -2.0, -0.5]], requires_grad=True)
+    old, adv, mask = logp.detach().clone(), torch.tensor([[1.0, -2.0, 0.5]]), torch.ones(1, 3)
+    gen = old - torch.tensor([[0.3, 1.2, -0.2]])                        # ρ = e^0.3, e^1.2, e^−0.2
+    w, _ = L.rollout_correction(old, gen, mask, tis_cap=2.0, token_band=(0.5, 3.0))
+    loss, _ = L.policy_loss(logp, old, adv, mask, 3, weights=w)
+    loss.backward()
+    rho = torch.tensor([[math.exp(0.3), 2.0, math.exp(-0.2)]])           # e^1.2 = 3.3 capped at 2, then dropped
+    expected_w = rho * torch.tensor([[1.0, 0.0, 1.0]])
+    torch.testing.assert_close(w, expected_w)
+    torch.testing.assert_close(logp.grad, -expected_w * adv / 3)
+    plain, _ = L.policy_loss(logp.detach().requires_grad_(), old, adv, mask, 3)
+    assert plain.item() == pytest.approx(-(adv.sum() / 3).item())       # without weights: the plain objective

@@ -169,3 +169,21 @@ def test_a_checkpoints_generation_config_does_not_shape_the_samples(tokenizer):
     greedy = TransformersGenerator(plain, tokenizer).generate([context], [30], seed=4,
                                                               sampling=Sampling(temperature=0.0))[0]
     assert d.token_ids == greedy.token_ids                                            # top-k 1 is greedy
+
+
+@pytest.mark.parametrize("temperature", [1.0, 0.7])
+def test_generator_log_probs_equal_the_trainers(tokenizer, temperature):
+    """Every sampled token carries the generator's log-prob at the sampling temperature over the whole vocabulary:
+    what the trainer's old-policy pass computes for it (harness.policy.Policy, teacher-forced, in float32). Both run
+    the same float32 model here, so the mismatch is rounding: |Δ| < 1e-4; top-p below 1 changes what is sampled,
+    not what is compared."""
+    from harness import policy as policy_mod
+    model = peaked(tokenizer, seed=8)
+    context = as_ids(chat_prompt(tokenizer, "Who wrote Hamlet?"))
+    seg = TransformersGenerator(model, tokenizer).generate(
+        [context, context[:-3]], [24, 24], seed=1, sampling=Sampling(temperature=temperature, top_p=0.9))[0]
+    assert seg.logprobs is not None and len(seg.logprobs) == len(seg.token_ids) > 3
+    batch = policy_mod.tensorize([(context, seg.token_ids, [1] * len(seg.token_ids))], tokenizer.pad_token_id, "cpu")
+    with torch.no_grad():
+        old, _ = policy_mod.Policy(model)(batch.input_ids, batch.attention_mask, batch.mask, temperature)
+    torch.testing.assert_close(torch.tensor(seg.logprobs), old[0][batch.mask[0].bool()], atol=1e-4, rtol=0)

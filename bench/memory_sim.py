@@ -1,0 +1,421 @@
+"""Peak GPU memory per rank of the paper's setting (FSDP2 over 8 GPUs, vLLM colocated), simulated on a CPU.
+
+    python bench/memory_sim.py                       # Qwen3-14B and Qwen2.5-7B from configs/, 8 ranks (~3 min)
+    python bench/memory_sim.py --check cpu --quick   # simulated vs measured on a small model (gpu_check: cuda)
+
+How (torchtitan's memory estimator is the prior art): the model is built from its configuration (ARCHS: the values of
+the released config.json, no weights) on the meta device, placed by the project's own `harness.policy.shard` (FSDP2,
+bf16 compute, float32 master weights) over a fake process group of 8 ranks (`fake` backend, FakeStore), and filled
+with fake tensors (FakeTensorMode: shapes only, nothing allocated). One rank then runs a steady-state step under
+PyTorch's `FSDPMemTracker`, which counts every tensor's bytes as ops create and free them: the old-policy pass on one
+micro-batch, one optimiser mini-batch (the first --micro_batches micro-batches with their backward, then the gradient
+clip and AdamW's step; from the second micro-batch on the state at each one's start repeats, the gradients being
+accumulated in place), and the weight sync (`full_named_parameters` in bf16, what vLLM's reload reads). Settings are
+those of the YAML (`--bf16 true --parallel fsdp --gradient_checkpointing true --logp_chunk_size 1024`); every
+trajectory is at the full budget, max_prompt_tokens + max_response_tokens, all response tokens scored, with the
+step's MicroBatch tensors of all this rank's trajectories held throughout. The micro-batches are the config's
+micro_batch_size and verl's per-GPU budget (ppo_max_token_len_per_gpu = 2 x (prompt + response), use_dynamic_bsz).
+
+Attention as the GPU kernels allocate it: the model runs `flash_allocations_attention`, whose forward allocates what
+FlashAttention-2 (SDPA's flash backend, which transformers' sdpa path takes for an unpadded causal batch) allocates:
+the output (B, L, H, D) and a float32 log-sum-exp (B, H, L), saving q, k, v, output and log-sum-exp for backward;
+and whose backward allocates dq, dk, dv, FA2's float32 dq accumulator (B, L, H, D) and softmax_d (B, H, L), and
+with grouped KV heads the expanded dk, dv (B, L, H, D) that FA2 sums to the KV heads. No (L x L) tensor exists.
+A padded micro-batch (rows of unequal length) takes sdpa's masked path instead: + a (B, 1, L, L) boolean mask and
+its bf16 copy (3·B·L² bytes) and the K, V repeated to all heads; not simulated here (full-length rows are unpadded).
+Fake tensors also cannot take a boolean mask's data-dependent shape: `StaticSelectPolicy` is Policy.forward with
+the mask-1 positions as index tensors (the same tensors and sizes; tests/test_bench.py checks it against Policy).
+
+Phases on a GPU (train.rl_step, harness/vllm_generation.py): rollout (vLLM awake: its share = gpu_memory_utilization x
+the GPU, weights + KV cache + its activations, beside the trainer's resident float32 parameter and AdamW shards) ->
+`sleep()` at level 2 (vLLM's weights and KV cache freed) -> old-policy pass and update (trainer alone) ->
+`update_weights` (empty_cache, vLLM's weights woken, every parameter gathered and reloaded, then the KV cache woken).
+Not in PyTorch's tracker: the CUDA context, NCCL buffers, a sleeping vLLM's CUDA graphs and allocator fragmentation
+(NON_TORCH_GIB is an allowance for them, not a measurement), and vLLM's activation peak inside its share (so the KV
+cache shown is an upper bound). Differences from a GPU run: FSDP2's stream overlap is not simulated (eager order).
+"""
+import argparse
+import contextlib
+import dataclasses
+import json
+import math
+import sys
+import time
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
+from torch.distributed._tools.fsdp2_mem_tracker import FSDPMemTracker
+from torch.distributed.tensor import DTensor
+from torch.distributed.tensor._sharding_prop import ShardingPropagator
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+import loss  # noqa: E402
+from harness import config as config_mod  # noqa: E402
+from harness.policy import MicroBatch, Policy, enable_gradient_checkpointing, full_named_parameters, shard  # noqa: E402
+
+# huggingface.co/Qwen/Qwen3-14B and /Qwen/Qwen2.5-7B-Instruct, config.json (14.77B and 7.62B parameters)
+ARCHS = {
+    "Qwen/Qwen3-14B": ("qwen3", dict(hidden_size=5120, intermediate_size=17408, num_hidden_layers=40,
+                                     num_attention_heads=40, num_key_value_heads=8, head_dim=128, vocab_size=151936,
+                                     tie_word_embeddings=False, max_position_embeddings=40960)),
+    "Qwen/Qwen2.5-7B-Instruct": ("qwen2", dict(hidden_size=3584, intermediate_size=18944, num_hidden_layers=28,
+                                               num_attention_heads=28, num_key_value_heads=4, vocab_size=152064,
+                                               tie_word_embeddings=False, max_position_embeddings=32768)),
+}
+CONFIGS = ["configs/aepo_qwen3_14b.yaml", "configs/aepo_qwen25_7b.yaml"]
+GPUS = {"80 GB": 81559 * 2**20, "141 GB": 143771 * 2**20}      # total memory nvidia-smi reports: H100 80GB, H200
+NON_TORCH_GIB = 2.0       # CUDA context, NCCL, a sleeping vLLM's CUDA graphs, fragmentation: an allowance
+ATTENTION = "memsim_fa2_allocations"     # a name with "flash" in it makes transformers look for a kernel
+GIB = 2**30
+VERL_ROWS = 2             # verl's ppo_max_token_len_per_gpu = 2 x (prompt + response): two full-length rows
+
+
+@dataclasses.dataclass
+class Setting:
+    """One rank's step: world ranks, micro-batches of `batch` rows of prompt + response tokens."""
+    world: int
+    batch: int
+    prompt: int
+    response: int
+    trajectories: int                  # this rank's trajectories in the step (their MicroBatch tensors are held)
+    micro_batches: int = 2             # micro-batches of the mini-batch simulated
+    chunk: int = 1024                  # --logp_chunk_size
+    lr: float = 1e-6
+    weight_decay: float = 0.01
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# Attention as FlashAttention-2 allocates it, the policy with static selection, the tracker
+
+
+class _FlashAllocations(torch.autograd.Function):
+    """The tensors FlashAttention-2 allocates and saves (see the module docstring); values are never computed."""
+
+    @staticmethod
+    def forward(ctx, query, key, value):
+        b, h, length, d = query.shape                                  # (B, H, L, D), key/value (B, H_kv, L, D)
+        out = query.new_empty(b, length, h, d)
+        lse = query.new_empty(b, h, length, dtype=torch.float32)
+        ctx.save_for_backward(query, key, value, out, lse)
+        return out
+
+    @staticmethod
+    def backward(ctx, grad_out):
+        query, key, value, out, lse = ctx.saved_tensors
+        b, h, length, d = query.shape
+        h_kv = key.shape[1]
+        dq_accum = query.new_empty(b, length, h, d, dtype=torch.float32)      # noqa: F841 (held until return)
+        softmax_d = query.new_empty(b, h, length, dtype=torch.float32)        # noqa: F841
+        grad_q = torch.empty_like(query)
+        if h_kv == h:
+            return grad_q, torch.empty_like(key), torch.empty_like(value)
+        dk_expanded, dv_expanded = query.new_empty(b, length, h, d), query.new_empty(b, length, h, d)
+        grad_k = dk_expanded.view(b, length, h_kv, h // h_kv, d).sum(3).transpose(1, 2)
+        grad_v = dv_expanded.view(b, length, h_kv, h // h_kv, d).sum(3).transpose(1, 2)
+        return grad_q, grad_k, grad_v
+
+
+def flash_allocations_attention(module, query, key, value, attention_mask, **kwargs):
+    """A transformers attention function (causal, unpadded) for fake tensors only: returns (B, L, H, D), None."""
+    if not isinstance(query, FakeTensor):
+        raise RuntimeError("flash_allocations_attention computes no values: it is for fake tensors (memory_sim)")
+    return _FlashAllocations.apply(query, key, value), None
+
+
+class StaticSelectPolicy(Policy):
+    """Policy.forward with the mask-1 positions given as (rows, cols) index tensors instead of the (B, L-1) mask, whose
+    nonzero count a fake tensor cannot give: the same selected (N, D) hidden states, chunked LM head and (B, L-1)
+    outputs. forward(input_ids (B, L), attention_mask (B, L), index ((N,), (N,))) -> logp, entropy (B, L-1)."""
+
+    def forward(self, input_ids, attention_mask, index, temperature: float = 1.0, chunk_size: int = 1024):
+        hidden = self.lm.get_decoder()(input_ids=input_ids, attention_mask=attention_mask).last_hidden_state
+        shape = (input_ids.shape[0], input_ids.shape[1] - 1)
+        with torch.autocast(hidden.device.type, enabled=False):      # the LM head in float32, as Policy.forward
+            logp_sel, entropy_sel = loss.logprobs_and_entropy(
+                hidden[:, :-1][index], self.lm.get_output_embeddings().weight, input_ids[:, 1:][index], temperature,
+                chunk_size)
+        logp = torch.zeros(shape, dtype=torch.float32, device=hidden.device).index_put(index, logp_sel)
+        entropy = torch.zeros(shape, dtype=torch.float32, device=hidden.device).index_put(index, entropy_sel)
+        return logp, entropy
+
+
+class Tracker(FSDPMemTracker):
+    """FSDPMemTracker without DTensor's sharding propagation: under FakeTensorMode DTensor infers an op's output shape
+    by running it once on global-shape tensors in the same fake mode, which the tracker would count as allocations
+    (an AdamW step read as 13x its state). `propagation_untracked` marks those calls."""
+    propagating = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if Tracker.propagating:
+            return NotImplemented if any(t is DTensor for t in types) else func(*args, **(kwargs or {}))
+        return super().__torch_dispatch__(func, types, args, kwargs)
+
+
+@contextlib.contextmanager
+def propagation_untracked():
+    original = ShardingPropagator._propagate_tensor_meta_non_cached
+
+    def marked(self, op_schema):
+        Tracker.propagating += 1
+        try:
+            return original(self, op_schema)
+        finally:
+            Tracker.propagating -= 1
+
+    ShardingPropagator._propagate_tensor_meta_non_cached = marked
+    try:
+        yield
+    finally:
+        ShardingPropagator._propagate_tensor_meta_non_cached = original
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# One rank's step
+
+
+def build_policy(family: str, arch: dict, attention: str) -> StaticSelectPolicy:
+    """The LM on the meta device (float32), gradient checkpointing on, sharded by harness.policy.shard (bf16)."""
+    from transformers import AttentionInterface, AutoModelForCausalLM, Qwen2Config, Qwen3Config
+    AttentionInterface.register(ATTENTION, flash_allocations_attention)
+    config = {"qwen3": Qwen3Config, "qwen2": Qwen2Config}[family](**arch, attn_implementation=attention)
+    with torch.device("meta"):
+        lm = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    enable_gradient_checkpointing(lm)
+    return shard(StaticSelectPolicy(lm), bf16=True)
+
+
+def step_inputs(setting: Setting, device) -> list:
+    """This rank's micro-batches at the full budget: MicroBatch's (B, L) int64 and (B, L-1) float32 tensors (those
+    a run without a reference model fills) and the index of the scored (response) positions."""
+    b, length = setting.batch, setting.prompt + setting.response
+    per_row = [f.name for f in dataclasses.fields(MicroBatch) if f.name not in ("input_ids", "attention_mask",
+                                                                                  "reward", "ref_logp")]
+    rows = torch.arange(b, device=device).repeat_interleave(setting.response)
+    cols = (setting.prompt - 1 + torch.arange(setting.response, device=device)).repeat(b)
+    batches = []
+    for _ in range(math.ceil(setting.trajectories / b)):
+        mb = MicroBatch(torch.zeros(b, length, dtype=torch.long, device=device),
+                        torch.ones(b, length, dtype=torch.long, device=device), None)
+        for name in per_row:
+            setattr(mb, name, torch.zeros(b, length - 1, device=device))
+        mb.reward = torch.zeros(b, device=device)
+        batches.append((mb, (rows, cols)))
+    return batches
+
+
+def surrogate_loss(logp, mb: MicroBatch, n_valid: float):
+    """loss.policy_loss's token-level tensors (it checks its inputs for non-finite values, which fake tensors cannot
+    answer): r = exp(logp - old_logp) at mask-1 tokens, J = min(r·Ã, clip(r, 0.8, 1.2)·Ã), -Σ J·mask / N_valid."""
+    ratio = torch.exp(torch.where(mb.mask.bool(), logp - mb.old_logp, 0.0))
+    j = torch.minimum(ratio * mb.adv_tok, ratio.clamp(0.8, 1.2) * mb.adv_tok)
+    return -(j * mb.mask).sum() / n_valid
+
+
+def run_step(policy, optimizer, batches, setting: Setting, phase) -> dict:
+    """The steady-state step's trainer phases; phase(name) is a context manager recording that phase's peak (bytes)
+    and yielding a callback for between micro-batches. Returns {name: peak} and "resident" (parameters + AdamW state,
+    what the trainer holds while vLLM generates)."""
+    device = batches[0][0].input_ids.device
+    for p in policy.parameters():                      # AdamW's state exists from the first step on
+        p.grad = torch.zeros_like(p)
+    optimizer.step()
+    optimizer.zero_grad(set_to_none=True)
+    peaks = {}
+    mb, index = batches[0]
+    with phase("old-policy pass", peaks):
+        policy.eval()
+        with torch.no_grad(), torch.autocast(device.type, dtype=torch.bfloat16):
+            mb.old_logp, mb.entropy = policy(mb.input_ids, mb.attention_mask, index, 1.0, setting.chunk)
+    with phase("update", peaks) as between:
+        policy.lm.train()
+        n_valid = float(setting.response * setting.batch * setting.micro_batches)
+        for mb, index in batches[:setting.micro_batches]:
+            with torch.autocast(device.type, dtype=torch.bfloat16):
+                logp, entropy = policy(mb.input_ids, mb.attention_mask, index, 1.0, setting.chunk)
+            (surrogate_loss(logp, mb, n_valid) * setting.world).backward()
+            del logp, entropy
+            between()
+        torch.nn.utils.clip_grad_norm_([p for p in policy.parameters() if p.grad is not None], 1.0)
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+    peaks["resident"] = peaks.pop("update:current")
+    with phase("weight sync", peaks):
+        for _, full in full_named_parameters(policy, torch.bfloat16):
+            del full
+    return {key: value for key, value in peaks.items() if not key.endswith(":current")}
+
+
+def tracker_phase(policy, optimizer, inputs):
+    """phase() for a tracker run: a fresh FSDPMemTracker per phase, this rank's step tensors as its inputs."""
+    @contextlib.contextmanager
+    def phase(name, peaks):
+        tracker = Tracker(policy, optimizer)
+        tracker.track_inputs(inputs)
+        with tracker:
+            yield tracker.reset_mod_stats                  # one root forward per micro-batch
+        peaks[name] = sum(s["Total"] for s in tracker.get_tracker_snapshot("peak").values())
+        peaks[name + ":current"] = sum(s["Total"] for s in tracker.get_tracker_snapshot("current").values())
+    return phase
+
+
+@contextlib.contextmanager
+def cuda_phase(name, peaks):
+    """phase() on a GPU: the caching allocator's own peak (torch.cuda.max_memory_allocated)."""
+    torch.cuda.synchronize()
+    torch.cuda.reset_peak_memory_stats()
+    yield lambda: None
+    torch.cuda.synchronize()
+    peaks[name], peaks[name + ":current"] = torch.cuda.max_memory_allocated(), torch.cuda.memory_allocated()
+
+
+def simulate(family: str, arch: dict, setting: Setting, device: str = "fake") -> dict:
+    """Peak bytes per phase of rank 0. device: "fake" (fake tensors, fake process group of setting.world, the
+    attention's allocations as FlashAttention-2's), or "cpu" / "cuda" (real tensors of unset values, one process,
+    transformers' sdpa attention; measured by the tracker on the CPU, by the allocator on a GPU)."""
+    if dist.is_initialized():
+        raise RuntimeError("simulate needs its own process group: run it where none is initialised")
+    fake = device == "fake"
+    if not fake and setting.world != 1:
+        raise ValueError("a real run is one process: world must be 1")
+    if fake:
+        from torch.testing._internal.distributed.fake_pg import FakeStore
+        dist.init_process_group("fake", rank=0, world_size=setting.world, store=FakeStore())
+    else:
+        if device == "cuda":
+            torch.cuda.set_device(0)
+        dist.init_process_group("nccl" if device == "cuda" else "gloo", rank=0, world_size=1, store=dist.HashStore())
+    try:
+        policy = build_policy(family, arch, ATTENTION if fake else "sdpa")
+        with (FakeTensorMode(allow_non_fake_inputs=True) if fake else contextlib.nullcontext()), \
+                propagation_untracked():
+            policy.to_empty(device="cpu" if fake else device)
+            optimizer = torch.optim.AdamW(policy.parameters(), lr=setting.lr, weight_decay=setting.weight_decay,
+                                          foreach=True)       # what AdamW picks for CUDA (D)Tensors
+            batches = step_inputs(setting, "cpu" if fake else device)
+            phase = cuda_phase if device == "cuda" else tracker_phase(policy, optimizer, batches)
+            peaks = run_step(policy, optimizer, batches, setting, phase)
+            peaks["params"] = sum(p.numel() for p in policy.parameters())
+        return peaks
+    finally:
+        dist.destroy_process_group()
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# The paper's settings and the table
+
+
+def paper_settings(config_path: str, world: int, micro_batches: int) -> tuple[str, object, list[Setting]]:
+    """The config's model and, per micro-batch size (the config's and verl's 2 x (prompt + response) tokens), a
+    Setting of one rank's step."""
+    cfg = config_mod.parse_config(["--config", str(ROOT / config_path)])
+    if cfg.model not in ARCHS:
+        raise ValueError(f"{config_path}: no architecture for {cfg.model} in ARCHS")
+    if not (cfg.bf16 and cfg.parallel == "fsdp" and cfg.gradient_checkpointing and cfg.kl_coef == 0):
+        raise ValueError(f"{config_path}: the simulation assumes bf16, fsdp, gradient checkpointing and no reference")
+    length = cfg.max_prompt_tokens + cfg.max_response_tokens
+    sizes = sorted({cfg.micro_batch_size, VERL_ROWS})
+    per_rank = cfg.questions_per_step * cfg.k // world
+    return cfg.model, cfg, [Setting(world, b, cfg.max_prompt_tokens, cfg.max_response_tokens, per_rank,
+                                    min(micro_batches, math.ceil(cfg.mini_batch_size * cfg.k / world / b)),
+                                    cfg.logp_chunk_size, cfg.lr, cfg.weight_decay) for b in sizes]
+
+
+def kv_bytes_per_token(arch: dict) -> int:
+    head_dim = arch.get("head_dim") or arch["hidden_size"] // arch["num_attention_heads"]
+    return 2 * arch["num_hidden_layers"] * arch["num_key_value_heads"] * head_dim * 2     # K and V, bf16
+
+
+def report(model, cfg, arch, results: list[tuple[Setting, dict]]) -> tuple[list[list[str]], list[list[str]]]:
+    """Rows of the fits table (phase, micro-batch, trainer peak, vLLM, total and fit per GPU) and of the settings that
+    fit (micro-batch, gpu_memory_utilization range, KV cache at the config's)."""
+    u, allowance, length = cfg.vllm_gpu_memory_utilization, NON_TORCH_GIB * GIB, cfg.max_prompt_tokens + cfg.max_response_tokens
+    peaks0 = results[0][1]
+    weights = 2 * peaks0["params"]
+    name, world = model.split("/")[-1], results[0][0].world
+
+    def row(phase, mb, trainer, vllm_of):
+        cells = [name, str(world), phase, mb, f"{trainer / GIB:.1f}"]
+        cells.append(" / ".join(f"{vllm_of(g) / GIB:.1f}" for g in GPUS.values()))
+        for g in GPUS.values():
+            total = trainer + vllm_of(g) + allowance
+            cells.append(f"{total / GIB:.1f}: {'fits' if total <= g else '**does not fit**'}")
+        return cells
+
+    rows = [row(f"rollout (vLLM awake, {u})", "—", peaks0["resident"], lambda g: u * g)]
+    for setting, peaks in results:
+        mb = f"{setting.batch} x {length:,}"
+        rows.append(row("old-policy pass (vLLM asleep)", mb, peaks["old-policy pass"], lambda g: 0))
+        rows.append(row(f"update: {setting.micro_batches} micro-batches + AdamW (vLLM asleep)", mb, peaks["update"],
+                        lambda g: 0))
+    rows.append(row("weight sync (vLLM weights awake)", "—", peaks0["weight sync"], lambda g: weights))
+    settings = []
+    for label, g in GPUS.items():
+        fit = [s for s, p in results if max(p["old-policy pass"], p["update"]) + allowance <= g]
+        u_max = (g - peaks0["resident"] - allowance) / g
+        u_min = (weights + kv_bytes_per_token(arch) * length) / g
+        sync_ok = weights + peaks0["weight sync"] + allowance <= g
+        kv = u * g - weights
+        span = (f"{math.ceil(u_min * 100) / 100:.2f}–{math.floor(u_max * 100) / 100:.2f}"
+                if u_min <= u_max and sync_ok else "none")
+        settings.append([name, label, f"{max(s.batch for s in fit)} x {length:,}" if fit else "none", span,
+                         f"{kv / GIB:.1f} GiB = {kv / kv_bytes_per_token(arch) / length:.1f} trajectories"
+                         if kv > 0 else "none"])
+    return rows, settings
+
+
+def markdown(header: list[str], rows: list[list[str]]) -> str:
+    return "\n".join(["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
+                     + ["| " + " | ".join(r) + " |" for r in rows])
+
+
+def check(device: str, arch: dict, quick: bool) -> dict:
+    """Simulated (fake tensors) vs measured (real tensors on `device`) peaks per phase, one process, a Qwen3 of
+    `arch`: {phase: {"simulated", "measured", "ratio" (measured / simulated)}}."""
+    setting = Setting(world=1, batch=2, prompt=64 if quick else 512, response=192 if quick else 1536, trajectories=4,
+                      chunk=64 if quick else 1024)
+    fake, real = simulate("qwen3", arch, setting, "fake"), simulate("qwen3", arch, setting, device)
+    return {key: {"simulated": fake[key], "measured": real[key], "ratio": real[key] / fake[key]}
+            for key in ("old-policy pass", "update", "resident", "weight sync")}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--configs", nargs="+", default=CONFIGS, help="YAML configs of the paper's runs")
+    parser.add_argument("--world", type=int, default=8, help="ranks (GPUs) the model is sharded over")
+    parser.add_argument("--micro_batches", type=int, default=2, help="micro-batches of the mini-batch simulated")
+    parser.add_argument("--check", choices=["cpu", "cuda"], help="simulated vs measured peaks on a small model")
+    parser.add_argument("--arch", default="{}", help="--check: the Qwen3 shape as JSON (gpu_check passes its own)")
+    parser.add_argument("--quick", action="store_true", help="--check: short sequences and a small vocabulary")
+    args = parser.parse_args()
+    if args.check:
+        arch = {"hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2, "num_attention_heads": 4,
+                "num_key_value_heads": 2, "head_dim": 16, "tie_word_embeddings": True, **json.loads(args.arch)}
+        arch.setdefault("vocab_size", 4096 if args.quick else 151936)
+        print(json.dumps(check(args.check, arch, args.quick)))
+        return
+    t0, fits, settings = time.time(), [], []
+    for path in args.configs:
+        model, cfg, runs = paper_settings(path, args.world, args.micro_batches)
+        family, arch = ARCHS[model]
+        results = []
+        for setting in runs:
+            results.append((setting, simulate(family, arch, setting)))
+            print(f"[memory_sim] {model}: {setting.batch} x {setting.prompt + setting.response} tokens simulated "
+                  f"({time.time() - t0:.0f} s)", flush=True)
+        rows, fit = report(model, cfg, arch, results)
+        fits += rows
+        settings += fit
+    print(markdown(["model", "GPUs", "phase", "micro-batch", "trainer peak / rank GiB", "vLLM GiB (80 / 141 GB)",
+                    "total GiB on 80 GB", "total GiB on 141 GB"], fits))
+    print(f"\nTotals add {NON_TORCH_GIB} GiB not in PyTorch's tracker (CUDA context, NCCL, fragmentation); 80 GB = "
+          f"{GPUS['80 GB'] / GIB:.1f} GiB, 141 GB = {GPUS['141 GB'] / GIB:.1f} GiB.\n")
+    print(markdown(["model", "GPU", "largest micro-batch that fits", "--vllm_gpu_memory_utilization that fits",
+                    "KV cache at the config's (at most)"], settings))
+    print(f"\n{time.time() - t0:.0f} s")
+
+
+if __name__ == "__main__":
+    main()
