@@ -52,7 +52,7 @@ def get(url: str, headers: dict | None = None, deadline_s: float = 20.0, max_byt
         left = end - time.monotonic()
         if left <= 0:
             raise ReplyError(f"{url} gave no complete reply within {deadline_s:g} s")
-        status, head, body = _request("GET", url, None, dict(headers or {}), left, max_bytes)
+        status, head, body = _request("GET", url, None, dict(headers or {}), left, max_bytes, deadline_s)
         if status not in (301, 302, 303, 307, 308):
             return Reply(status, head, body, url)
         if not head.get("location"):
@@ -61,9 +61,11 @@ def get(url: str, headers: dict | None = None, deadline_s: float = 20.0, max_byt
     raise ReplyError(f"more than {max_redirects} redirects, the last to {url}")
 
 
-def _request(method: str, url: str, body: bytes | None, headers: dict, deadline_s: float,
-             max_bytes: int) -> tuple[int, dict, bytes]:
-    """One request: (status, headers with lower-cased names, body), within deadline_s and max_bytes."""
+def _request(method: str, url: str, body: bytes | None, headers: dict, deadline_s: float, max_bytes: int,
+             stated_s: float | None = None) -> tuple[int, dict, bytes]:
+    """One request: (status, headers with lower-cased names, body), within deadline_s and max_bytes (a message names
+    stated_s, the whole deadline, when this request has only what was left of it)."""
+    stated_s = deadline_s if stated_s is None else stated_s
     parts = urllib.parse.urlsplit(url)
     connection = http.client.HTTPSConnection if parts.scheme == "https" else http.client.HTTPConnection
     expired, sockets = threading.Event(), []
@@ -97,11 +99,11 @@ def _request(method: str, url: str, body: bytes | None, headers: dict, deadline_
                 raise ReplyError(f"{url} sent more than {max_bytes:,} bytes: the reply was cut there and dropped")
             chunks.append(chunk)
         if expired.is_set():
-            raise ReplyError(f"{url} gave no complete reply within {deadline_s:g} s")
+            raise ReplyError(f"{url} gave no complete reply within {stated_s:g} s")
         return response.status, {k.lower(): v for k, v in response.getheaders()}, b"".join(chunks)
     except (OSError, http.client.HTTPException, ValueError) as err:   # ValueError: a malformed URL or port
         if expired.is_set() or time.monotonic() - start >= deadline_s:
-            raise ReplyError(f"{url} gave no complete reply within {deadline_s:g} s") from None
+            raise ReplyError(f"{url} gave no complete reply within {stated_s:g} s") from None
         raise ReplyError(f"{url} is unreachable: {type(err).__name__}: {err}") from None
     finally:
         timer.cancel()

@@ -43,6 +43,7 @@ class OfficialSettings:
     max_model_len: int = 32768       # the policy server's context (prompt + call_tokens)
     batch_size: int = 50             # questions in flight together (their 50 concurrent requests)
     seed: int = 0
+    tool_grace_s: float = 5.0        # past a tool's deadline, for it to report its own timeout
 
 
 @dataclass
@@ -144,7 +145,7 @@ def infer(rows: list[dict], generator, tokenizer, python, browse, settings: Offi
                 job = _step(s, settings, python, browse)
                 if job is not None:             # its deadline: its own, or what is left of the question's
                     left = settings.sample_timeout_s - (clock() - s.started)
-                    deadline = max(1.0, min(settings.tool_timeout_s, left))
+                    deadline = max(0.01, min(settings.tool_timeout_s, left))
                     jobs.append((s, job[0], pool.submit(job[1], deadline), deadline))
             for s, tool, future, deadline in jobs:
                 _finish_job(s, tool, future, deadline, settings, clock)
@@ -165,11 +166,11 @@ def infer(rows: list[dict], generator, tokenizer, python, browse, settings: Offi
 
 
 def _finish_job(s: Sample, tool: str, future, deadline: float, settings: OfficialSettings, clock) -> None:
-    """Wait for one tool call (its deadline, and a few seconds for the tool to report its own timeout) and append its
+    """Wait for one tool call (its deadline, and tool_grace_s for the tool to report its own timeout) and append its
     result."""
     started = clock()
     try:
-        value = future.result(timeout=deadline + 5)
+        value = future.result(timeout=deadline + settings.tool_grace_s)
     except FutureTimeout:
         s.counts[f"{tool}_timeouts"] += 1
         value = f"Error: the {tool} call passed its {deadline:g} s"
