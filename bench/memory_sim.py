@@ -1,38 +1,34 @@
 """Peak GPU memory per rank of the paper's setting (FSDP2 over 8 GPUs, vLLM colocated), simulated on a CPU.
 
     python bench/memory_sim.py                       # Qwen3-14B and Qwen2.5-7B from configs/, 8 ranks (~3 min)
-    python bench/memory_sim.py --check cpu --quick   # simulated vs measured on a small model (gpu_check: cuda)
+    python bench/memory_sim.py --check cuda --arch JSON    # simulated vs measured: bench/gpu_check.py runs it
 
-How (torchtitan's memory estimator is the prior art): the model is built from its configuration (ARCHS: the values of
-the released config.json, no weights) on the meta device, placed by the project's own `harness.policy.shard` (FSDP2,
-bf16 compute, float32 master weights) over a fake process group of 8 ranks (`fake` backend, FakeStore), and filled
-with fake tensors (FakeTensorMode: shapes only, nothing allocated). One rank then runs a steady-state step under
-PyTorch's `FSDPMemTracker`, which counts every tensor's bytes as ops create and free them: the old-policy pass on one
-micro-batch, one optimiser mini-batch (the first --micro_batches micro-batches with their backward, then the gradient
-clip and AdamW's step; from the second micro-batch on the state at each one's start repeats, the gradients being
-accumulated in place), and the weight sync (`full_named_parameters` in bf16, what vLLM's reload reads). Settings are
-those of the YAML (`--bf16 true --parallel fsdp --gradient_checkpointing true --logp_chunk_size 1024`); every
-trajectory is at the full budget, max_prompt_tokens + max_response_tokens, all response tokens scored, with the
-step's MicroBatch tensors of all this rank's trajectories held throughout. The micro-batches are the config's
-micro_batch_size and verl's per-GPU budget (ppo_max_token_len_per_gpu = 2 x (prompt + response), use_dynamic_bsz).
+How (prior art: torchtitan's memory estimator): the model is built from its configuration (ARCHS: the released
+config.json's values, no weights) on the meta device, placed by `harness.policy.shard` (FSDP2, bf16 compute, float32
+master weights) over a fake process group of 8 ranks and filled with fake tensors (FakeTensorMode: shapes only,
+nothing allocated). Rank 0 runs a steady-state step under PyTorch's `FSDPMemTracker`, which counts every tensor's
+bytes as ops create and free them: the old-policy pass on one micro-batch; one optimiser mini-batch (its first
+--micro_batches micro-batches, then the gradient clip and AdamW's step: from the second micro-batch on, the state at
+each one's start repeats); the weight sync (`full_named_parameters` in bf16). The YAML's settings (bf16, fsdp,
+gradient checkpointing, --logp_chunk_size); every trajectory at the full prompt + response budget, all response
+tokens scored, the MicroBatch tensors of all this rank's trajectories held throughout; micro-batches of 1 row, the
+config's and verl's per-GPU budget (ppo_max_token_len_per_gpu = 2 x (prompt + response), use_dynamic_bsz: 2 rows).
 
-Attention as the GPU kernels allocate it: the model runs `flash_allocations_attention`, whose forward allocates what
-FlashAttention-2 (SDPA's flash backend, which transformers' sdpa path takes for an unpadded causal batch) allocates:
-the output (B, L, H, D) and a float32 log-sum-exp (B, H, L), saving q, k, v, output and log-sum-exp for backward;
-and whose backward allocates dq, dk, dv, FA2's float32 dq accumulator (B, L, H, D) and softmax_d (B, H, L), and
-with grouped KV heads the expanded dk, dv (B, L, H, D) that FA2 sums to the KV heads. No (L x L) tensor exists.
-A padded micro-batch (rows of unequal length) takes sdpa's masked path instead: + a (B, 1, L, L) boolean mask and
-its bf16 copy (3·B·L² bytes) and the K, V repeated to all heads; not simulated here (full-length rows are unpadded).
-Fake tensors also cannot take a boolean mask's data-dependent shape: `StaticSelectPolicy` is Policy.forward with
-the mask-1 positions as index tensors (the same tensors and sizes; tests/test_bench.py checks it against Policy).
+Attention as the GPU kernels allocate it: the model runs `flash_allocations_attention`, which allocates and saves
+what FlashAttention-2 (SDPA's flash backend, taken by transformers' sdpa path for an unpadded causal batch) does: the
+output (B, L, H, D) and a float32 log-sum-exp (B, H, L) in forward; dq, dk, dv, FA2's float32 dq accumulator
+(B, L, H, D), softmax_d (B, H, L) and, with grouped KV heads, the expanded dk, dv (B, L, H, D) in backward. No
+(L x L) tensor. A padded micro-batch takes sdpa's masked path instead (+ a (B, 1, L, L) boolean mask and its bf16
+copy, 3·B·L² bytes, and K, V repeated to all heads): full-length rows have no padding. `StaticSelectPolicy` is
+Policy.forward with the mask-1 positions as indices (a fake tensor has no nonzero count; tests/test_bench.py checks
+it against Policy).
 
-Phases on a GPU (train.rl_step, harness/vllm_generation.py): rollout (vLLM awake: its share = gpu_memory_utilization x
-the GPU, weights + KV cache + its activations, beside the trainer's resident float32 parameter and AdamW shards) ->
-`sleep()` at level 2 (vLLM's weights and KV cache freed) -> old-policy pass and update (trainer alone) ->
-`update_weights` (empty_cache, vLLM's weights woken, every parameter gathered and reloaded, then the KV cache woken).
-Not in PyTorch's tracker: the CUDA context, NCCL buffers, a sleeping vLLM's CUDA graphs and allocator fragmentation
-(NON_TORCH_GIB is an allowance for them, not a measurement), and vLLM's activation peak inside its share (so the KV
-cache shown is an upper bound). Differences from a GPU run: FSDP2's stream overlap is not simulated (eager order).
+Phases on a GPU (train.rl_step, harness/vllm_generation.py): rollout (vLLM awake, gpu_memory_utilization x the GPU for
+its weights, KV cache and activations, beside the trainer's float32 parameter and AdamW shards) -> sleep at level 2
+(vLLM's weights and KV cache freed) -> old-policy pass and update (the trainer alone) -> update_weights (vLLM's
+weights woken, every parameter gathered and reloaded, then its KV cache woken). Not in the tracker: the CUDA context,
+NCCL, a sleeping vLLM's CUDA graphs, fragmentation (NON_TORCH_GIB, an allowance), and vLLM's activations within its
+share (the KV cache shown is an upper bound). FSDP2's stream overlap is not simulated (its ops run in order).
 """
 import argparse
 import contextlib
@@ -58,18 +54,19 @@ from harness.policy import MicroBatch, Policy, enable_gradient_checkpointing, fu
 
 # huggingface.co/Qwen/Qwen3-14B and /Qwen/Qwen2.5-7B-Instruct, config.json (14.77B and 7.62B parameters)
 ARCHS = {
-    "Qwen/Qwen3-14B": ("qwen3", dict(hidden_size=5120, intermediate_size=17408, num_hidden_layers=40,
-                                     num_attention_heads=40, num_key_value_heads=8, head_dim=128, vocab_size=151936,
-                                     tie_word_embeddings=False, max_position_embeddings=40960)),
+    "Qwen/Qwen3-14B": ("qwen3", dict(hidden_size=5120, intermediate_size=17408, num_hidden_layers=40, head_dim=128,
+                                     num_attention_heads=40, num_key_value_heads=8, vocab_size=151936,
+                                     tie_word_embeddings=False)),
     "Qwen/Qwen2.5-7B-Instruct": ("qwen2", dict(hidden_size=3584, intermediate_size=18944, num_hidden_layers=28,
                                                num_attention_heads=28, num_key_value_heads=4, vocab_size=152064,
-                                               tie_word_embeddings=False, max_position_embeddings=32768)),
+                                               tie_word_embeddings=False)),             # head_dim 3584 / 28 = 128
 }
 CONFIGS = ["configs/aepo_qwen3_14b.yaml", "configs/aepo_qwen25_7b.yaml"]
 GPUS = {"80 GB": 81559 * 2**20, "141 GB": 143771 * 2**20}      # total memory nvidia-smi reports: H100 80GB, H200
 NON_TORCH_GIB = 2.0       # CUDA context, NCCL, a sleeping vLLM's CUDA graphs, fragmentation: an allowance
 ATTENTION = "memsim_fa2_allocations"     # a name with "flash" in it makes transformers look for a kernel
 GIB = 2**30
+WORLD = 8                 # GPUs of the paper's runs (one node)
 VERL_ROWS = 2             # verl's ppo_max_token_len_per_gpu = 2 x (prompt + response): two full-length rows
 
 
@@ -83,8 +80,6 @@ class Setting:
     trajectories: int                  # this rank's trajectories in the step (their MicroBatch tensors are held)
     micro_batches: int = 2             # micro-batches of the mini-batch simulated
     chunk: int = 1024                  # --logp_chunk_size
-    lr: float = 1e-6
-    weight_decay: float = 0.01
 
 
 # ---------------------------------------------------------------------------------------------------------------------
@@ -105,17 +100,14 @@ class _FlashAllocations(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad_out):
         query, key, value, out, lse = ctx.saved_tensors
-        b, h, length, d = query.shape
-        h_kv = key.shape[1]
+        (b, h, length, d), h_kv = query.shape, key.shape[1]
         dq_accum = query.new_empty(b, length, h, d, dtype=torch.float32)      # noqa: F841 (held until return)
         softmax_d = query.new_empty(b, h, length, dtype=torch.float32)        # noqa: F841
         grad_q = torch.empty_like(query)
         if h_kv == h:
             return grad_q, torch.empty_like(key), torch.empty_like(value)
-        dk_expanded, dv_expanded = query.new_empty(b, length, h, d), query.new_empty(b, length, h, d)
-        grad_k = dk_expanded.view(b, length, h_kv, h // h_kv, d).sum(3).transpose(1, 2)
-        grad_v = dv_expanded.view(b, length, h_kv, h // h_kv, d).sum(3).transpose(1, 2)
-        return grad_q, grad_k, grad_v
+        expanded = [query.new_empty(b, length, h, d) for _ in "kv"]           # dk, dv per query head, then summed
+        return grad_q, *(e.view(b, length, h_kv, h // h_kv, d).sum(3).transpose(1, 2) for e in expanded)
 
 
 def flash_allocations_attention(module, query, key, value, attention_mask, **kwargs):
@@ -126,9 +118,8 @@ def flash_allocations_attention(module, query, key, value, attention_mask, **kwa
 
 
 class StaticSelectPolicy(Policy):
-    """Policy.forward with the mask-1 positions given as (rows, cols) index tensors instead of the (B, L-1) mask, whose
-    nonzero count a fake tensor cannot give: the same selected (N, D) hidden states, chunked LM head and (B, L-1)
-    outputs. forward(input_ids (B, L), attention_mask (B, L), index ((N,), (N,))) -> logp, entropy (B, L-1)."""
+    """Policy.forward with the mask-1 positions as (rows, cols) index tensors, each (N,), instead of the (B, L-1) mask
+    (whose nonzero count a fake tensor cannot give): the same (N, D) selection, chunked LM head and (B, L-1) outputs."""
 
     def forward(self, input_ids, attention_mask, index, temperature: float = 1.0, chunk_size: int = 1024):
         hidden = self.lm.get_decoder()(input_ids=input_ids, attention_mask=attention_mask).last_hidden_state
@@ -142,11 +133,22 @@ class StaticSelectPolicy(Policy):
         return logp, entropy
 
 
+_PROPAGATE = ShardingPropagator._propagate_tensor_meta_non_cached
+
+
 class Tracker(FSDPMemTracker):
     """FSDPMemTracker without DTensor's sharding propagation: under FakeTensorMode DTensor infers an op's output shape
     by running it once on global-shape tensors in the same fake mode, which the tracker would count as allocations
-    (an AdamW step read as 13x its state). `propagation_untracked` marks those calls."""
+    (an AdamW step read as 13x its state). While a Tracker is active those calls are marked and not counted."""
     propagating = 0
+
+    def __enter__(self):
+        ShardingPropagator._propagate_tensor_meta_non_cached = _marked_propagate
+        return super().__enter__()
+
+    def __exit__(self, *args):
+        ShardingPropagator._propagate_tensor_meta_non_cached = _PROPAGATE
+        super().__exit__(*args)
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         if Tracker.propagating:
@@ -154,22 +156,12 @@ class Tracker(FSDPMemTracker):
         return super().__torch_dispatch__(func, types, args, kwargs)
 
 
-@contextlib.contextmanager
-def propagation_untracked():
-    original = ShardingPropagator._propagate_tensor_meta_non_cached
-
-    def marked(self, op_schema):
-        Tracker.propagating += 1
-        try:
-            return original(self, op_schema)
-        finally:
-            Tracker.propagating -= 1
-
-    ShardingPropagator._propagate_tensor_meta_non_cached = marked
+def _marked_propagate(self, op_schema):
+    Tracker.propagating += 1
     try:
-        yield
+        return _PROPAGATE(self, op_schema)
     finally:
-        ShardingPropagator._propagate_tensor_meta_non_cached = original
+        Tracker.propagating -= 1
 
 
 # ---------------------------------------------------------------------------------------------------------------------
@@ -201,7 +193,6 @@ def step_inputs(setting: Setting, device) -> list:
                         torch.ones(b, length, dtype=torch.long, device=device), None)
         for name in per_row:
             setattr(mb, name, torch.zeros(b, length - 1, device=device))
-        mb.reward = torch.zeros(b, device=device)
         batches.append((mb, (rows, cols)))
     return batches
 
@@ -215,9 +206,8 @@ def surrogate_loss(logp, mb: MicroBatch, n_valid: float):
 
 
 def run_step(policy, optimizer, batches, setting: Setting, phase) -> dict:
-    """The steady-state step's trainer phases; phase(name) is a context manager recording that phase's peak (bytes)
-    and yielding a callback for between micro-batches. Returns {name: peak} and "resident" (parameters + AdamW state,
-    what the trainer holds while vLLM generates)."""
+    """The steady-state step's trainer phases; phase(name, peaks) records the phase's peak bytes and yields a callback
+    for between micro-batches. Returns {name: peak} and "resident" (what the trainer holds while vLLM generates)."""
     device = batches[0][0].input_ids.device
     for p in policy.parameters():                      # AdamW's state exists from the first step on
         p.grad = torch.zeros_like(p)
@@ -250,13 +240,17 @@ def run_step(policy, optimizer, batches, setting: Setting, phase) -> dict:
 
 def tracker_phase(policy, optimizer, inputs):
     """phase() for a tracker run: a fresh FSDPMemTracker per phase, this rank's step tensors as its inputs."""
+    tensors = [t for mb, index in inputs for t in (*vars(mb).values(), *index) if isinstance(t, torch.Tensor)]
+
     @contextlib.contextmanager
     def phase(name, peaks):
         tracker = Tracker(policy, optimizer)
-        tracker.track_inputs(inputs)
+        tracker.track_inputs(tuple(tensors))
         with tracker:
             yield tracker.reset_mod_stats                  # one root forward per micro-batch
-        peaks[name] = sum(s["Total"] for s in tracker.get_tracker_snapshot("peak").values())
+        (categories,) = tracker.get_tracker_snapshot("peak").values()             # one device
+        peaks[name], peaks[name + ":categories"] = categories["Total"], {
+            getattr(key, "value", key): value for key, value in categories.items() if key != "Total"}
         peaks[name + ":current"] = sum(s["Total"] for s in tracker.get_tracker_snapshot("current").values())
     return phase
 
@@ -280,20 +274,16 @@ def simulate(family: str, arch: dict, setting: Setting, device: str = "fake") ->
     fake = device == "fake"
     if not fake and setting.world != 1:
         raise ValueError("a real run is one process: world must be 1")
-    if fake:
-        from torch.testing._internal.distributed.fake_pg import FakeStore
-        dist.init_process_group("fake", rank=0, world_size=setting.world, store=FakeStore())
-    else:
-        if device == "cuda":
-            torch.cuda.set_device(0)
-        dist.init_process_group("nccl" if device == "cuda" else "gloo", rank=0, world_size=1, store=dist.HashStore())
+    if device == "cuda":
+        torch.cuda.set_device(0)
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+    dist.init_process_group({"fake": "fake", "cpu": "gloo", "cuda": "nccl"}[device], rank=0, world_size=setting.world,
+                            store=FakeStore() if fake else dist.HashStore())
     try:
         policy = build_policy(family, arch, ATTENTION if fake else "sdpa")
-        with (FakeTensorMode(allow_non_fake_inputs=True) if fake else contextlib.nullcontext()), \
-                propagation_untracked():
+        with FakeTensorMode(allow_non_fake_inputs=True) if fake else contextlib.nullcontext():
             policy.to_empty(device="cpu" if fake else device)
-            optimizer = torch.optim.AdamW(policy.parameters(), lr=setting.lr, weight_decay=setting.weight_decay,
-                                          foreach=True)       # what AdamW picks for CUDA (D)Tensors
+            optimizer = torch.optim.AdamW(policy.parameters(), lr=1e-6, weight_decay=0.01, foreach=True)  # CUDA's
             batches = step_inputs(setting, "cpu" if fake else device)
             phase = cuda_phase if device == "cuda" else tracker_phase(policy, optimizer, batches)
             peaks = run_step(policy, optimizer, batches, setting, phase)
@@ -307,63 +297,56 @@ def simulate(family: str, arch: dict, setting: Setting, device: str = "fake") ->
 # The paper's settings and the table
 
 
-def paper_settings(config_path: str, world: int, micro_batches: int) -> tuple[str, object, list[Setting]]:
-    """The config's model and, per micro-batch size (the config's and verl's 2 x (prompt + response) tokens), a
-    Setting of one rank's step."""
+def paper_settings(config_path: str, world: int, micro_batches: int):
+    """(cfg, [Setting]) of one rank's step per micro-batch size: 1 row, the config's micro_batch_size and verl's two."""
     cfg = config_mod.parse_config(["--config", str(ROOT / config_path)])
-    if cfg.model not in ARCHS:
-        raise ValueError(f"{config_path}: no architecture for {cfg.model} in ARCHS")
-    if not (cfg.bf16 and cfg.parallel == "fsdp" and cfg.gradient_checkpointing and cfg.kl_coef == 0):
-        raise ValueError(f"{config_path}: the simulation assumes bf16, fsdp, gradient checkpointing and no reference")
-    length = cfg.max_prompt_tokens + cfg.max_response_tokens
-    sizes = sorted({cfg.micro_batch_size, VERL_ROWS})
-    per_rank = cfg.questions_per_step * cfg.k // world
-    return cfg.model, cfg, [Setting(world, b, cfg.max_prompt_tokens, cfg.max_response_tokens, per_rank,
-                                    min(micro_batches, math.ceil(cfg.mini_batch_size * cfg.k / world / b)),
-                                    cfg.logp_chunk_size, cfg.lr, cfg.weight_decay) for b in sizes]
+    if not (cfg.model in ARCHS and cfg.bf16 and cfg.parallel == "fsdp" and cfg.gradient_checkpointing
+            and cfg.kl_coef == 0):
+        raise ValueError(f"{config_path}: the simulation knows the models of ARCHS, with bf16, fsdp, gradient "
+                         f"checkpointing and no reference model")
+    per_rank, mini = cfg.questions_per_step * cfg.k // world, cfg.mini_batch_size * cfg.k // world
+    return cfg, [Setting(world, b, cfg.max_prompt_tokens, cfg.max_response_tokens, per_rank,
+                         min(micro_batches, math.ceil(mini / b)), cfg.logp_chunk_size)
+                 for b in sorted({1, cfg.micro_batch_size, VERL_ROWS})]
 
 
-def kv_bytes_per_token(arch: dict) -> int:
+def report(cfg, arch, results: list[tuple[Setting, dict]]) -> tuple[list, list, list]:
+    """Rows of the fits table (a phase's trainer peak, vLLM's memory, the total and verdict per GPU), of the settings
+    that fit per GPU, and lines of the update peak's categories."""
+    (setting1, peaks1), (setting2, peaks2) = results[0], results[1]          # 1 and 2 rows per micro-batch
+    u, length, name = cfg.vllm_gpu_memory_utilization, setting1.prompt + setting1.response, cfg.model.split("/")[-1]
     head_dim = arch.get("head_dim") or arch["hidden_size"] // arch["num_attention_heads"]
-    return 2 * arch["num_hidden_layers"] * arch["num_key_value_heads"] * head_dim * 2     # K and V, bf16
-
-
-def report(model, cfg, arch, results: list[tuple[Setting, dict]]) -> tuple[list[list[str]], list[list[str]]]:
-    """Rows of the fits table (phase, micro-batch, trainer peak, vLLM, total and fit per GPU) and of the settings that
-    fit (micro-batch, gpu_memory_utilization range, KV cache at the config's)."""
-    u, allowance, length = cfg.vllm_gpu_memory_utilization, NON_TORCH_GIB * GIB, cfg.max_prompt_tokens + cfg.max_response_tokens
-    peaks0 = results[0][1]
-    weights = 2 * peaks0["params"]
-    name, world = model.split("/")[-1], results[0][0].world
-
-    def row(phase, mb, trainer, vllm_of):
-        cells = [name, str(world), phase, mb, f"{trainer / GIB:.1f}"]
-        cells.append(" / ".join(f"{vllm_of(g) / GIB:.1f}" for g in GPUS.values()))
-        for g in GPUS.values():
-            total = trainer + vllm_of(g) + allowance
-            cells.append(f"{total / GIB:.1f}: {'fits' if total <= g else '**does not fit**'}")
-        return cells
-
-    rows = [row(f"rollout (vLLM awake, {u})", "—", peaks0["resident"], lambda g: u * g)]
+    kv_token = 2 * arch["num_hidden_layers"] * arch["num_key_value_heads"] * head_dim * 2      # K and V, bf16
+    weights, allowance = 2 * peaks1["params"], NON_TORCH_GIB * GIB                            # vLLM's, bf16
+    phases = [(f"rollout (vLLM awake at {u})", "—", peaks1["resident"], lambda g: u * g)]
     for setting, peaks in results:
-        mb = f"{setting.batch} x {length:,}"
-        rows.append(row("old-policy pass (vLLM asleep)", mb, peaks["old-policy pass"], lambda g: 0))
-        rows.append(row(f"update: {setting.micro_batches} micro-batches + AdamW (vLLM asleep)", mb, peaks["update"],
-                        lambda g: 0))
-    rows.append(row("weight sync (vLLM weights awake)", "—", peaks0["weight sync"], lambda g: weights))
+        rows = f"{setting.batch} x {length:,}"
+        phases += [("old-policy pass (vLLM asleep)", rows, peaks["old-policy pass"], lambda g: 0),
+                   (f"update: {setting.micro_batches} micro-batch(es) + AdamW (vLLM asleep)", rows, peaks["update"],
+                    lambda g: 0)]
+    phases.append(("weight sync (vLLM weights awake)", "—", peaks1["weight sync"], lambda g: weights))
+    fits = [[name, str(setting1.world), phase, rows, f"{trainer / GIB:.1f}",
+             " / ".join(f"{vllm(g) / GIB:.1f}" for g in GPUS.values())]
+            + [f"{(trainer + vllm(g) + allowance) / GIB:.1f}: " + ("fits" if trainer + vllm(g) + allowance <= g
+                                                                   else "**does not fit**") for g in GPUS.values()]
+            for phase, rows, trainer, vllm in phases]
     settings = []
     for label, g in GPUS.items():
-        fit = [s for s, p in results if max(p["old-policy pass"], p["update"]) + allowance <= g]
-        u_max = (g - peaks0["resident"] - allowance) / g
-        u_min = (weights + kv_bytes_per_token(arch) * length) / g
-        sync_ok = weights + peaks0["weight sync"] + allowance <= g
+        # every term of a micro-batch's peak is linear in its tokens (no L x L tensor): from the 1- and 2-row runs
+        most_rows = min(setting1.batch + math.floor((g - allowance - peaks1[key]) / (peaks2[key] - peaks1[key])
+                                                    * (setting2.batch - setting1.batch))
+                        for key in ("old-policy pass", "update"))
+        u_min = (weights + kv_token * length) / g                               # vLLM's floor: one full sequence
+        u_max = (g - peaks1["resident"] - allowance) / g if weights + peaks1["weight sync"] + allowance <= g else 0.0
         kv = u * g - weights
-        span = (f"{math.ceil(u_min * 100) / 100:.2f}–{math.floor(u_max * 100) / 100:.2f}"
-                if u_min <= u_max and sync_ok else "none")
-        settings.append([name, label, f"{max(s.batch for s in fit)} x {length:,}" if fit else "none", span,
-                         f"{kv / GIB:.1f} GiB = {kv / kv_bytes_per_token(arch) / length:.1f} trajectories"
-                         if kv > 0 else "none"])
-    return rows, settings
+        settings.append([name, label, f"{most_rows} x {length:,} ({most_rows * length:,} tokens)" if most_rows > 0
+                         else "none", f"{math.ceil(u_min * 100) / 100:.2f}–{math.floor(u_max * 100) / 100:.2f}"
+                         if u_min <= u_max else "none",
+                         f"{kv / GIB:.1f} GiB = {kv / kv_token / length:.1f} trajectories" if kv > 0 else "none"])
+    breakdown = [f"{name} {setting.batch} x {length:,}: update peak {peaks['update'] / GIB:.1f} GiB = " + " + ".join(
+        f"{key} {value / GIB:.1f}" for key, value in peaks["update:categories"].items() if value >= 0.05 * GIB)
+        for setting, peaks in results]
+    return fits, settings, breakdown
 
 
 def markdown(header: list[str], rows: list[list[str]]) -> str:
@@ -372,9 +355,9 @@ def markdown(header: list[str], rows: list[list[str]]) -> str:
 
 
 def check(device: str, arch: dict, quick: bool) -> dict:
-    """Simulated (fake tensors) vs measured (real tensors on `device`) peaks per phase, one process, a Qwen3 of
-    `arch`: {phase: {"simulated", "measured", "ratio" (measured / simulated)}}."""
-    setting = Setting(world=1, batch=2, prompt=64 if quick else 512, response=192 if quick else 1536, trajectories=4,
+    """Simulated (fake tensors) vs measured (real tensors on `device`) peaks per phase, one process, a Qwen3 of `arch`:
+    {phase: {"simulated", "measured", "ratio" (measured / simulated)}}."""
+    setting = Setting(world=1, batch=2, prompt=64 if quick else 1024, response=192 if quick else 3072, trajectories=4,
                       chunk=64 if quick else 1024)
     fake, real = simulate("qwen3", arch, setting, "fake"), simulate("qwen3", arch, setting, device)
     return {key: {"simulated": fake[key], "measured": real[key], "ratio": real[key] / fake[key]}
@@ -383,38 +366,35 @@ def check(device: str, arch: dict, quick: bool) -> dict:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--configs", nargs="+", default=CONFIGS, help="YAML configs of the paper's runs")
-    parser.add_argument("--world", type=int, default=8, help="ranks (GPUs) the model is sharded over")
     parser.add_argument("--micro_batches", type=int, default=2, help="micro-batches of the mini-batch simulated")
     parser.add_argument("--check", choices=["cpu", "cuda"], help="simulated vs measured peaks on a small model")
-    parser.add_argument("--arch", default="{}", help="--check: the Qwen3 shape as JSON (gpu_check passes its own)")
+    parser.add_argument("--arch", help="--check: the Qwen3 shape as JSON (bench/gpu_check.py passes its model's)")
     parser.add_argument("--quick", action="store_true", help="--check: short sequences and a small vocabulary")
     args = parser.parse_args()
     if args.check:
-        arch = {"hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2, "num_attention_heads": 4,
-                "num_key_value_heads": 2, "head_dim": 16, "tie_word_embeddings": True, **json.loads(args.arch)}
-        arch.setdefault("vocab_size", 4096 if args.quick else 151936)
+        if not args.arch:
+            parser.error("--check needs --arch")
+        arch = {"tie_word_embeddings": True, "vocab_size": 4096 if args.quick else 151936, **json.loads(args.arch)}
         print(json.dumps(check(args.check, arch, args.quick)))
         return
-    t0, fits, settings = time.time(), [], []
-    for path in args.configs:
-        model, cfg, runs = paper_settings(path, args.world, args.micro_batches)
-        family, arch = ARCHS[model]
+    t0, tables = time.time(), ([], [], [])
+    for path in CONFIGS:
+        cfg, runs = paper_settings(path, WORLD, args.micro_batches)
+        family, arch = ARCHS[cfg.model]
         results = []
         for setting in runs:
             results.append((setting, simulate(family, arch, setting)))
-            print(f"[memory_sim] {model}: {setting.batch} x {setting.prompt + setting.response} tokens simulated "
-                  f"({time.time() - t0:.0f} s)", flush=True)
-        rows, fit = report(model, cfg, arch, results)
-        fits += rows
-        settings += fit
+            print(f"[memory_sim] {cfg.model}, {setting.batch} x {setting.prompt + setting.response}: "
+                  f"{time.time() - t0:.0f} s", flush=True)
+        for table, rows in zip(tables, report(cfg, arch, results)):
+            table += rows
     print(markdown(["model", "GPUs", "phase", "micro-batch", "trainer peak / rank GiB", "vLLM GiB (80 / 141 GB)",
-                    "total GiB on 80 GB", "total GiB on 141 GB"], fits))
+                    "total GiB on 80 GB", "total GiB on 141 GB"], tables[0]))
     print(f"\nTotals add {NON_TORCH_GIB} GiB not in PyTorch's tracker (CUDA context, NCCL, fragmentation); 80 GB = "
           f"{GPUS['80 GB'] / GIB:.1f} GiB, 141 GB = {GPUS['141 GB'] / GIB:.1f} GiB.\n")
-    print(markdown(["model", "GPU", "largest micro-batch that fits", "--vllm_gpu_memory_utilization that fits",
-                    "KV cache at the config's (at most)"], settings))
-    print(f"\n{time.time() - t0:.0f} s")
+    print(markdown(["model", "GPU", "largest micro-batch that fits (linear in its tokens)",
+                    "--vllm_gpu_memory_utilization that fits", "vLLM's KV cache at the config's (at most)"], tables[1]))
+    print("\n" + "\n".join(tables[2]) + f"\n\n{time.time() - t0:.0f} s")
 
 
 if __name__ == "__main__":

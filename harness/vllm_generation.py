@@ -76,8 +76,9 @@ class VLLMGenerator:
       (v1/core/sched/scheduler.py:Scheduler.schedule). GPUs keep vLLM's default.
     - Log-probs: vLLM detokenises every log-prob it returns (v1/engine/logprobs.py:LogprobsProcessor.
       _update_sample_logprobs, ~0.1 ms per position for the top 10; `flat_logprobs` only saves the dicts), so
-      `generate` asks for them on a segment's first n_entropy positions only and samples the rest in a second
-      request that continues from them (prefix cache hit).
+      `generate` asks for the top 10 on a segment's first n_entropy positions only and samples the rest in a second
+      request that continues from them (prefix cache hit), asking there for the sampled token's log-prob alone
+      (`logprobs=0`) at temperature 1, where vLLM's raw log-probs are the trainer's (the mismatch metrics).
     - Shutting the engine down (`close`: v1/engine/core_client.py:InprocClient.shutdown -> v1/engine/core.py:
       EngineCore.shutdown) destroys vLLM's process groups and the default one (distributed/parallel_state.py:
       cleanup_dist_env_and_memory): it must run before the trainer leaves its process group (parallel.on_close).

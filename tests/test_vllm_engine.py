@@ -171,3 +171,28 @@ def test_train_with_vllm_on_cpu_one_and_two_processes(cache, tmp_path):
         assert sum(r["tool_calls"] for r in rows[command]) > 0 and sum(r["branches"] for r in rows[command]) > 0
         assert (tmp_path / f"runs{i}" / "vllm" / "eval" / "after_summary.json").exists()
     assert rows[VLLM_ON_CPU[1]][0]["trajectories"] == 2 * rows[VLLM_ON_CPU[0]][0]["trajectories"]
+
+
+def test_engine_log_probs_equal_the_trainers_in_float32(cache):
+    """At temperature 1 the engine gives every sampled token its log-prob (vLLM's raw ones): in float32 they are the
+    float32 trainer's (harness.policy.Policy, teacher-forced) to rounding, the mismatch metrics' zero (k3 < 1e-8)."""
+    import loss
+    import tools
+    from harness.policy import Policy, tensorize
+    from transformers import AutoModelForCausalLM
+    _, model_dir = cache
+    vgen = VLLMGenerator(str(model_dir), dtype="float32")
+    try:
+        rows = [json.loads(line) for line in (ROOT / "data" / "qa_test.jsonl").read_text().splitlines()[:4]]
+        contexts = [list(tools.build_prompt(vgen.tokenizer, r["question"])) for r in rows]
+        segments = vgen.generate(contexts, [40] * len(contexts), seed=3, sampling=Sampling(temperature=1.0))
+    finally:
+        vgen.close()
+    assert all(s.logprobs is not None and len(s.logprobs) == len(s.token_ids) for s in segments)
+    lm = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    batch = tensorize([(c, s.token_ids, [1] * len(s.token_ids)) for c, s in zip(contexts, segments)],
+                      vgen.tokenizer.pad_token_id, "cpu", gen_logp=[s.logprobs for s in segments])
+    with torch.no_grad():
+        old, _ = Policy(lm)(batch.input_ids, batch.attention_mask, batch.mask, 1.0)
+    stats = loss.mismatch_stats(old, batch.gen_logp, batch.mask)
+    assert stats[0] == batch.mask.sum() and stats[2] / stats[0] < 1e-8
