@@ -21,6 +21,7 @@ from __future__ import annotations
 import dataclasses
 import math
 import random
+import time
 from collections import Counter
 from dataclasses import dataclass, field
 from typing import Any, Callable, Iterable, Protocol
@@ -134,6 +135,7 @@ class TreeSettings:
     max_tool_calls: int = 6
     max_response_tokens: int = 4096   # policy tokens and tool results together
     tool_limit_ends: bool = False     # past max_tool_calls: EOS and the end, as the official code (D10)
+    deadline_s: float = 0.0           # wall-clock seconds a trajectory may take (0 = none), checked after each round
 
 
 @dataclass
@@ -158,9 +160,10 @@ class Trajectory:
     seg_entropies: list[float] = field(default_factory=list)
     branch_l: list[int] = field(default_factory=list)   # l at each branch this trajectory created
     result_ends: list[int] = field(default_factory=list)  # len(response_ids) after each tool result
-    finish_reason: str = ""           # "answer" | "eos" | "length" ("" while active)
+    finish_reason: str = ""           # "answer" | "eos" | "length" | "deadline" ("" while active)
     truncated: bool = False           # ran out of the response-token budget
     text: str = ""                    # decoded response (policy tokens and tool results)
+    started: float = field(default_factory=time.monotonic)   # when it was created (deadline_s)
 
     @property
     def finished(self) -> bool:
@@ -216,7 +219,8 @@ def tree_rollout(prompts: list[list[int]], generator: Generator, tool_runner, to
                     and tree.m is not None and len(tree.trajectories) < s.k:
                 _maybe_branch(t, len(t.result_ends) - 1, tree, rng, rnd, s)        # §2b
         rnd += 1
-        for tree in trees:                           # §2a: the pre-monitor's m; §2c: completion
+        for tree in trees:                           # a deadline; §2a: the pre-monitor's m; §2c: completion
+            _expire(tree, s.deadline_s, counts)
             _settle(tree, rng, rnd, s)
         if progress is not None:
             progress(rnd, sum(t.finished for tree in trees for t in tree.trajectories), s.k * len(trees))
@@ -284,6 +288,17 @@ def _append_result(t: Trajectory, observation: str, tokenizer, max_response_toke
     return True
 
 
+def _expire(tree: Tree, deadline_s: float, counts: Counter) -> None:
+    """End (truncated, finish_reason "deadline") every active trajectory older than deadline_s, as one past its token
+    budget: a slow tool or a long tail does not hold its round, and every other rank, for ever."""
+    if deadline_s <= 0:
+        return
+    for t in tree.trajectories:
+        if not t.finished and time.monotonic() - t.started > deadline_s:
+            t.finish_reason, t.truncated = "deadline", True
+            counts["deadline_hits"] += 1
+
+
 def _settle(tree: Tree, rng: random.Random, rnd: int, s: TreeSettings) -> None:
     """After a round: a finished pre-monitor sets m (§2a), starts the other m − 1 global samples and takes its deferred
     branching decisions (§2d); a question with no active trajectory and fewer than k gets fresh samples (§2c)."""
@@ -329,7 +344,8 @@ def tree_stats(trajectories: list[Trajectory], m_per_question: list, counts: dic
     for t in trajectories:
         by_group.setdefault(t.group_id, []).append(t)
     stats = Counter({"questions": len(m_per_question), "trajectories": len(trajectories), "m": sum(m_per_question),
-                     "rounds": rounds, "tool_limit_hits": counts.get("tool_limit_hits", 0)})
+                     "rounds": rounds, "tool_limit_hits": counts.get("tool_limit_hits", 0),
+                     "deadline_hits": counts.get("deadline_hits", 0)})
     l_hist: Counter = Counter(l for t in trajectories for l in t.branch_l)
     for group in by_group.values():
         root_of, per_root = {}, Counter()
@@ -353,7 +369,7 @@ def tree_stats(trajectories: list[Trajectory], m_per_question: list, counts: dic
                 stats["shared_prefix"] += len(t.prompt_ids)
     out = {key: stats[key] for key in ("questions", "trajectories", "m", "branches", "trees_branched",
                                        "branch_top_chain", "tool_calls", "gen_len", "resp_len", "seq_len", "truncated",
-                                       "shared_prefix", "tool_limit_hits", "rounds")}
+                                       "shared_prefix", "tool_limit_hits", "deadline_hits", "rounds")}
     out.update(branch_l_hist=dict(sorted(l_hist.items())), m_per_question=list(m_per_question))
     out.update({key: v for key, v in counts.items() if key.startswith("tools/")})
     return out

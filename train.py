@@ -60,6 +60,7 @@ def rl_step(run: Run, step: int, progress=None) -> tuple[dict, runlog.StepBatch]
             progress=progress)
     run.generator.sleep()                        # its memory to the update, where it has any to give (vLLM, GPU)
     t_rollout = time.time() - t0
+    rank_times = parallel.gather(t_rollout)      # the slowest rank holds every other one at the next collective
 
     # ---- reward (algorithm.md §5), once per trajectory; DAPO keeps the groups whose rewards differ (§7)
     scores = [run.score(t.text, rows[t.group_id]["golds"]) for t in trajectories]
@@ -90,6 +91,8 @@ def rl_step(run: Run, step: int, progress=None) -> tuple[dict, runlog.StepBatch]
     metrics = runlog.step_metrics(step + 1, batch, tree, adv, entropy, losses, grad_norms)
     metrics.update(runlog.mismatch_metrics(mismatch))
     metrics.update({"lr": lr, "time/rollout": t_rollout, "time/old_logp": t_old, "time/update": t_update,
+                    "time/rollout_slowest": max(rank_times),
+                    "time/rollout_imbalance": max(rank_times) / max(1e-9, sum(rank_times) / len(rank_times)),
                     "time/step": time.time() - t0,
                     "update_tokens_per_s": metrics["n_valid_tokens"] * cfg.ppo_epochs / max(t_update, 1e-9)})
     return metrics, batch

@@ -15,6 +15,10 @@ Checks (PASS/FAIL with a reason; exit code 0 only if all pass):
    checkpoint written.
 4. bench/logprob_memory.py at T=8192, V=151936, D=1024: chunked equals direct (max diff <= 1e-4) with <= 0.125x
    the memory. Its time ratio is reported, never asserted (timings are noisy).
+5. bench/memory_sim.py --check: the simulated peaks (fake tensors, FSDP2 tracker) of the old-policy pass, an update of
+   2 micro-batches of 2 x 4,096 tokens and the weight sync, for the Qwen3 shape trained here (with Qwen3's
+   vocabulary, 151,936, tied), against the same step run for real (torch.cuda.max_memory_allocated, transformers'
+   sdpa attention): every ratio measured / simulated within [0.8, 1.25].
 Numbers (steps after the first): rollout tokens/s = gen_len x trajectories / time/rollout (policy-sampled tokens);
 update tokens/s = seq_len x trajectories x ppo_epochs / time/update (sequence tokens through forward+backward; the
 scored, loss-mask-1, rate too); MFU = 6 x parameters x sequence tokens/s / peak dense bf16 FLOP/s (H100/H200 SXM
@@ -234,6 +238,27 @@ def run_resume(model_dir: Path, tmp: Path, steps: int, device: str) -> tuple[boo
     return True, f"resumed from step_{steps:06d} (sharded), step {steps + 1} logged, {ckpt.name} written"
 
 
+def run_memory_check(device: str, shape: dict, quick: bool) -> list[tuple[str, str, str]]:
+    """bench/memory_sim.py --check in a subprocess (its own process group and allocator): simulated vs measured peaks
+    per phase (on the CPU the measurement is the tracker over real tensors). Returns table rows."""
+    name = "memory: simulated (bench/memory_sim.py) vs measured peak"
+    cmd = [sys.executable, str(ROOT / "bench" / "memory_sim.py"), "--check", device, "--arch", json.dumps(shape)]
+    try:
+        proc = subprocess.run(cmd + (["--quick"] if quick else []), cwd=ROOT, capture_output=True, text=True,
+                              timeout=TIMEOUT_S)
+    except subprocess.TimeoutExpired:
+        return [check_row(name, False, f"timed out after {TIMEOUT_S}s")]
+    lines = proc.stdout.strip().splitlines()
+    if proc.returncode != 0 or not lines:
+        print(proc.stdout[-2000:], proc.stderr[-2000:], sep="\n", file=sys.stderr)
+        return [check_row(name, False, f"bench/memory_sim.py --check failed (exit {proc.returncode})")]
+    phases = json.loads(lines[-1])
+    measured = "max_memory_allocated" if device == "cuda" else "the tracker over real tensors"
+    detail = "; ".join(f"{phase}: simulated {r['simulated'] / 2**30:.3f} GiB, measured "
+                       f"{r['measured'] / 2**30:.3f} GiB, ratio {r['ratio']:.3f}" for phase, r in phases.items())
+    return [check_row(name, all(0.8 <= r["ratio"] <= 1.25 for r in phases.values()), f"{detail} ({measured})")]
+
+
 def run_logprob_bench(args: str, device: str, max_memory_ratio: float) -> list[tuple[str, str, str]]:
     """bench/logprob_memory.py in a subprocess. Memory and time come from its per-variant lines (more digits than
     its last line); ratios, differences and its own verdict from the last line. Returns table rows."""
@@ -297,16 +322,16 @@ def main() -> None:
     name = torch.cuda.get_device_name() if device == "cuda" else "cpu"
     table = [("device", f"{name}, torch {torch.__version__}, transformers {transformers.__version__}", "")]
 
-    log(f"1/4 pytest {' '.join(TESTS)} ...")
+    log(f"1/5 pytest {' '.join(TESTS)} ...")
     table.append(check_row("pytest: " + ", ".join(Path(t).name for t in TESTS), *run_pytest(device)))
     with tempfile.TemporaryDirectory() as tmp:
-        log("2/4 tokenizer and random-weight model ...")
+        log("2/5 tokenizer and random-weight model ...")
         tokenizer = build_tokenizer()
         n_params = build_model(tokenizer, mode["model"], Path(tmp) / "model", device)
         layers, width = mode["model"]["num_hidden_layers"], mode["model"]["hidden_size"]
         table.append(("model (random weights, float32 master)", f"Qwen3, {layers} layers x {width}, vocab "
                       f"{len(tokenizer)}, {n_params / 1e6:.1f}M parameters", ""))
-        log(f"3/4 train.main, {mode['steps']} step(s) on {device} ...")
+        log(f"3/5 train.main, {mode['steps']} step(s) on {device} ...")
         if device == "cuda":
             torch.cuda.reset_peak_memory_stats()
         as_one_torchrun_process()
@@ -314,12 +339,14 @@ def main() -> None:
         table.append(check_row("training: train.main, FSDP2 on a group of one, DCP checkpoint", ok, detail))
         table += throughput(rows, n_params, device, mfu=not args.quick) if rows else []
         table.append(("peak memory", peak_memory(device), ""))
-        log("3b/4 train.main --resume from the sharded checkpoint ...")
+        log("3b/5 train.main --resume from the sharded checkpoint ...")
         table.append(check_row("resume: --resume from the sharded checkpoint", *(
             run_resume(Path(tmp) / "model", Path(tmp), mode["steps"], device) if ok
             else (False, "no checkpoint to resume from"))))
-    log("4/4 bench/logprob_memory.py ...")
+    log("4/5 bench/logprob_memory.py ...")
     table += run_logprob_bench(mode["logprob"], device, mode["max_memory_ratio"])
+    log("5/5 bench/memory_sim.py --check: simulated vs measured peak memory ...")
+    table += run_memory_check(device, mode["model"], args.quick)
     results = [result for _, _, result in table if result]
     passed = results.count("PASS")
     table.append(check_row("all checks", passed == len(results),

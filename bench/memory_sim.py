@@ -11,8 +11,8 @@ bytes as ops create and free them: the old-policy pass on one micro-batch; one o
 --micro_batches micro-batches, then the gradient clip and AdamW's step: from the second micro-batch on, the state at
 each one's start repeats); the weight sync (`full_named_parameters` in bf16). The YAML's settings (bf16, fsdp,
 gradient checkpointing, --logp_chunk_size); every trajectory at the full prompt + response budget, all response
-tokens scored, the MicroBatch tensors of all this rank's trajectories held throughout; micro-batches of 1 row, the
-config's and verl's per-GPU budget (ppo_max_token_len_per_gpu = 2 x (prompt + response), use_dynamic_bsz: 2 rows).
+tokens scored, the MicroBatch tensors of all this rank's trajectories held throughout; micro-batches of 1, 4, the
+config's and verl's per-GPU budget of rows (ppo_max_token_len_per_gpu = 2 x (prompt + response), use_dynamic_bsz).
 
 Attention as the GPU kernels allocate it: the model runs `flash_allocations_attention`, which allocates and saves
 what FlashAttention-2 (SDPA's flash backend, taken by transformers' sdpa path for an unpadded causal batch) does: the
@@ -298,7 +298,7 @@ def simulate(family: str, arch: dict, setting: Setting, device: str = "fake") ->
 
 
 def paper_settings(config_path: str, world: int, micro_batches: int):
-    """(cfg, [Setting]) of one rank's step per micro-batch size: 1 row, the config's micro_batch_size and verl's two."""
+    """(cfg, [Setting]) of one rank's step per micro-batch size: the config's, verl's and 1 and 4 rows."""
     cfg = config_mod.parse_config(["--config", str(ROOT / config_path)])
     if not (cfg.model in ARCHS and cfg.bf16 and cfg.parallel == "fsdp" and cfg.gradient_checkpointing
             and cfg.kl_coef == 0):
@@ -307,13 +307,13 @@ def paper_settings(config_path: str, world: int, micro_batches: int):
     per_rank, mini = cfg.questions_per_step * cfg.k // world, cfg.mini_batch_size * cfg.k // world
     return cfg, [Setting(world, b, cfg.max_prompt_tokens, cfg.max_response_tokens, per_rank,
                          min(micro_batches, math.ceil(mini / b)), cfg.logp_chunk_size)
-                 for b in sorted({1, cfg.micro_batch_size, VERL_ROWS})]
+                 for b in sorted({1, cfg.micro_batch_size, VERL_ROWS, 4})]
 
 
 def report(cfg, arch, results: list[tuple[Setting, dict]]) -> tuple[list, list, list]:
     """Rows of the fits table (a phase's trainer peak, vLLM's memory, the total and verdict per GPU), of the settings
     that fit per GPU, and lines of the update peak's categories."""
-    (setting1, peaks1), (setting2, peaks2) = results[0], results[1]          # 1 and 2 rows per micro-batch
+    setting1, peaks1 = results[0]
     u, length, name = cfg.vllm_gpu_memory_utilization, setting1.prompt + setting1.response, cfg.model.split("/")[-1]
     head_dim = arch.get("head_dim") or arch["hidden_size"] // arch["num_attention_heads"]
     kv_token = 2 * arch["num_hidden_layers"] * arch["num_key_value_heads"] * head_dim * 2      # K and V, bf16
@@ -325,17 +325,16 @@ def report(cfg, arch, results: list[tuple[Setting, dict]]) -> tuple[list, list, 
                    (f"update: {setting.micro_batches} micro-batch(es) + AdamW (vLLM asleep)", rows, peaks["update"],
                     lambda g: 0)]
     phases.append(("weight sync (vLLM weights awake)", "—", peaks1["weight sync"], lambda g: weights))
-    fits = [[name, str(setting1.world), phase, rows, f"{trainer / GIB:.1f}",
-             " / ".join(f"{vllm(g) / GIB:.1f}" for g in GPUS.values())]
-            + [f"{(trainer + vllm(g) + allowance) / GIB:.1f}: " + ("fits" if trainer + vllm(g) + allowance <= g
-                                                                   else "**does not fit**") for g in GPUS.values()]
-            for phase, rows, trainer, vllm in phases]
+    fits = []
+    for phase, rows, trainer, vllm in phases:
+        totals = [trainer + vllm(g) + allowance for g in GPUS.values()]
+        verdicts = [f"{t / GIB:.1f}: {'fits' if t <= g else '**does not fit**'}" for t, g in zip(totals, GPUS.values())]
+        fits.append([name, str(setting1.world), phase, rows, f"{trainer / GIB:.1f}",
+                     " / ".join(f"{vllm(g) / GIB:.1f}" for g in GPUS.values()), *verdicts])
     settings = []
     for label, g in GPUS.items():
-        # every term of a micro-batch's peak is linear in its tokens (no L x L tensor): from the 1- and 2-row runs
-        most_rows = min(setting1.batch + math.floor((g - allowance - peaks1[key]) / (peaks2[key] - peaks1[key])
-                                                    * (setting2.batch - setting1.batch))
-                        for key in ("old-policy pass", "update"))
+        most_rows = max((s.batch for s, p in results if max(p["old-policy pass"], p["update"]) + allowance <= g),
+                        default=0)
         u_min = (weights + kv_token * length) / g                               # vLLM's floor: one full sequence
         u_max = (g - peaks1["resident"] - allowance) / g if weights + peaks1["weight sync"] + allowance <= g else 0.0
         kv = u * g - weights
@@ -392,7 +391,7 @@ def main() -> None:
                     "total GiB on 80 GB", "total GiB on 141 GB"], tables[0]))
     print(f"\nTotals add {NON_TORCH_GIB} GiB not in PyTorch's tracker (CUDA context, NCCL, fragmentation); 80 GB = "
           f"{GPUS['80 GB'] / GIB:.1f} GiB, 141 GB = {GPUS['141 GB'] / GIB:.1f} GiB.\n")
-    print(markdown(["model", "GPU", "largest micro-batch that fits (linear in its tokens)",
+    print(markdown(["model", "GPU", "largest simulated micro-batch that fits",
                     "--vllm_gpu_memory_utilization that fits", "vLLM's KV cache at the config's (at most)"], tables[1]))
     print("\n" + "\n".join(tables[2]) + f"\n\n{time.time() - t0:.0f} s")
 

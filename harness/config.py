@@ -187,6 +187,10 @@ class Config:
     bf16: bool = arg(False, "bfloat16 autocast (and FSDP2 bf16 parameters), fp32 master weights and LM head (GPU)")
     gradient_checkpointing: bool = arg(False, "recompute activations in backward (less memory, ~30% slower)")
     device: str = arg("auto", "auto (cuda if available) | cpu | cuda", valid="auto | cpu | cuda")
+    trajectory_deadline_s: float = arg(0.0, "wall-clock seconds one trajectory may take; past it it ends, truncated, "
+                                            "like one past its token budget (0 = no deadline)", valid="[0, inf)")
+    watchdog_min: float = arg(10.0, "a rank that has spent this many minutes on one generation, tool call or "
+                                    "collective says so on stderr, naming it (0 = off)", valid="[0, inf)")
     dist_timeout_min: int = arg(120, "collective timeout, minutes (ranks wait for each other's rollouts)",
                                 valid="[1, inf)")
     # run, logging, checkpoints

@@ -15,6 +15,8 @@ import os
 import torch
 import torch.distributed as dist
 
+from harness import watchdog
+
 
 def init(device: str = "auto", timeout_min: int = 120) -> tuple[int, int, torch.device]:
     """(rank, world size, device) of this process. Under torchrun (RANK set, any number of processes) joins the
@@ -65,7 +67,8 @@ def all_reduce_sum(t: torch.Tensor) -> torch.Tensor:
         return t
     on = torch.device("cuda", torch.cuda.current_device()) if dist.get_backend() == "nccl" else t.device
     out = t.detach().to(on, copy=True)
-    dist.all_reduce(out)
+    with watchdog.activity("waiting for the other ranks (an all-reduce)"):
+        dist.all_reduce(out)
     return out.to(t.device)
 
 
@@ -83,7 +86,8 @@ def gather(obj) -> list:
     if not dist.is_initialized():
         return [obj]
     out = [None] * dist.get_world_size()
-    dist.all_gather_object(out, obj)
+    with watchdog.activity("waiting for the other ranks (a gather)"):
+        dist.all_gather_object(out, obj)
     return out
 
 

@@ -55,7 +55,7 @@ def step_metrics(step: int, batch: StepBatch, tree: dict, adv, entropy, losses: 
     scores = batch.scores
     local = {key: float(tree[key]) for key in ("trajectories", "questions", "tool_calls", "resp_len", "seq_len",
                                                "gen_len", "truncated", "m", "branches", "branch_top_chain",
-                                               "trees_branched")}
+                                               "trees_branched", "deadline_hits")}
     local.update({key: float(v) for key, v in tree.items() if key.startswith("tools/")})
     local.update({key: float(v) for key, v in losses.items()})
     local.update({"reward": float(batch.rewards.sum()), "acc": sum(s["em"] for s in scores),
@@ -72,6 +72,7 @@ def step_metrics(step: int, batch: StepBatch, tree: dict, adv, entropy, losses: 
     m.update({key: g[key] / n_opt for key in PER_OPTIMISER_STEP})
     m.update({"branch_top_chain": g["branch_top_chain"] / g["trees_branched"] if g["trees_branched"] else 0.0,
               "entropy": mean_h, "entropy_std": std_h, "n_valid_tokens": float(entropy[0]),
+              "deadline_hits": g["deadline_hits"],
               "grad_norm": sum(grad_norms) / n_opt})
     m.update({key: g[key] / g["questions"] for key in sorted(g) if key.startswith("diversity/")})
     m.update({key: v for key, v in g.items() if key.startswith("tools/")})
@@ -160,7 +161,9 @@ def saved_eval(run_dir: Path, name: str) -> dict | None:
 def format_line(step: int, steps: int, m: dict) -> str:
     parts = [f"step {step}/{steps}"] + [f"{label} {fmt.format(m[key])}" for label, key, fmt in LINE if key in m]
     parts += [f"{tool} errors {errors}/{calls}" for tool, errors, calls in failing_tools(m)]
-    return " | ".join(parts) + f" | rollout {m['time/rollout']:.1f}s old_logp {m['time/old_logp']:.1f}s " \
+    slowest = f" (slowest rank {m['time/rollout_slowest']:.1f}s, {m['time/rollout_imbalance']:.2f}x the mean)" \
+        if m.get("time/rollout_imbalance", 1.0) > 1.05 else ""
+    return " | ".join(parts) + f" | rollout {m['time/rollout']:.1f}s{slowest} old_logp {m['time/old_logp']:.1f}s " \
                                f"update {m['time/update']:.1f}s"
 
 

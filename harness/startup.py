@@ -16,7 +16,8 @@ import torch
 
 import rollout
 import tools
-from harness import checkpoint, cli, coldstart, config, dataset, models, parallel, rundir, runlog, search as search_mod
+from harness import (checkpoint, cli, coldstart, config, dataset, models, parallel, rundir, search as search_mod,
+                     watchdog)
 from harness.policy import load_policy, unwrap
 
 
@@ -31,7 +32,7 @@ class Run:
     info: dict                               # git commit, versions, start time (rundir.run_info)
     tokenizer: object
     search: object                           # the search backend (harness/search.py)
-    tools: tools.Tools
+    tools: watchdog.WatchedTools             # tools.Tools, the watchdog told about each round
     train_rows: list[dict]
     eval_rows: list[dict]
     steps: int                               # the run's last step
@@ -39,7 +40,7 @@ class Run:
     policy: torch.nn.Module                  # harness.policy.Policy, placed for `world` processes
     ref: torch.nn.Module | None              # the frozen reference (kl_coef > 0)
     optimizer: torch.optim.Optimizer
-    generator: rollout.Generator
+    generator: rollout.Generator             # the backend's, the watchdog told about each call
     tree: rollout.TreeSettings               # the rollout's settings (algorithm.md §2)
     sampling: rollout.Sampling               # the rollout's sampling (temperature, top-p)
     score: Callable[[str, list], dict]       # reward.score_response (with --strict_format), or a test's stand-in
@@ -107,6 +108,9 @@ def set_up(cfg: config.Config, rank: int, world: int, device: torch.device, stat
     optimizer = torch.optim.AdamW(policy.parameters(), lr=cfg.lr, weight_decay=cfg.weight_decay)
     generator = make_generator(cfg, init_path, policy, tokenizer, rank, device)
     parallel.on_close(generator.close)           # a vLLM engine shuts down before the process group is left
+    watch = watchdog.Watchdog(rank, cfg.watchdog_min * 60)    # says what a rank that takes too long is doing
+    watchdog.set_current(watch)
+    parallel.on_close(watch.close)
 
     start_step = 0
     if cfg.resume:
@@ -118,9 +122,10 @@ def set_up(cfg: config.Config, rank: int, world: int, device: torch.device, stat
     tree = rollout.TreeSettings(k=cfg.k, beta=cfg.beta, gamma=cfg.gamma, lam=cfg.lam, tau=cfg.tau,
                                 dynamic_budget=cfg.dynamic_budget, entropy_branching=cfg.entropy_branching,
                                 max_tool_calls=cfg.max_tool_calls, max_response_tokens=cfg.max_response_tokens,
-                                tool_limit_ends=cfg.tool_limit_ends)
-    return Run(cfg, rank, world, device, run_dir, info, tokenizer, search, tool_runner, train_rows, eval_rows, steps,
-               start_step, policy, ref, optimizer, generator, tree, rollout.Sampling(cfg.temperature, cfg.top_p),
+                                tool_limit_ends=cfg.tool_limit_ends, deadline_s=cfg.trajectory_deadline_s)
+    return Run(cfg, rank, world, device, run_dir, info, tokenizer, search, watchdog.WatchedTools(tool_runner),
+               train_rows, eval_rows, steps, start_step, policy, ref, optimizer, watchdog.WatchedGenerator(generator),
+               tree, rollout.Sampling(cfg.temperature, cfg.top_p),
                functools.partial(score, strict_format=cfg.strict_format), log)
 
 

@@ -138,3 +138,19 @@ class AnswerAtOnce(WrappedGenerator):
             ids = self.tokenizer.encode(text, add_special_tokens=False)
             out.append(Segment(ids, "answer", 0.5, text))
         return out
+
+
+class HangOnRank1(WrappedGenerator):
+    """The real generator, except that each trajectory's first segment is a python call, and on rank 1 (RANK=1) a
+    call that sleeps 12 s: a tool call that holds one rank while the others wait for it."""
+
+    def generate(self, contexts, max_new_tokens, seed, sampling=None, on_step=None):
+        import os
+        from rollout import Segment
+        out = self.inner.generate(contexts, max_new_tokens, seed, sampling, on_step)
+        code = "import time; time.sleep(12)" if os.environ.get("RANK") == "1" else "print(6 * 7)"
+        for i, context in enumerate(contexts):
+            if self.tokenizer.decode(context[-3:]).endswith("assistant\n"):      # right after the prompt
+                text = f"<think> compute </think> <python> {code} </python>"
+                out[i] = Segment(self.tokenizer.encode(text, add_special_tokens=False), "tool", 0.5, text)
+        return out

@@ -138,3 +138,76 @@ def test_compare_refuses_a_finished_run_with_other_settings(tmp_path):
     args.steps = 4
     with pytest.raises(RuntimeError, match="other settings"):
         compare_algorithms.run_one("grpo", 0, task, args)
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# bench/memory_sim.py: the paper's setting's memory, simulated with fake tensors over 8 fake ranks
+
+import re  # noqa: E402
+
+import torch  # noqa: E402
+
+MEMSIM_ARCH = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                   num_key_value_heads=2, head_dim=16, vocab_size=512, tie_word_embeddings=False)
+
+
+def test_memory_sim_holds_rank_zeros_fsdp2_shards():
+    """Over 8 fake ranks rank 0 holds its row-shard of every parameter (ceil(rows / 8), as FSDP2 pads), counted from
+    the model's parameter shapes: at the update's peak 4 B of float32 master weight and 4 B of gradient per element,
+    after the step 4 B + 8 B of AdamW state (what the trainer keeps beside vLLM); the weight sync adds one full
+    parameter in float32 and its bfloat16 copy."""
+    import memory_sim
+    from transformers import AutoModelForCausalLM, Qwen3Config
+    with torch.device("meta"):
+        lm = AutoModelForCausalLM.from_config(Qwen3Config(**MEMSIM_ARCH))
+    shard = sum(math.ceil(p.shape[0] / 8) * p[0].numel() for p in lm.parameters())
+    largest = max(p.numel() for p in lm.parameters())
+    setting = memory_sim.Setting(world=8, batch=2, prompt=32, response=96, trajectories=4, chunk=32)
+    peaks = memory_sim.simulate("qwen3", MEMSIM_ARCH, setting)
+    at_peak = peaks["update:categories"]
+    assert at_peak["Sharded Param"] == 4 * shard and at_peak["Sharded Grad"] == 4 * shard
+    assert peaks["resident"] - at_peak["Inputs"] == pytest.approx(12 * shard, rel=1e-3)   # + AdamW's step counters
+    assert peaks["weight sync"] - peaks["resident"] == pytest.approx(6 * largest, rel=1e-3)
+    assert peaks["params"] == sum(p.numel() for p in lm.parameters())
+
+
+def test_memory_sim_attention_has_no_score_matrix():
+    """Every tensor of a step is linear in the sequence length L (FlashAttention-2's allocations), so 4x the tokens
+    cost at most 4x the peak; a (B, H, L, L) score matrix (1 MiB at L = 256, 16 MiB at 1,024 here) would not."""
+    import memory_sim
+    short, long = (memory_sim.simulate("qwen3", MEMSIM_ARCH, memory_sim.Setting(
+        world=8, batch=2, prompt=length // 4, response=3 * length // 4, trajectories=2, chunk=64))
+        for length in (256, 1024))
+    for phase in ("old-policy pass", "update"):
+        assert 2 * short[phase] < long[phase] <= 4 * short[phase], phase
+
+
+def test_static_select_policy_is_policy_forward():
+    """memory_sim.StaticSelectPolicy (mask-1 positions as indices, for fake tensors) computes what Policy.forward
+    computes from the mask: the same log-probs and entropies, and the same gradients."""
+    import memory_sim
+    from harness.policy import Policy
+    from transformers import AutoModelForCausalLM, Qwen3Config
+    torch.manual_seed(0)
+    lm = AutoModelForCausalLM.from_config(Qwen3Config(**MEMSIM_ARCH, attn_implementation="sdpa"))
+    ids = torch.randint(0, 512, (2, 24))
+    mask = torch.zeros(2, 23)
+    mask[0, 5:20], mask[1, 9:23] = 1, 1
+    outputs = []
+    for policy, selection in ((Policy(lm), mask), (memory_sim.StaticSelectPolicy(lm), mask.nonzero(as_tuple=True))):
+        lm.zero_grad()
+        logp, entropy = policy(ids, torch.ones_like(ids), selection, 0.8, 7)
+        (logp.sum() + entropy.sum()).backward()
+        outputs.append((logp, entropy, lm.lm_head.weight.grad.clone(), lm.model.embed_tokens.weight.grad.clone()))
+    for a, b in zip(*outputs):
+        torch.testing.assert_close(a, b)
+
+
+def test_gpu_check_memory_step_on_the_cpu():
+    """gpu_check's memory step, CPU side: bench/memory_sim.py --check cpu --quick in a subprocess, the simulation of
+    gpu_check's --quick model against the tracker over real tensors, every phase's ratio 1 within 1%."""
+    import gpu_check
+    [(name, detail, result)] = gpu_check.run_memory_check("cpu", gpu_check.TINY, quick=True)
+    assert result == "PASS", detail
+    ratios = [float(r) for r in re.findall(r"ratio ([\d.]+)", detail)]
+    assert len(ratios) == 4 and all(r == pytest.approx(1.0, abs=0.01) for r in ratios), detail

@@ -374,3 +374,26 @@ def test_a_checkpoint_folder_appears_only_complete(point, setup, monkeypatch):
     assert [p.name for p in checkpoint.checkpoint_dirs(run)] == ["step_000001", "step_000002"]
     assert {"trainer_state.pt", "config.yaml", "run_info.json", "model.safetensors", "trainer"} <= \
         {p.name for p in final.iterdir()}
+
+
+def _hang_worker(rank, world, argv, log_dir):
+    import sys as _sys
+    from tests.fakes import HangOnRank1
+    _sys.stderr = open(Path(log_dir) / f"stderr{rank}.txt", "w", buffering=1)   # the watchdog writes to stderr
+    train.main(argv, score=fake_score, make_generator=HangOnRank1.factory())
+
+
+def test_the_watchdog_names_the_rank_that_hangs_and_the_one_that_waits(setup, tmp_path):
+    """Two ranks; rank 1's python call sleeps 12 s while rank 0 has finished its rollout. With --watchdog_min 0.05
+    (3 s) rank 1 says which call it has been running, and rank 0 that it has been waiting for the other ranks; the
+    step then goes on (the call ends) and the step line shows the slow rank's share."""
+    spawn(_hang_worker, flags(setup, "hang", steps=1, parallel="ddp", watchdog_min=0.05, python_timeout_s=20,
+                              max_response_tokens=40, k=2, eval_data=""), str(tmp_path))
+    one = (tmp_path / "stderr1.txt").read_text()
+    zero = (tmp_path / "stderr0.txt").read_text()
+    assert "watchdog: rank 1 has been running python call 'import time; time.sleep(12)' for" in one, one[-2000:]
+    assert "watchdog: rank 0 has been waiting for the other ranks" in zero, zero[-2000:]
+    print(re.search(r"watchdog: rank 1 has been running python[^\r\n]*", one).group(0))
+    print(re.search(r"watchdog: rank 0 has been waiting[^\r\n]*", zero).group(0))
+    row = json.loads((setup / "runs" / "hang" / "metrics.jsonl").read_text().splitlines()[0])
+    assert row["time/rollout_slowest"] > 10 and row["time/rollout_imbalance"] > 1.5

@@ -418,3 +418,30 @@ def test_tool_limit_ends_appends_eos_as_a_policy_token():
     trajs, _ = tree_rollout(prompts(1), gen, EchoTools(), TOK, k=2, seed=0, entropy_branching=False,
                             max_tool_calls=2, max_response_tokens=2_000)
     assert all(t.finish_reason == "length" and "tool-call limit (2) reached" in t.text for t in trajs)
+
+
+class SlowGenerator(ScriptedGenerator):
+    """The scripted generator, taking `seconds` per call (a slow tool or a long tail stands in for it)."""
+
+    def __init__(self, seconds, **kw):
+        super().__init__(**kw)
+        self.seconds = seconds
+
+    def generate(self, contexts, max_new_tokens, seed, sampling=None, on_step=None):
+        import time
+        time.sleep(self.seconds)
+        return super().generate(contexts, max_new_tokens, seed, sampling, on_step)
+
+
+def test_a_trajectory_past_its_deadline_ends_truncated():
+    """--trajectory_deadline_s: a trajectory older than the deadline after a round ends like one past its token
+    budget (truncated, finish_reason "deadline"), counted in deadline_hits; without a deadline the same policy runs
+    its 20 tool calls to the end."""
+    gen = SlowGenerator(0.3, n_tools=20, entropy=lambda s: 1.0)
+    trajs, stats = tree_rollout(prompts(1), gen, EchoTools(), TOK, k=2, seed=0, entropy_branching=False,
+                                max_tool_calls=20, max_response_tokens=100_000, deadline_s=1.0)
+    assert all(t.finish_reason == "deadline" and t.truncated for t in trajs)
+    assert stats["deadline_hits"] == 2 and 2 <= stats["rounds"] <= 5 and all(len(t.tool_calls) < 20 for t in trajs)
+    trajs, stats = tree_rollout(prompts(1), ScriptedGenerator(n_tools=20), EchoTools(), TOK, k=2, seed=0,
+                                entropy_branching=False, max_tool_calls=20, max_response_tokens=100_000)
+    assert all(t.finish_reason == "answer" for t in trajs) and stats["deadline_hits"] == 0
