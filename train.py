@@ -23,6 +23,7 @@ ranks), D16 (the loss divided by the mini-batch's global token count), D26 (opti
 from __future__ import annotations
 
 import dataclasses
+import json
 import sys
 import time
 from collections import Counter
@@ -115,11 +116,14 @@ def train(cfg, rank: int, world: int, device: torch.device, state: rundir.RunSta
                                                                                                         "before")
     if before:
         evals["before"] = before["pass@1"]
+    probe = record_probe(run)                    # a fixed set of trajectories, for the policy's own entropy
     bar = tqdm(total=run.steps, initial=run.start_step, desc="train", unit="step", disable=not run.master,
                dynamic_ncols=True)
     metrics = {}
     for step in range(run.start_step, run.steps):
         metrics, batch = rl_step(run, step, runlog.RolloutProgress(bar) if run.master else None)
+        if probe and (step + 1) % run.cfg.probe_every == 0:
+            metrics["probe_entropy"] = probe_entropy(run, probe)
         step_trees = parallel.gather(trees.records(step + 1, batch.rows, batch.trajectories, batch.m_per_question,
                                                    batch.rewards))
         state.steps_done = step + 1
@@ -165,6 +169,39 @@ def evaluate(run: Run, name: str) -> dict | None:
                                       world=run.world, progress=run.master)
     run.log(f"eval {name}: " + runlog.eval_line(summary))
     return summary
+
+
+def record_probe(run: Run) -> list:
+    """The probe: one trajectory from each of the first --probe_questions held-out questions, sampled once by the
+    starting policy at the rollout temperature and kept in <run>/probe.json (a resumed run reads it back), so that
+    the policy's entropy is measured on the same tokens at every step (the sampled tokens' entropy moves with the
+    questions each step draws and with what the tree samples)."""
+    cfg, path = run.cfg, run.dir / "probe.json"
+    if not cfg.probe_questions or not run.eval_rows:
+        return []
+    if path.exists():
+        return [tuple(item) for item in json.loads(path.read_text())]
+    rows = run.eval_rows[:cfg.probe_questions]
+    with torch.no_grad(), run.amp():
+        trajectories, _ = rollout.tree_rollout(
+            [tools.build_prompt(run.tokenizer, r["question"]) for r in rows], run.generator, run.tools, run.tokenizer,
+            run.tree, sampling=run.sampling, seed=cfg.seed, k=1, entropy_branching=False)
+    probe = [(t.prompt_ids, t.response_ids, t.loss_mask) for t in trajectories if sum(t.loss_mask)]
+    if run.master:
+        path.write_text(json.dumps(probe))
+    return probe
+
+
+@torch.no_grad()
+def probe_entropy(run: Run, probe: list) -> float:
+    """The current policy's mean token entropy H_t (algorithm.md §1) over the probe's policy tokens, teacher-forced
+    (every rank computes it: a collective under FSDP2)."""
+    unwrap(run.policy).eval()
+    batch = tensorize(probe, run.tokenizer.pad_token_id, run.device)
+    with run.amp():
+        _, entropy = run.policy(batch.input_ids, batch.attention_mask, batch.mask, run.cfg.temperature,
+                                run.cfg.logp_chunk_size)
+    return float((entropy * batch.mask).sum() / batch.mask.sum())
 
 
 # ---------------------------------------------------------------------------------------------------------------------

@@ -192,7 +192,10 @@ def plot(runs: dict, names: list[str], seeds: list[int], key: str, title: str, a
     panels = {"diversity": [("diversity/answers", "distinct answers / k"), ("diversity/tokens", "token dissimilarity"),
                             ("diversity/tool_seqs", "distinct tool-call sequences / k")],
               "clip": [("grad_kept", "share of tokens the clip kept a gradient for"),
-                       ("grad_dropped", "share of tokens the clip dropped")]}.get(key, [(key, title)])
+                       ("grad_dropped", "share of tokens the clip dropped")],
+              "entropy": [("entropy", "sampled tokens' entropy (the step's rollout)"),
+                          ("probe_entropy", "the policy's entropy on the probe (the same tokens every step)")]
+              }.get(key, [(key, title)])
     fig, axes = plt.subplots(1, len(panels), figsize=(5.2 * len(panels), 3.8), squeeze=False)
     for ax, (metric, label) in zip(axes.flat, panels):
         for a in names:
@@ -202,7 +205,8 @@ def plot(runs: dict, names: list[str], seeds: list[int], key: str, title: str, a
                 vals = np.array([[v for _, v in c] for c in curves], dtype=float)
                 mean, lo, hi = vals.mean(0), vals.min(0), vals.max(0)
             else:
-                vals = np.array([[m[metric] for m in runs[a, s]["metrics"]] for s in seeds], dtype=float)
+                vals = np.array([[m.get(metric, np.nan) for m in runs[a, s]["metrics"]] for s in seeds],
+                                dtype=float)                     # runs from before the probe have none
                 steps = np.arange(1, vals.shape[1] + 1)
                 mean, lo, hi = (running_mean(f(vals, axis=0), 3) for f in (np.mean, np.min, np.max))
             ax.plot(steps, mean, color=COLORS[a], label=NAMES[a], marker="." if metric == "pass1" else None)

@@ -11,7 +11,7 @@ bytes as ops create and free them: the old-policy pass on one micro-batch; one o
 --micro_batches micro-batches, then the gradient clip and AdamW's step: from the second micro-batch on, the state at
 each one's start repeats); the weight sync (`full_named_parameters` in bf16). The YAML's settings (bf16, fsdp,
 gradient checkpointing, --logp_chunk_size); every trajectory at the full prompt + response budget, all response
-tokens scored, the MicroBatch tensors of all this rank's trajectories held throughout; micro-batches of 1, 4, the
+tokens scored, the MicroBatch tensors of all this rank's trajectories held throughout; micro-batches of 1, 4, 8, the
 config's and verl's per-GPU budget of rows (ppo_max_token_len_per_gpu = 2 x (prompt + response), use_dynamic_bsz).
 
 Attention as the GPU kernels allocate it: the model runs `flash_allocations_attention`, which allocates and saves
@@ -240,12 +240,11 @@ def run_step(policy, optimizer, batches, setting: Setting, phase) -> dict:
 
 def tracker_phase(policy, optimizer, inputs):
     """phase() for a tracker run: a fresh FSDPMemTracker per phase, this rank's step tensors as its inputs."""
-    tensors = [t for mb, index in inputs for t in (*vars(mb).values(), *index) if isinstance(t, torch.Tensor)]
-
     @contextlib.contextmanager
     def phase(name, peaks):
         tracker = Tracker(policy, optimizer)
-        tracker.track_inputs(tuple(tensors))
+        tracker.track_inputs(tuple(t for mb, index in inputs for t in (*vars(mb).values(), *index)
+                                   if isinstance(t, torch.Tensor)))
         with tracker:
             yield tracker.reset_mod_stats                  # one root forward per micro-batch
         (categories,) = tracker.get_tracker_snapshot("peak").values()             # one device
@@ -298,7 +297,7 @@ def simulate(family: str, arch: dict, setting: Setting, device: str = "fake") ->
 
 
 def paper_settings(config_path: str, world: int, micro_batches: int):
-    """(cfg, [Setting]) of one rank's step per micro-batch size: the config's, verl's and 1 and 4 rows."""
+    """(cfg, [Setting]) of one rank's step per micro-batch size: the config's, verl's and 1, 4 and 8 rows."""
     cfg = config_mod.parse_config(["--config", str(ROOT / config_path)])
     if not (cfg.model in ARCHS and cfg.bf16 and cfg.parallel == "fsdp" and cfg.gradient_checkpointing
             and cfg.kl_coef == 0):
@@ -307,7 +306,7 @@ def paper_settings(config_path: str, world: int, micro_batches: int):
     per_rank, mini = cfg.questions_per_step * cfg.k // world, cfg.mini_batch_size * cfg.k // world
     return cfg, [Setting(world, b, cfg.max_prompt_tokens, cfg.max_response_tokens, per_rank,
                          min(micro_batches, math.ceil(mini / b)), cfg.logp_chunk_size)
-                 for b in sorted({1, cfg.micro_batch_size, VERL_ROWS, 4})]
+                 for b in sorted({1, cfg.micro_batch_size, VERL_ROWS, 4, 8})]
 
 
 def report(cfg, arch, results: list[tuple[Setting, dict]]) -> tuple[list, list, list]:

@@ -71,6 +71,10 @@ class Config:
                       valid="[1, 1024]")
     eval_every: int = arg(0, "also evaluate every N steps (0 = only before and after)", valid="[0, inf)")
     eval_before: bool = arg(True, "evaluate the starting policy before training (false: only after)")
+    probe_questions: int = arg(4, "the probe: trajectories sampled once at the start from the first N held-out "
+                                  "questions, on which the current policy's token entropy is measured (0 = none)",
+                               valid="[0, 1024]")
+    probe_every: int = arg(1, "measure the probe entropy every N steps", valid="[1, inf)")
     eval_temperature: float = arg(0.6, "evaluation sampling temperature (algorithm.md §6)", valid="[0, inf)")
     eval_top_p: float = arg(0.95, "evaluation nucleus sampling (algorithm.md §6)", valid="(0, 1]")
     skip_bad: bool = arg(False, "skip malformed dataset rows (with a warning) instead of stopping")

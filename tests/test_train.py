@@ -312,15 +312,26 @@ def test_two_steps_then_resume_is_exact(setup, monkeypatch, tokenizer):
         assert (run / name).exists(), name
     cs = list((setup / "cache" / "cold_start").iterdir())
     assert len(cs) == 1 and (cs[0] / "config.json").exists()      # cold start cached for the next run
-    train.main(flags(setup, "interrupted", steps=3, resume="true", **common), score=fake_score)
+    train.main(flags(setup, "interrupted", steps=3, resume="true", eval_data=str(setup / "qa.jsonl"), eval_limit=1,
+                     **common), score=fake_score)
     # uninterrupted: 3 steps (reuses the cached cold start)
-    train.main(flags(setup, "straight", steps=3, **common), score=fake_score)
+    train.main(flags(setup, "straight", steps=3, eval_data=str(setup / "qa.jsonl"), eval_limit=1, **common),
+               score=fake_score)
     a = [json.loads(line) for line in (setup / "runs" / "interrupted" / "metrics.jsonl").read_text().splitlines()]
     b = [json.loads(line) for line in (setup / "runs" / "straight" / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in a] == [1, 2, 3]
     assert a[2]["kl_ref"] > 0                                     # the reference is the cold-started policy
-    for key in ("reward", "pg_loss", "grad_norm", "entropy", "clip_hi", "resp_len", "kl_ref"):
+    for key in ("reward", "pg_loss", "grad_norm", "entropy", "clip_hi", "resp_len", "kl_ref", "probe_entropy"):
         assert a[2][key] == pytest.approx(b[2][key], rel=1e-6, abs=1e-9), key
+    # the probe: sampled once (the resume read it back), and its entropy is the step's policy's, teacher-forced
+    probe = json.loads((setup / "runs" / "interrupted" / "probe.json").read_text())
+    assert len(probe) == 1 and probe == json.loads((setup / "runs" / "straight" / "probe.json").read_text())
+    lm = policy_mod.load_policy(str(setup / "runs" / "straight" / "checkpoints" / "step_000003"), 1, torch.device("cpu"))
+    batch = policy_mod.tensorize([tuple(p) for p in probe], tokenizer.pad_token_id, "cpu")
+    with torch.no_grad():
+        logits = lm.lm(input_ids=batch.input_ids, attention_mask=batch.attention_mask).logits[:, :-1]
+    h = -(torch.log_softmax(logits.float(), -1).exp() * torch.log_softmax(logits.float(), -1)).sum(-1)
+    assert b[2]["probe_entropy"] == pytest.approx(float((h * batch.mask).sum() / batch.mask.sum()), rel=1e-4)
     wa = weights(setup / "runs" / "interrupted" / "checkpoints" / "step_000003")
     wb = weights(setup / "runs" / "straight" / "checkpoints" / "step_000003")
     for k in wa:
