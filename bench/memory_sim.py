@@ -1,6 +1,6 @@
 """Peak GPU memory per rank of the paper's setting (FSDP2 over 8 GPUs, vLLM colocated), simulated on a CPU.
 
-    python bench/memory_sim.py                       # Qwen3-14B and Qwen2.5-7B from configs/, 8 ranks (~3 min)
+    python bench/memory_sim.py                             # Qwen3-14B, Qwen2.5-7B from configs/, 8 ranks (~5 min)
     python bench/memory_sim.py --check cuda --arch JSON    # simulated vs measured: bench/gpu_check.py runs it
 
 How (prior art: torchtitan's memory estimator): the model is built from its configuration (ARCHS: the released
