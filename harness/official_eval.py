@@ -60,7 +60,7 @@ class Sample:
     python_calls: int = 0
     search_calls: int = 0
     queries: list = field(default_factory=list)
-    finish: str = ""                 # "answer" | "no_tool" | "timeout" | "context" ("" while active)
+    finish: str = ""                 # "answer" | "no_tool" | "timeout" | "context" | "policy_error" ("" if active)
     started: float = 0.0
     counts: Counter = field(default_factory=Counter)
     seconds: Counter = field(default_factory=Counter)
@@ -79,7 +79,8 @@ def _step(s: Sample, settings: OfficialSettings, python, browse) -> tuple | None
     if "</python>" in step:
         if s.python_calls >= settings.python_limit:
             s.counts["python_limit_hits"] += 1
-            return _result(s, PYTHON_LIMIT)
+            _result(s, PYTHON_LIMIT)
+            return None
         s.python_calls += 1
         code = print_last_expression(tag_content(step, "python"))
         return "python", lambda deadline: python(code, deadline)
@@ -87,10 +88,12 @@ def _step(s: Sample, settings: OfficialSettings, python, browse) -> tuple | None
         query = tag_content(step, "search")
         if s.search_calls >= settings.search_limit:
             s.counts["search_limit_hits"] += 1
-            return _result(s, SEARCH_LIMIT)
+            _result(s, SEARCH_LIMIT)
+            return None
         if query in s.queries:
             s.counts["repeated_queries"] += 1
-            return _result(s, REPEATED)
+            _result(s, REPEATED)
+            return None
         s.search_calls += 1
         s.queries.append(query)
         logs = list(s.logs)
@@ -135,6 +138,10 @@ def infer(rows: list[dict], generator, tokenizer, python, browse, settings: Offi
             jobs = []
             for s, segment in zip(calling, segments):
                 s.seconds["llm"] += clock() - began
+                if segment.finish_reason == "error":  # the policy's server gave no reply: the question ends
+                    s.counts["policy_errors"] += 1
+                    s.output, s.finish = s.output + s.pending, "policy_error"
+                    continue
                 s.counts["generated_tokens"] += len(segment.token_ids)
                 s.pending += cut_call(tokenizer.decode(segment.token_ids, skip_special_tokens=True))
                 s.calls += 1

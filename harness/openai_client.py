@@ -69,8 +69,8 @@ def post(url: str, path: str, body: dict, api_key: str = "", deadline_s: float =
 def chat(url: str, model: str, prompt: str, params: dict | None = None, api_key: str = "",
          deadline_s: float = 60.0) -> str:
     """The reply text to one user message (POST …/v1/chat/completions; params: temperature, top_p, max_tokens, …)."""
-    reply = post(url, "/chat/completions", {"model": model, "messages": [{"role": "user", "content": prompt}],
-                                            **(params or {})}, api_key, deadline_s)
+    body = {"model": model, "messages": [{"role": "user", "content": prompt}], **(params or {})}
+    reply = post(url, "/chat/completions", body, api_key, deadline_s)
     try:
         content = reply["choices"][0]["message"]["content"]
     except (KeyError, IndexError, TypeError):
@@ -85,12 +85,15 @@ class CompletionsGenerator:
     CHECKPOINT`), as the official evaluation runs its policy: each context is sent as text (the decoded ids; the
     server tokenises it) with the call's sampling settings (top_k and repetition_penalty as vLLM's extra parameters),
     a seed per request, and the closing tool tags and </answer> as stop strings kept in the output. The segment's ids
-    are the reply text encoded here; its H_seg is 0 (an evaluation never reads it). A served policy cannot take new
-    weights: update_weights, sleep and close do nothing."""
+    are the reply text encoded here; its H_seg is 0 (an evaluation never reads it). A request that fails `retries`
+    times is an empty segment with finish_reason "error" (`last_error` says why), which ends the question, as the
+    official client's None does. A served policy cannot take new weights: update_weights, sleep and close do
+    nothing."""
 
     def __init__(self, url: str, tokenizer, model: str = "", api_key: str | None = None, timeout_s: float = 600.0,
-                 max_workers: int = 16):
+                 max_workers: int = 16, retries: int = 3):
         self.url, self.tokenizer, self.timeout_s, self.max_workers = url, tokenizer, timeout_s, max_workers
+        self.retries, self.last_error = retries, ""
         self.api_key = api_key if api_key is not None else os.environ.get("AEPO_POLICY_API_KEY", "")
         self.model = model or served_model(url, self.api_key)
         self.vocab_size = len(tokenizer)
@@ -105,12 +108,16 @@ class CompletionsGenerator:
                 "include_stop_str_in_output": True}
         if sampling.top_k > 0:
             body["top_k"] = sampling.top_k
-        reply = post(self.url, "/completions", body, self.api_key, self.timeout_s)
-        try:
-            choice = reply["choices"][0]
-            text, finish = str(choice["text"]), choice.get("finish_reason")
-        except (KeyError, IndexError, TypeError):
-            raise EndpointError(f"{base_url(self.url)}/completions sent no choices[0].text: {reply!r:.200}") from None
+        for attempt in range(self.retries):
+            try:
+                reply = post(self.url, "/completions", body, self.api_key, self.timeout_s)
+                choice = reply["choices"][0]
+                text, finish = str(choice["text"]), choice.get("finish_reason")
+                break
+            except (EndpointError, KeyError, IndexError, TypeError) as err:
+                self.last_error = f"{type(err).__name__}: {err}"
+        else:
+            return Segment([], "error", 0.0, "")
         stop = tools.ends_with_stop(text)
         reason = "length" if finish == "length" else tools.finish_reason(stop) if stop else "eos"
         return Segment(self.tokenizer.encode(text, add_special_tokens=False), reason, 0.0, text)

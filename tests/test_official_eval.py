@@ -382,6 +382,17 @@ def test_the_completions_generator(site, tokenizer):
                                                                                         list(tools.STOP_STRINGS))
 
 
+def test_a_policy_server_that_does_not_answer_ends_the_question(tokenizer):
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]                                                  # closed again: nobody listens
+    generator = openai_client.CompletionsGenerator(f"http://127.0.0.1:{port}/v1", tokenizer, model="m", retries=2)
+    assert generator.generate([[1, 2]], [8], 0)[0].finish_reason == "error" and "unreachable" in generator.last_error
+    tool = Tools()
+    samples, counts = O.infer([QA], generator, tokenizer, tool.python, tool.browse)
+    assert samples[0].finish == "policy_error" and counts["policy_errors"] == 1 and samples[0].output == ""
+
+
 # --------------------------------------------------------------------------------------------------
 # The judge and the official metrics
 
