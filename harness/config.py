@@ -134,6 +134,10 @@ class Config:
                                   valid="[1, inf)")
     mini_batch_size: int = arg(1, "questions per optimiser step; questions_per_step / mini_batch_size optimiser "
                                   "steps per rollout batch (official 8 / 16) [embedded]", valid="[1, inf)")
+    max_tokens_per_micro_batch: int = arg(0, "micro-batches by token budget (verl's ppo_max_token_len_per_gpu): "
+                                             "length-sorted trajectories, each forward/backward at most this many "
+                                             "padded tokens (0 = --micro_batch_size trajectories each)",
+                                          valid="[0, inf)")
     micro_batch_size: int = arg(4, "trajectories per forward/backward (gradient accumulation); memory only",
                                 valid="[1, inf)")
     ppo_epochs: int = arg(1, "passes over each rollout batch", valid="[1, inf)")

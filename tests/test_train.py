@@ -196,7 +196,9 @@ def _grad_worker(rank, world, port, parallel, tok_dir, out):
     try:
         from transformers import AutoTokenizer
         lm = peaked_tiny_model(AutoTokenizer.from_pretrained(tok_dir))
-        cfg = config.Config(parallel=parallel, micro_batch_size=3)
+        budget = 40 if parallel.endswith("-budget") else 0                # token-budget micro-batches
+        parallel = parallel.removesuffix("-budget")
+        cfg = config.Config(parallel=parallel, micro_batch_size=3, max_tokens_per_micro_batch=budget)
         policy = policy_mod.Policy(lm)
         if parallel == "fsdp":
             policy = policy_mod.shard(policy, bf16=False)
@@ -236,7 +238,7 @@ def test_micro_batching_does_not_change_gradient(tokenizer, single_process_gradi
         torch.testing.assert_close(grads[name], g, atol=1e-5, rtol=1e-4, msg=name)
 
 
-@pytest.mark.parametrize("parallel", ["ddp", "fsdp"])
+@pytest.mark.parametrize("parallel", ["ddp", "fsdp", "ddp-budget"])
 def test_two_rank_gradient_equals_single_process(parallel, tokenizer, single_process_gradient, tmp_path):
     tok_dir = tmp_path / "tok"
     tokenizer.save_pretrained(tok_dir)
@@ -371,3 +373,31 @@ def test_existing_run_needs_resume(setup, monkeypatch):
     assert 0.0 <= row["branch_top_chain"] <= 1.0 and (row["branch_top_chain"] > 0) == (row["branches"] > 0)
     with pytest.raises(cli.UserError, match="--resume"):
         train.main(flags(setup, "twice", steps=1), score=fake_score)
+
+
+def test_split_micro_batches_by_token_budget():
+    """Fixed size: micro_batch_size trajectories in order. Token budget: sorted by length, rows × the longest row
+    within the budget; one trajectory over the budget is a micro-batch of its own; nothing is lost or repeated."""
+    indices, lengths = list(range(6)), [50, 400, 60, 120, 55, 900]
+    assert train.split_micro_batches(indices, lengths, 4, 0) == [[0, 1, 2, 3], [4, 5]]
+    groups = train.split_micro_batches(indices, lengths, 4, 500)
+    assert groups == [[0, 4, 2, 3], [1], [5]]                        # 4 × 120 = 480; then 400; then 900 alone
+    assert sorted(i for g in groups for i in g) == indices
+    assert all(len(g) * max(lengths[i] for i in g) <= 500 or len(g) == 1 for g in groups)
+
+
+def test_token_budget_micro_batches_give_the_same_gradient(tokenizer, single_process_gradient):
+    """--max_tokens_per_micro_batch: length-sorted micro-batches of at most that many padded tokens give the gradient
+    of the fixed-size split (the loss divides by the mini-batch's global token count), with less padding."""
+    policy = policy_mod.Policy(peaked_tiny_model(tokenizer))
+    trajectories, rewards = hand_made_trajectories()
+    cfg = config.Config(micro_batch_size=8, max_tokens_per_micro_batch=40)
+    grads, _ = gradients(policy, trajectories, rewards, cfg, world=1)
+    for name, g in single_process_gradient.items():
+        torch.testing.assert_close(grads[name], g, atol=1e-5, rtol=1e-4, msg=name)
+    fixed = train.micro_batches(trajectories, train.outcome_advantages(trajectories, rewards, cfg, 0), rewards, 1,
+                                config.Config(micro_batch_size=3), 0, "cpu")
+    budget = train.micro_batches(trajectories, train.outcome_advantages(trajectories, rewards, cfg, 0), rewards, 1,
+                                 cfg, 0, "cpu")
+    assert len(budget[0]) > 1 and all(mb.input_ids.numel() <= 40 or len(mb.input_ids) == 1 for mb in budget[0])
+    assert train.pad_share(budget) < train.pad_share(fixed)
