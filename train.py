@@ -37,7 +37,8 @@ import reward
 import rollout
 import tools
 from harness import checkpoint, cli, config, dataset, generation, parallel, rundir, runlog, trees
-from harness.policy import backward_micro_batches, full_named_parameters, optimizer_step, tensorize, unwrap
+from harness.policy import (backward_micro_batches, full_named_parameters, micro_batches, optimizer_step, pad_share,
+                            split_micro_batches, tensorize, unwrap)  # noqa: F401 -- split_micro_batches: train's API
 from harness.startup import Run, set_up
 
 # ---------------------------------------------------------------------------------------------------------------------
@@ -248,50 +249,6 @@ def outcome_advantages(trajectories, rewards: torch.Tensor, cfg, pad_id: int) ->
 
 # ---------------------------------------------------------------------------------------------------------------------
 # Mini-batches of whole questions, micro-batches for memory; the old-policy pass (§3b) and the update (§4)
-
-
-def micro_batches(trajectories, adv: torch.Tensor, rewards: torch.Tensor, n_minibatches: int, cfg, pad_id: int,
-                  device):
-    """This rank's trajectories (ordered by question) in n_minibatches mini-batches of whole questions, each in
-    micro-batches (`split_micro_batches`) with their (N, W) per-token advantages A (outcome_advantages) and (N,)
-    rewards. Returns a list (per mini-batch) of lists of MicroBatch."""
-    per_mini = len(trajectories) // n_minibatches
-    out = []
-    for j in range(n_minibatches):
-        chunk = list(range(j * per_mini, (j + 1) * per_mini))
-        lengths = [len(trajectories[i].prompt_ids) + len(trajectories[i].response_ids) for i in chunk]
-        mbs = []
-        for idx in split_micro_batches(chunk, lengths, cfg.micro_batch_size, cfg.max_tokens_per_micro_batch):
-            items = [(trajectories[i].prompt_ids, trajectories[i].response_ids, trajectories[i].loss_mask) for i in idx]
-            mbs.append(tensorize(items, pad_id, device, adv=adv[idx], reward=rewards[idx],
-                                 gen_logp=[trajectories[i].gen_logp for i in idx]))
-        out.append(mbs)
-    return out
-
-
-def pad_share(batches: list[list]) -> float:
-    """The share of the positions the forward and backward passes compute that are padding, over all ranks."""
-    sums = torch.tensor([[mb.attention_mask.numel(), mb.attention_mask.sum().item()] for mbs in batches for mb in mbs],
-                        dtype=torch.float64).sum(0)
-    total, real = parallel.all_reduce_sum(sums).tolist()
-    return 1.0 - real / total if total else 0.0
-
-
-def split_micro_batches(indices: list[int], lengths: list[int], size: int, max_tokens: int) -> list[list[int]]:
-    """A mini-batch's trajectories in micro-batches: `size` at a time in their order, or (max_tokens > 0) sorted by
-    length and packed greedily so that rows × the longest row's length stays within max_tokens (a trajectory longer
-    than that is a micro-batch of its own). The loss divides by the mini-batch's global token count (D16), so the
-    split changes no gradient beyond rounding, only the padding a forward pass computes."""
-    if max_tokens <= 0:
-        return [indices[s:s + size] for s in range(0, len(indices), size)]
-    out, current, longest = [], [], 0
-    for length, i in sorted(zip(lengths, indices)):
-        if current and (len(current) + 1) * max(longest, length) > max_tokens:
-            out.append(current)
-            current, longest = [], 0
-        current.append(i)
-        longest = max(longest, length)
-    return out + ([current] if current else [])
 
 
 @torch.no_grad()

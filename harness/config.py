@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+from typing import Literal, Union
 import importlib.util
 import math
 import os
@@ -192,7 +193,10 @@ class Config:
     # distribution and precision
     parallel: str = arg("ddp", "with several processes: ddp (replicated weights) | fsdp (FSDP2, sharded)",
                         valid="ddp | fsdp")
-    bf16: bool = arg(False, "bfloat16 autocast (and FSDP2 bf16 parameters), fp32 master weights and LM head (GPU)")
+    bf16: Union[bool, Literal["auto"]] = arg("auto", "bfloat16 autocast for the trainer and the transformers generator "
+                                                     "(FSDP2: bf16 parameters), float32 master weights, optimiser "
+                                                     "state and LM head; auto = on a GPU that has bfloat16, off on a "
+                                                     "CPU (measured slower there: bench/bf16.py)")
     gradient_checkpointing: bool = arg(False, "recompute activations in backward (less memory, ~30% slower)")
     device: str = arg("auto", "auto (cuda if available) | cpu | cuda", valid="auto | cpu | cuda")
     trajectory_deadline_s: float = arg(0.0, "wall-clock seconds one trajectory may take; past it it ends, truncated, "
@@ -232,7 +236,7 @@ def build_parser(cls=None, prog: str = "train.py", description: str = "AEPO trai
     types = typing.get_type_hints(cls)
     for f in dataclasses.fields(cls):
         default = f.default_factory() if f.default_factory is not dataclasses.MISSING else f.default
-        bare = {"nargs": "?", "const": True} if types[f.name] is bool else {}
+        bare = {"nargs": "?", "const": True} if types[f.name] is bool or bool in typing.get_args(types[f.name]) else {}
         valid = f" (valid: {f.metadata['valid']})" if f.metadata.get("valid") else ""
         parser.add_argument(f"--{f.name}", type=types[f.name], default=default, help=f.metadata["help"] + valid,
                             **bare)
@@ -325,6 +329,15 @@ def fit_world(cfg: Config, world: int) -> tuple[Config, str]:
     raise UserError(f"with {world} processes --questions_per_step ({cfg.questions_per_step}) and --mini_batch_size "
                     f"({cfg.mini_batch_size}) must be multiples of {world}: e.g. --questions_per_step "
                     f"{up(cfg.questions_per_step)} --mini_batch_size {up(cfg.mini_batch_size)}")
+
+
+def resolve_bf16(bf16, device) -> bool:
+    """--bf16 as a bool: auto is bfloat16 on a CUDA device that supports it and float32 on a CPU, where bfloat16
+    autocast measured slower than float32 for the embedded model (bench/bf16.py, bench/README.md)."""
+    if bf16 == "auto":
+        import torch
+        return device.type == "cuda" and torch.cuda.is_bf16_supported()
+    return bool(bf16)
 
 
 def cache_dir(path: str | os.PathLike | None = None) -> Path:

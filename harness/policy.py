@@ -25,6 +25,7 @@ from dataclasses import dataclass
 import torch
 
 import loss
+from harness import parallel
 from harness.cli import UserError
 from harness.models import load_lm
 
@@ -177,6 +178,50 @@ def tensorize(items: list[tuple[list[int], list[int], list[int]]], pad_id: int, 
                       adv=None if adv is None else adv[:, :width - 1].to(device),
                       reward=None if reward is None else reward.to(device),
                       gen_logp=None if gen_logp is None else gen.to(device))
+
+
+def micro_batches(trajectories, adv: torch.Tensor, rewards: torch.Tensor, n_minibatches: int, cfg, pad_id: int,
+                  device):
+    """This rank's trajectories (ordered by question) in n_minibatches mini-batches of whole questions, each in
+    micro-batches (`split_micro_batches`) with their (N, W) per-token advantages A (outcome_advantages) and (N,)
+    rewards. Returns a list (per mini-batch) of lists of MicroBatch."""
+    per_mini = len(trajectories) // n_minibatches
+    out = []
+    for j in range(n_minibatches):
+        chunk = list(range(j * per_mini, (j + 1) * per_mini))
+        lengths = [len(trajectories[i].prompt_ids) + len(trajectories[i].response_ids) for i in chunk]
+        mbs = []
+        for idx in split_micro_batches(chunk, lengths, cfg.micro_batch_size, cfg.max_tokens_per_micro_batch):
+            items = [(trajectories[i].prompt_ids, trajectories[i].response_ids, trajectories[i].loss_mask) for i in idx]
+            mbs.append(tensorize(items, pad_id, device, adv=adv[idx], reward=rewards[idx],
+                                 gen_logp=[trajectories[i].gen_logp for i in idx]))
+        out.append(mbs)
+    return out
+
+
+def pad_share(batches: list[list]) -> float:
+    """The share of the positions the forward and backward passes compute that are padding, over all ranks."""
+    sums = torch.tensor([[mb.attention_mask.numel(), mb.attention_mask.sum().item()] for mbs in batches for mb in mbs],
+                        dtype=torch.float64).sum(0)
+    total, real = parallel.all_reduce_sum(sums).tolist()
+    return 1.0 - real / total if total else 0.0
+
+
+def split_micro_batches(indices: list[int], lengths: list[int], size: int, max_tokens: int) -> list[list[int]]:
+    """A mini-batch's trajectories in micro-batches: `size` at a time in their order, or (max_tokens > 0) sorted by
+    length and packed greedily so that rows × the longest row's length stays within max_tokens (a trajectory longer
+    than that is a micro-batch of its own). The loss divides by the mini-batch's global token count (D16), so the
+    split changes no gradient beyond rounding, only the padding a forward pass computes."""
+    if max_tokens <= 0:
+        return [indices[s:s + size] for s in range(0, len(indices), size)]
+    out, current, longest = [], [], 0
+    for length, i in sorted(zip(lengths, indices)):
+        if current and (len(current) + 1) * max(longest, length) > max_tokens:
+            out.append(current)
+            current, longest = [], 0
+        current.append(i)
+        longest = max(longest, length)
+    return out + ([current] if current else [])
 
 
 def backward_micro_batches(policy, mbs: list[MicroBatch], world: int, amp, temperature: float, chunk_size: int,

@@ -7,6 +7,7 @@ several processes every rank calls `set_up`; rank 0 alone converts the embedded 
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import functools
 from dataclasses import dataclass
 from pathlib import Path
@@ -73,6 +74,7 @@ def set_up(cfg: config.Config, rank: int, world: int, device: torch.device, stat
             tqdm.write(line)
 
     parallel.seed_all(cfg.seed + rank)
+    cfg = dataclasses.replace(cfg, bf16=config.resolve_bf16(cfg.bf16, device))    # the run's records say which
     cfg, note = config.fit_world(cfg, world)
     if note:
         log(note)

@@ -42,10 +42,11 @@ def spans(loss_mask: list[int]) -> list[list[int]]:
 def records(step, rows: list[dict], trajectories, m_per_question: list, rewards) -> list[dict]:
     """One record per question of a rollout (trajectories ordered by question, as tree_rollout returns them)."""
     out = [{"step": step, "question_id": row.get("id", str(g)), "question": row["question"][:100],
-            "m": m_per_question[g], "k": 0, "trajectories": []} for g, row in enumerate(rows)]
+            "m": m_per_question[g], "k": 0, "prompt_tokens": 0, "trajectories": []} for g, row in enumerate(rows)]
     for t, r in zip(trajectories, [float(x) for x in rewards]):
         rec = out[t.group_id]
         rec["k"] += 1
+        rec["prompt_tokens"] = len(t.prompt_ids)
         rec["trajectories"].append({
             "id": t.traj_id, "parent": t.parent, "fork": t.fork_offset, "kind": t.kind, "round": t.round,
             "l": t.l, "branch_l": list(t.branch_l), "segments": spans(t.loss_mask),
