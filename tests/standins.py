@@ -11,14 +11,15 @@ Routes:
                             BM25 corpus (`corpus`: links to /wiki/<i>)
 - GET  /v1/models           {"data": [{"id": "standin"}]}
 - POST /v1/chat/completions `chat(prompt)` (default: a summary that opens with "**Final Information**" and quotes
-                            the first page's context; a judge's "Correct" when a gold is inside the prediction, else
-                            "Incorrect"); 503 while `chat_down`
+                            the first page's context; a judge's "Correct" when a gold is a whole word or phrase of
+                            the prediction, else "Incorrect"); 503 while `chat_down`
 - POST /v1/completions      the next of `completions` (a list of texts), "" when it is empty
 Every request is kept in `requests` as (method, path, headers, body).
 """
 from __future__ import annotations
 
 import argparse
+import ast
 import html
 import json
 import re
@@ -38,8 +39,10 @@ def default_chat(prompt: str) -> str:
         return f"<think> reading the pages </think>\n**Final Information**\n\n{context[:300]}"
     question = re.search(r"Golden Answer: (.*)\nPredicted Answer: (.*)", prompt, re.S)
     if question:
-        golds, predicted = question.group(1).strip().lower(), question.group(2).strip().lower()
-        return "Correct" if predicted and (predicted in golds or golds in predicted) else "Incorrect"
+        gold, predicted = question.group(1).strip(), question.group(2).strip().lower()
+        golds = ast.literal_eval(gold) if gold.startswith("[") else [gold]
+        found = any(re.search(rf"(?<!\w){re.escape(g.lower())}(?!\w)", predicted) for g in golds)
+        return "Correct" if found else "Incorrect"
     return "I cannot tell."
 
 
