@@ -61,4 +61,6 @@ def main() -> dict:
 
 
 if __name__ == "__main__":
+    import argparse
+    argparse.ArgumentParser(description=__doc__.splitlines()[0]).parse_args()     # --help says what it does
     main()
