@@ -92,7 +92,7 @@ class Sampling:
 class Segment:
     """What the policy generated between two environment events."""
     token_ids: list[int]
-    finish_reason: str  # "tool" (closing tool tag), "answer" (</answer>), "eos", "length"
+    finish_reason: str  # "tool" (closing tool tag), "answer" (</answer>), "eos", "length", "error" (a failed request)
     h_seg: float        # segment_entropy of its first 20 positions
     text: str           # decoded, for parsing the tool call only (never re-encoded)
     logprobs: list[float] | None = None  # log-prob of each token at the sampling temperature, over the whole

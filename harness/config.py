@@ -82,8 +82,8 @@ class Config:
     max_prompt_tokens: int = arg(2000, "questions whose prompt is longer are dropped, with a warning (official 2000)",
                                  valid="[1, inf)")
     # tools
-    search: str = arg("bm25", "search backend for search.make_search: bm25 (embedded Wikipedia), replay, http, web",
-                      valid="bm25 | replay | http | web")
+    search: str = arg("bm25", "search backend for search.make_search: bm25 (embedded Wikipedia), replay, http, web, "
+                              "brightdata", valid="bm25 | replay | http | web | brightdata")
     search_kw: dict = arg({"topk": 1}, "keyword arguments for search.make_search (official: 10 snippets) [embedded]")
     python_timeout_s: float = arg(10.0, "python tool timeout per call, seconds", valid="(0, inf)")
     python_isolation: str = arg("auto", "python tool sandbox: auto (every isolation layer this machine has, logged "

@@ -11,6 +11,7 @@ import os
 import re
 import shlex
 import subprocess
+import time
 import sys
 from pathlib import Path
 
@@ -39,6 +40,7 @@ NOT_ON_CPU = ["torchrun --nproc_per_node=8 train.py --config configs/aepo_qwen3_
               "--bf16 true", "torchrun --nproc_per_node=8 train.py --config configs/aepo_qwen3_14b.yaml --parallel fsdp",
               "torchrun --nnodes=2"]                     # 8 GPUs / several nodes
 HELP = ["python train.py --help", "python eval.py --help"]
+OFFICIAL_OFFLINE = ["python -m tests.standins --port 8100 &"]   # with the README's eval.py line after it
 TREES = ["python -m harness.trees runs/<name>", "python -m harness.trees runs/<name> --step 3 --out t.png",
          "python -m harness.trees runs/<name> --eval after"]
 
@@ -58,7 +60,7 @@ def documented_commands() -> list[str]:
 
 
 def test_every_documented_command_is_covered():
-    covered = TRAIN_ON_CPU + EVAL_ON_CPU + MISSING_DATA + HELP + TREES + VLLM_ON_CPU
+    covered = TRAIN_ON_CPU + EVAL_ON_CPU + MISSING_DATA + HELP + TREES + VLLM_ON_CPU + OFFICIAL_OFFLINE
     for command in documented_commands():
         if command.startswith("python bench/"):
             continue                                          # test_benchmark_scripts_answer_help
@@ -156,6 +158,36 @@ def test_evaluation_commands_run_as_written(scratch, tiny_run):
     if (scratch.parent / "shared").exists():               # only the command that reads ../shared writes it
         assert (scratch / "runs" / "eval" / "x" / "summary.md").exists()
     assert any(p.name.startswith("step_000008-") for p in (tiny_run / "eval").iterdir())
+
+
+@pytest.mark.slow
+def test_the_offline_official_evaluation_runs_as_written(scratch, tiny_run):
+    """README's offline --protocol official: the stand-ins started as written, then its eval.py line (PATH: the tiny
+    run's checkpoint, fewer tokens a call for the CPU): 5 GAIA questions through the browsing search, summariser and
+    judge on loopback, a summary written."""
+    readme = (ROOT / "README.md").read_text()
+    line = next(i for i, text in enumerate(readme.splitlines()) if text.strip() == OFFICIAL_OFFLINE[0])
+    block = readme.splitlines()[line + 1:line + 4]
+    command = " ".join(part.strip().rstrip("\\").strip() for part in block)
+    if not (scratch.parent / "shared").exists():
+        pytest.skip("the GAIA file is in ../shared/data, absent here")
+    env_var, command = command.split(" ", 1)
+    server = subprocess.Popen([sys.executable, "-m", "tests.standins", "--port", "8100"], cwd=scratch,
+                              stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    try:
+        time.sleep(3)
+        concrete = command.replace("PATH", str(tiny_run / "checkpoints" / "step_000008"))
+        os.environ[env_var.split("=")[0]] = env_var.split("=", 1)[1]
+        try:
+            proc = run(concrete, scratch, ["--max_response_tokens", "32", "--out_dir", str(scratch / "official")],
+                       timeout=900)
+        finally:
+            del os.environ[env_var.split("=")[0]]
+    finally:
+        server.terminate()
+        server.wait(timeout=30)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert (scratch / "official" / "summary.md").exists() and "gaia" in proc.stdout
 
 
 @pytest.mark.slow
