@@ -10,8 +10,8 @@ forward + backward and the transformers generator, timed in one run, and the num
    the log-probs in float32), seconds per pass after a warm-up; and the largest |Δ log π| and the loss difference
    between the two on the same batch.
 3. Generator: TransformersGenerator.generate of 8 contexts × 48 tokens, float32 against bfloat16 autocast.
-The README's choice of the default (--bf16 auto: bfloat16 on a GPU that has it, float32 on a CPU) follows these
-numbers; bench/README.md keeps them.
+The default (--bf16 auto: bfloat16 wherever the hardware has bfloat16 units, CPUs with AMX/AVX512-BF16 included)
+follows these numbers; bench/README.md keeps them.
 """
 import argparse
 import sys

@@ -83,7 +83,7 @@ def flags(root, run_name, **over):
                 search_kw=json.dumps({"path": str(root / "search.json")}), cold_start="false", k=2,
                 questions_per_step=2, mini_batch_size=1, micro_batch_size=3, steps=2, max_response_tokens=12,
                 out_dir=str(root / "runs"), run_name=run_name, cache_dir=str(root / "cache"), save_every=1,
-                keep_checkpoints=3, lr=1e-3)
+                keep_checkpoints=3, lr=1e-3, bf16="false")          # float32: the tests compare exact numbers
     base.update(over)
     return [f"--{key}={value}" for key, value in base.items()]
 
