@@ -40,7 +40,8 @@ NOT_ON_CPU = ["torchrun --nproc_per_node=8 train.py --config configs/aepo_qwen3_
               "--bf16 true", "torchrun --nproc_per_node=8 train.py --config configs/aepo_qwen3_14b.yaml --parallel fsdp",
               "torchrun --nnodes=2",                     # 8 GPUs / several nodes
               "python eval.py --protocol official --model PATH --data ../shared/data/benchmarks/gaia.jsonl "
-              "--summarizer_url URL"]                    # real endpoints: the offline form is OFFICIAL_OFFLINE's test
+              "--summarizer_url URL",                    # real endpoints: the offline form is OFFICIAL_OFFLINE's test
+              "python eval.py --protocol official --model runs/<name>/checkpoints/step_000016 --policy_url"]
 HELP = ["python train.py --help", "python eval.py --help"]
 OFFICIAL_OFFLINE = ["python -m tests.standins --port 8100 &"]   # with the README's eval.py line after it
 TREES = ["python -m harness.trees runs/<name>", "python -m harness.trees runs/<name> --step 3 --out t.png",
