@@ -57,7 +57,8 @@ def documented_commands() -> list[str]:
     out = []
     for line in texts:
         line = line.split("  #")[0].strip().rstrip("\\").strip()
-        if re.match(r"(python|torchrun) ", line) and not line.startswith(("python3 -m venv", "python -m pytest")):
+        if re.match(r"(python (-m |[\w/.-]+\.py)|torchrun )", line) and \
+                not line.startswith(("python3 -m venv", "python -m pytest")):
             out.append(line)
     return sorted(set(out))
 
