@@ -84,15 +84,18 @@ def rl_step(run: Run, step: int, progress=None) -> tuple[dict, runlog.StepBatch]
     # ---- policy update (algorithm.md §4): ppo_epochs × mini-batches, each one optimiser step
     t2 = time.time()
     losses, grad_norms, lr = update(run, batches, step)
+    t_update = time.time() - t2
 
     # ---- the new weights to the generator (a collective under FSDP2)
+    t3 = time.time()
     run.generator.update_weights(full_named_parameters(run.policy))
-    t_update = time.time() - t2
+    t_sync = time.time() - t3
 
     batch = runlog.StepBatch(rows, trajectories, scores, rewards, tree["m_per_question"])
     metrics = runlog.step_metrics(step + 1, batch, tree, adv, entropy, losses, grad_norms)
     metrics.update(runlog.mismatch_metrics(mismatch))
-    metrics.update({"lr": lr, "pad_share": pad_share(batches), "time/rollout": t_rollout, "time/old_logp": t_old, "time/update": t_update,
+    metrics.update({"lr": lr, "pad_share": pad_share(batches), "time/rollout": t_rollout, "time/old_logp": t_old,
+                    "time/update": t_update, "time/sync": t_sync,
                     "time/rollout_slowest": max(rank_times),
                     "time/rollout_imbalance": max(rank_times) / max(1e-9, sum(rank_times) / len(rank_times)),
                     "time/step": time.time() - t0,

@@ -6,7 +6,8 @@ generation throughput of both generators on the same prompts, and the step time 
 1. Generation: the same 16 contexts (8 training questions' prompts, and each with an opened `<search>` so half stop
    at a tool tag), 128 new tokens at most, temperature 1, through each generator's `generate` (the rollout's call,
    H_seg included), 3 repeats after a warm-up; tokens/s = generated tokens / wall time. VLLMGenerator in float32 and
-   in bfloat16, TransformersGenerator in float32 (batched `generate`, left padding).
+   in bfloat16, TransformersGenerator (batched `generate`, left padding) in float32 and under bfloat16 autocast (what
+   --bf16 true runs; `--generators` picks some).
 2. Training step: `train.py` with the embedded defaults (k = 4, 2 questions, 256 response tokens) for `--steps`
    steps, evaluation off, once with `--backend transformers` and once with `--backend vllm --device cpu` (float32
    trainer, bfloat16 engine: what the command runs), from the same cached cold start; time/step and its rollout part
@@ -29,7 +30,10 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 
-def generation(n_tokens: int, repeats: int) -> dict[str, float]:
+GENERATORS = ("vllm float32", "vllm bfloat16", "transformers float32", "transformers bfloat16")
+
+
+def generation(n_tokens: int, repeats: int, names=GENERATORS) -> dict[str, float]:
     """tokens/s of each generator on the same contexts (see the docstring)."""
     import torch
     from transformers import AutoModelForCausalLM
@@ -38,14 +42,15 @@ def generation(n_tokens: int, repeats: int) -> dict[str, float]:
 
     from harness import config
     from harness import generation as gen
-    from harness.vllm_generation import VLLMGenerator
     import tools
     model_dir = models.embedded_model_dir(config.cache_dir())
     tokenizer = models.load_tokenizer(str(model_dir))
     rows = [json.loads(line) for line in (ROOT / "data" / "qa_train.jsonl").read_text().splitlines()[:8]]
     out = {}
-    for name in ("vllm float32", "vllm bfloat16", "transformers float32"):
+    for name in names:
+        precision = torch.autocast("cpu", dtype=torch.bfloat16, enabled=name == "transformers bfloat16")
         if name.startswith("vllm"):
+            from harness.vllm_generation import VLLMGenerator
             generator = VLLMGenerator(str(model_dir), dtype=name.split()[1])
         else:
             lm = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
@@ -53,7 +58,7 @@ def generation(n_tokens: int, repeats: int) -> dict[str, float]:
         prompts = [list(tools.build_prompt(tokenizer, r["question"])) for r in rows]
         opening = tokenizer.encode("<think> I should look this up. </think> <search>", add_special_tokens=False)
         contexts = prompts + [p + opening for p in prompts]
-        with torch.no_grad():
+        with torch.no_grad(), precision:
             generator.generate(contexts[:2], [16, 16], seed=99)                  # warm-up
             tokens, seconds = 0, 0.0
             for repeat in range(repeats):
@@ -96,15 +101,17 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=3, help="timed generate calls per generator")
     parser.add_argument("--steps", type=int, default=3, help="train.py steps per backend (the first is dropped)")
     parser.add_argument("--parts", default="generation,train", help="which measurements: generation, train")
+    parser.add_argument("--generators", default=",".join(GENERATORS), help="which generators, comma-separated")
     args = parser.parse_args()
     print(f"threads: OMP_NUM_THREADS={os.environ.get('OMP_NUM_THREADS', 'unset')}, load average "
           f"{os.getloadavg()[0]:.2f} at start", flush=True)
     ratios = []
     if "generation" in args.parts:
-        rates = generation(args.tokens, args.repeats)
-        base = rates["transformers float32"]
-        ratios.append(f"generation tokens/s float32 {rates['vllm float32'] / base:.2f}x, bfloat16 "
-                      f"{rates['vllm bfloat16'] / base:.2f}x")
+        rates = generation(args.tokens, args.repeats, args.generators.split(","))
+        for precision in ("float32", "bfloat16"):
+            if f"vllm {precision}" in rates and f"transformers {precision}" in rates:
+                ratios.append(f"generation tokens/s {precision} "
+                              f"{rates[f'vllm {precision}'] / rates[f'transformers {precision}']:.2f}x")
     if "train" in args.parts:
         with tempfile.TemporaryDirectory() as tmp:
             step_times("transformers", 2, Path(tmp))               # makes (or reuses) the cached cold start first

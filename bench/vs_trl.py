@@ -3,11 +3,15 @@ size, sequence lengths and reward, a single-turn task without tools; wall time p
 
     pip install -r bench/requirements-trl.txt       # TRL is needed only here, not by the project
     python bench/vs_trl.py                          # tiny random Llama (SmolLM2 tokenizer), 5 steps per side
-    python bench/vs_trl.py --model embedded --steps 3 --repeats 1
+    python bench/vs_trl.py --model embedded --steps 5 --repeats 1
+    python bench/vs_trl.py --bf16 false             # both sides in float32
 
 Both sides, matched:
 - model: a 2-layer Llama (hidden 64) with random weights and the SmolLM2 tokenizer (`--model tiny`, default), or
-  the embedded SmolLM2-135M-Instruct (`--model embedded`); fp32, the same threads;
+  the embedded SmolLM2-135M-Instruct (`--model embedded`); the same threads;
+- precision: `--bf16` (auto: bfloat16 autocast where the hardware has bfloat16 units, as on this CPU, else
+  float32) given to both sides, each side's best documented setting on such a machine: ours `--bf16` (float32
+  master weights, LM head and log-probs), TRL `bf16=` (GRPOConfig's own default is True);
 - prompts: the first training questions of data/qa_train.jsonl through tools.build_prompt (the same token ids);
 - group size k = 8, 2 questions per step = 16 completions, all in one forward/backward (ours: micro_batch_size=16;
   TRL: per_device_train_batch_size=16) and one optimiser step per step (AdamW, lr 1e-6, grad clip 1.0);
@@ -67,7 +71,7 @@ def peak_mb() -> float:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
 
 
-def run_ours(model: Path, steps: int, out: Path, tree: bool) -> dict:
+def run_ours(model: Path, steps: int, out: Path, tree: bool, bf16: bool) -> dict:
     sys.path.insert(0, str(ROOT))
     os.chdir(ROOT)
     import train
@@ -77,13 +81,13 @@ def run_ours(model: Path, steps: int, out: Path, tree: bool) -> dict:
                 f"--micro_batch_size={K * QUESTIONS}", f"--max_response_tokens={COMPLETION_TOKENS}",
                 f"--entropy_branching={str(tree).lower()}", f"--lr={LR}",
                 f"--steps={steps}", f"--out_dir={out}", f"--run_name={name}", "--save_every=0",
-                "--keep_checkpoints=1", "--log_samples=0", "--seed=0"])
+                "--keep_checkpoints=1", "--log_samples=0", "--seed=0", f"--bf16={str(bf16).lower()}"])
     rows = [json.loads(line) for line in (out / name / "metrics.jsonl").read_text().splitlines()]
     return {"step_s": [r["time/step"] for r in rows], "gen_s": [r["time/rollout"] for r in rows],
             "completion_tokens": [r["gen_len"] for r in rows]}
 
 
-def run_trl(model: Path, steps: int, out: Path, gradient_checkpointing: bool) -> dict:
+def run_trl(model: Path, steps: int, out: Path, gradient_checkpointing: bool, bf16: bool) -> dict:
     sys.path.insert(0, str(ROOT))
     os.chdir(ROOT)
     import torch
@@ -126,7 +130,7 @@ def run_trl(model: Path, steps: int, out: Path, gradient_checkpointing: bool) ->
                      max_completion_length=COMPLETION_TOKENS, temperature=1.0, top_p=1.0, top_k=0, beta=0.0,
                      learning_rate=LR, weight_decay=0.01, max_grad_norm=1.0, lr_scheduler_type="constant",
                      warmup_steps=0, max_steps=steps, logging_steps=1, save_strategy="no", report_to="none",
-                     gradient_checkpointing=gradient_checkpointing, bf16=False, use_cpu=not torch.cuda.is_available(),
+                     gradient_checkpointing=gradient_checkpointing, bf16=bf16, use_cpu=not torch.cuda.is_available(),
                      shuffle_dataset=False, seed=0, disable_tqdm=True)
     lm = AutoModelForCausalLM.from_pretrained(model, dtype=torch.float32)
     trainer = GRPOTrainer(model=lm, reward_funcs=reward, args=cfg, train_dataset=data, processing_class=tok,
@@ -147,9 +151,9 @@ def child(args) -> None:
     out = Path(args.out)
     model = Path(args.model_path)
     if args.child == "trl":
-        res = run_trl(model, args.steps, out, args.trl_gradient_checkpointing)
+        res = run_trl(model, args.steps, out, args.trl_gradient_checkpointing, args.bf16 == "true")
     else:
-        res = run_ours(model, args.steps, out, tree=args.child == "ours-tree")
+        res = run_ours(model, args.steps, out, args.child == "ours-tree", args.bf16 == "true")
     res["peak_mb"] = peak_mb()
     print("RESULT " + json.dumps(res), flush=True)
 
@@ -161,6 +165,8 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=2, help="alternating ours / TRL runs per side")
     parser.add_argument("--ours_tree", action="store_true", help="also time ours with the full AEPO tree rollout")
     parser.add_argument("--trl_gradient_checkpointing", action="store_true", help="TRL's own default")
+    parser.add_argument("--bf16", default="auto", choices=["auto", "true", "false"],
+                        help="bfloat16 autocast on both sides (auto: where the hardware has bfloat16 units)")
     parser.add_argument("--child", default=None, help=argparse.SUPPRESS)
     parser.add_argument("--model_path", default=None, help=argparse.SUPPRESS)
     parser.add_argument("--out", default=None, help=argparse.SUPPRESS)
@@ -172,6 +178,9 @@ def main() -> None:
     except ImportError:
         raise SystemExit("bench/vs_trl.py needs TRL: pip install -r bench/requirements-trl.txt")
     import torch
+    sys.path.insert(0, str(ROOT))
+    from harness import config
+    bf16 = config.resolve_bf16(args.bf16, torch.device("cuda" if torch.cuda.is_available() else "cpu"))
     sides = ["ours", "trl"] + (["ours-tree"] if args.ours_tree else [])
     results = {s: {"step_s": [], "gen_s": [], "peak_mb": [], "completion_tokens": []} for s in sides}
     with tempfile.TemporaryDirectory() as tmp:
@@ -179,7 +188,7 @@ def main() -> None:
         for rep in range(args.repeats):
             for side in sides:
                 cmd = [sys.executable, __file__, "--child", side, "--model_path", str(model), "--out", tmp,
-                       "--steps", str(args.steps)] + (["--trl_gradient_checkpointing"]
+                       "--steps", str(args.steps), "--bf16", str(bf16).lower()] + (["--trl_gradient_checkpointing"]
                                                       if args.trl_gradient_checkpointing else [])
                 proc = subprocess.run(cmd, capture_output=True, text=True,
                                       env={**os.environ, "TOKENIZERS_PARALLELISM": "false"})
@@ -196,16 +205,20 @@ def main() -> None:
                       f"peak {res['peak_mb']:.0f} MB", flush=True)
     device = f"cuda ({torch.cuda.get_device_name()})" if torch.cuda.is_available() else \
         f"cpu ({os.cpu_count()} cores, {torch.get_num_threads()} torch threads)"
-    trl_step = statistics.fmean(results["trl"]["step_s"])
+    def mean_and_rel_se(times):                      # the mean step and its standard error relative to it
+        mean = statistics.fmean(times)
+        return mean, (statistics.stdev(times) / len(times) ** 0.5 / mean if len(times) > 1 else 0.0)
+    trl_step, trl_rel = mean_and_rel_se(results["trl"]["step_s"])
     print(f"\nvs_trl: model {args.model}, k={K} x {QUESTIONS} questions, {COMPLETION_TOKENS} completion tokens, "
-          f"trl {trl.__version__}, torch {torch.__version__}, {device}")
+          f"{'bfloat16' if bf16 else 'float32'}, trl {trl.__version__}, torch {torch.__version__}, {device}")
     for side in sides:
         r = results[side]
         step, sd = statistics.fmean(r["step_s"]), statistics.stdev(r["step_s"]) if len(r["step_s"]) > 1 else 0.0
         gen = statistics.fmean(r["gen_s"])
+        ratio_se = step / trl_step * (mean_and_rel_se(r["step_s"])[1] ** 2 + trl_rel ** 2) ** 0.5
         print(f"  {side:9s} step {step:6.2f} ± {sd:.2f} s ({len(r['step_s'])} steps) = generation {gen:.2f} s + "
               f"the rest {step - gen:.2f} s | ratio to TRL "
-              f"{step / trl_step:.2f}x | peak {max(r['peak_mb']):.0f} MB "
+              f"{step / trl_step:.2f}x ± {ratio_se:.2f} (standard error) | peak {max(r['peak_mb']):.0f} MB "
               f"(ratio {max(r['peak_mb']) / max(results['trl']['peak_mb']):.2f}) | "
               f"completion tokens/sample {statistics.fmean(r['completion_tokens']):.1f}")
 

@@ -164,7 +164,7 @@ def format_line(step: int, steps: int, m: dict) -> str:
     slowest = f" (slowest rank {m['time/rollout_slowest']:.1f}s, {m['time/rollout_imbalance']:.2f}x the mean)" \
         if m.get("time/rollout_imbalance", 1.0) > 1.05 else ""
     return " | ".join(parts) + f" | rollout {m['time/rollout']:.1f}s{slowest} old_logp {m['time/old_logp']:.1f}s " \
-                               f"update {m['time/update']:.1f}s"
+                               f"update {m['time/update'] + m.get('time/sync', 0.0):.1f}s"
 
 
 def failing_tools(m: dict) -> list[tuple[str, int, int]]:

@@ -57,7 +57,7 @@ class Run:
         return self.cfg.questions_per_step // self.world
 
     def amp(self):
-        """bfloat16 autocast with --bf16 (a GPU setting), else nothing."""
+        """bfloat16 autocast when --bf16 resolved to on (config.resolve_bf16), else nothing."""
         return torch.autocast(self.device.type, dtype=torch.bfloat16) if self.cfg.bf16 else contextlib.nullcontext()
 
 

@@ -226,3 +226,30 @@ def test_gpu_check_memory_step_on_the_cpu():
     assert result == "PASS", detail
     ratios = [float(r) for r in re.findall(r"ratio ([\d.]+)", detail)]
     assert len(ratios) == 4 and all(r == pytest.approx(1.0, abs=0.01) for r in ratios), detail
+
+
+def test_machine_limit_counts_the_positions_the_passes_compute(tmp_path):
+    """bench/machine_limit.py's FLOPs: the micro-batches rebuilt from trees.jsonl as the trainer builds them, padding
+    and the attention square included, one step apart from the next."""
+    import types
+    import machine_limit
+    cfg = types.SimpleNamespace(hidden_size=8, num_attention_heads=2, num_key_value_heads=1, head_dim=4,
+                                intermediate_size=16, vocab_size=100, num_hidden_layers=3)
+    layer, head = machine_limit.model_shapes(cfg)
+    assert layer == [(8, 8), (8, 4), (8, 4), (8, 8), (8, 16), (8, 16), (16, 8)] and head == (8, 100)
+    # step 1: two questions (one mini-batch of 2) with prompts of 10 and 20 tokens; step 2: one short question
+    recs = [{"step": 1, "prompt_tokens": 10, "trajectories": [{"length": 5}, {"length": 30}]},
+            {"step": 1, "prompt_tokens": 20, "trajectories": [{"length": 1}]},
+            {"step": 2, "prompt_tokens": 4, "trajectories": [{"length": 2}, {"length": 2}]}]
+    (tmp_path / "trees.jsonl").write_text("".join(json.dumps(r) + "\n" for r in recs))
+    fixed = machine_limit.step_flops(tmp_path, {"mini_batch_size": 2, "micro_batch_size": 2,
+                                                "max_tokens_per_micro_batch": 0}, cfg)
+    weights = 3 * (64 + 32 + 32 + 64 + 128 + 128 + 128)
+    # step 1 in order: [15, 40] -> 2 x 40, [21] -> 21; step 2: [6, 6] -> 12
+    assert fixed[1][2] == 2 * 40 + 21 and fixed[2][2] == 12
+    assert fixed[1][0] == 2 * weights * (2 * 40 + 21)
+    assert fixed[1][1] == 4 * 3 * 2 * 4 * (2 * 40 ** 2 + 21 ** 2)
+    budget = machine_limit.step_flops(tmp_path, {"mini_batch_size": 2, "micro_batch_size": 2,
+                                                 "max_tokens_per_micro_batch": 45}, cfg)
+    # length-sorted within the budget: [15, 21] -> 2 x 21, [40] -> 40
+    assert budget[1][2] == 2 * 21 + 40

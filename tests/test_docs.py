@@ -55,7 +55,7 @@ def test_every_logged_metric_is_defined():
     table = REFERENCE.split("## The step line and `metrics.jsonl`", 1)[1].split("\n## ", 1)[0]
     named = set(re.findall(r"`([\w/…]+)`", table))
     keys = json.loads((ROOT / "tests" / "golden" / "tiny_two_steps.jsonl").read_text().splitlines()[0])
-    keys = set(keys) | {"time/rollout", "time/old_logp", "time/update", "time/step", "update_tokens_per_s",
+    keys = set(keys) | {"time/rollout", "time/old_logp", "time/update", "time/sync", "time/step", "update_tokens_per_s",
                         "time/rollout_slowest", "time/rollout_imbalance", "mismatch/k1", "mismatch/k3",
                         "mismatch/log_ppl_diff", "mismatch/ratio_p01", "mismatch/ratio_p50", "mismatch/ratio_p99",
                         "mismatch/out_2x", "probe_entropy"}

