@@ -16,9 +16,9 @@
    limit is the time the machine's matmul rate would need for those FLOPs (the decoder and attention at the run's
    precision, the LM head at float32's) over the time taken; softmax, norms, the optimiser and Python are the rest.
 4. Generation: the rollout's policy tokens per second (tool calls and the pre-monitor included), and
-   bench/vllm_cpu.py's generation part on its 16 contexts: TransformersGenerator (float32 and bfloat16 autocast)
-   beside vLLM's CPU build (float32 and bfloat16), run in .venv-vllm where it exists (`bash tests/vllm_stage.sh`
-   builds it), else the transformers generator alone in this environment.
+   bench/vllm_cpu.py's generation part on its 16 contexts: TransformersGenerator (float32 and bfloat16 autocast) in
+   this process, then vLLM's CPU build (float32 and bfloat16) in .venv-vllm where it exists (`bash
+   tests/vllm_stage.sh` builds it), each vLLM rate also as a ratio to the transformers one of its precision.
 """
 import argparse
 import json
@@ -85,20 +85,27 @@ def step_flops(run_dir: Path, cfg: dict, mcfg) -> dict[int, tuple[float, float, 
 
 
 def generation_rates(tokens: int, repeats: int) -> None:
-    """bench/vllm_cpu.py's generation part: in .venv-vllm with vLLM beside transformers where it exists."""
+    """bench/vllm_cpu.py's generation part on its 16 contexts: the transformers generator here (the trainer's
+    environment), then vLLM's CPU build in .venv-vllm where it exists (its own process: a vLLM engine in this
+    process changes the threads torch runs the transformers generator with, which measured it 30% slower)."""
+    sys.path.insert(0, str(ROOT / "bench"))
+    import vllm_cpu
+    rates = vllm_cpu.generation(tokens, repeats, ("transformers float32", "transformers bfloat16"))
     venv = ROOT / ".venv-vllm" / "bin" / "python"
-    script = str(ROOT / "bench" / "vllm_cpu.py")
-    if venv.exists():
-        cmd = [str(venv), script, "--parts", "generation", "--tokens", str(tokens), "--repeats", str(repeats)]
-    else:
+    if not venv.exists():
         print("generation | .venv-vllm is not there (bash tests/vllm_stage.sh builds it): transformers only")
-        cmd = [sys.executable, script, "--parts", "generation", "--tokens", str(tokens), "--repeats", str(repeats),
-               "--generators", "transformers float32,transformers bfloat16"]
+        return
+    cmd = [str(venv), str(ROOT / "bench" / "vllm_cpu.py"), "--parts", "generation", "--tokens", str(tokens),
+           "--repeats", str(repeats), "--generators", "vllm float32,vllm bfloat16"]
     proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True)
-    lines = [x for x in proc.stdout.splitlines() if x.startswith(("generation |", "ratios"))]
     if proc.returncode != 0:
         raise SystemExit(f"{' '.join(cmd)} failed:\n{proc.stderr[-3000:]}")
-    print("\n".join(lines), flush=True)
+    for line in proc.stdout.splitlines():
+        if line.startswith("generation |"):
+            print(line, flush=True)
+            name, rate = line.split("|")[1].strip(), float(line.split("|")[-1].split()[0])
+            other = rates[name.replace("vllm", "transformers")]
+            print(f"generation | {name} / {name.replace('vllm', 'transformers')}: {rate / other:.2f}x", flush=True)
 
 
 def main(argv=None) -> None:
