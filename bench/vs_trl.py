@@ -5,6 +5,7 @@ size, sequence lengths and reward, a single-turn task without tools; wall time p
     python bench/vs_trl.py                          # tiny random Llama (SmolLM2 tokenizer), 5 steps per side
     python bench/vs_trl.py --model embedded --steps 5 --repeats 1
     python bench/vs_trl.py --bf16 false             # both sides in float32
+    python bench/vs_trl.py --model embedded --ours_backend vllm   # ours generating with vLLM's CPU build
 
 Both sides, matched:
 - model: a 2-layer Llama (hidden 64) with random weights and the SmolLM2 tokenizer (`--model tiny`, default), or
@@ -23,6 +24,11 @@ Ours runs train.py's loop (`train.main`) in the single-turn mode such a task use
 calls, so nothing to branch on), AEPO's loss and advantage switches on. It always does one extra no-grad pass
 for the old-policy log-probs and entropies (the entropy-aware advantage needs them); TRL skips that pass when it
 takes one optimiser step per generation. `--ours_tree` adds a row with the full AEPO rollout (pre-monitor first).
+
+`--ours_backend vllm` runs our side with `--backend vllm --device cpu` in .venv-vllm's Python (vLLM's CPU build,
+`bash tests/vllm_stage.sh` builds it; the engine generates in bfloat16 and starts once per run, outside the steps;
+its engine process's memory is not in the peak), TRL keeping transformers generation: each side's fastest
+documented generation on a CPU.
 
 Each side runs in its own process (`--repeats` times, alternating ours / TRL, so drift hits both); the step time is
 the mean over steps after the first (warm-up), peak memory is the process's max RSS on CPU or
@@ -71,7 +77,7 @@ def peak_mb() -> float:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
 
 
-def run_ours(model: Path, steps: int, out: Path, tree: bool, bf16: bool) -> dict:
+def run_ours(model: Path, steps: int, out: Path, tree: bool, bf16: bool, backend: str) -> dict:
     sys.path.insert(0, str(ROOT))
     os.chdir(ROOT)
     import train
@@ -81,7 +87,7 @@ def run_ours(model: Path, steps: int, out: Path, tree: bool, bf16: bool) -> dict
                 f"--micro_batch_size={K * QUESTIONS}", f"--max_response_tokens={COMPLETION_TOKENS}",
                 f"--entropy_branching={str(tree).lower()}", f"--lr={LR}",
                 f"--steps={steps}", f"--out_dir={out}", f"--run_name={name}", "--save_every=0",
-                "--keep_checkpoints=1", "--log_samples=0", "--seed=0", f"--bf16={str(bf16).lower()}"])
+                "--keep_checkpoints=1", "--log_samples=0", "--seed=0", f"--bf16={str(bf16).lower()}", f"--backend={backend}", "--device=cpu"])
     rows = [json.loads(line) for line in (out / name / "metrics.jsonl").read_text().splitlines()]
     return {"step_s": [r["time/step"] for r in rows], "gen_s": [r["time/rollout"] for r in rows],
             "completion_tokens": [r["gen_len"] for r in rows]}
@@ -153,7 +159,7 @@ def child(args) -> None:
     if args.child == "trl":
         res = run_trl(model, args.steps, out, args.trl_gradient_checkpointing, args.bf16 == "true")
     else:
-        res = run_ours(model, args.steps, out, args.child == "ours-tree", args.bf16 == "true")
+        res = run_ours(model, args.steps, out, args.child == "ours-tree", args.bf16 == "true", args.ours_backend)
     res["peak_mb"] = peak_mb()
     print("RESULT " + json.dumps(res), flush=True)
 
@@ -165,6 +171,8 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=2, help="alternating ours / TRL runs per side")
     parser.add_argument("--ours_tree", action="store_true", help="also time ours with the full AEPO tree rollout")
     parser.add_argument("--trl_gradient_checkpointing", action="store_true", help="TRL's own default")
+    parser.add_argument("--ours_backend", default="transformers", choices=["transformers", "vllm"],
+                        help="our side's generator (vllm: vLLM's CPU build, run in .venv-vllm)")
     parser.add_argument("--bf16", default="auto", choices=["auto", "true", "false"],
                         help="bfloat16 autocast on both sides (auto: where the hardware has bfloat16 units)")
     parser.add_argument("--child", default=None, help=argparse.SUPPRESS)
@@ -181,13 +189,19 @@ def main() -> None:
     sys.path.insert(0, str(ROOT))
     from harness import config
     bf16 = config.resolve_bf16(args.bf16, torch.device("cuda" if torch.cuda.is_available() else "cpu"))
+    ours_python = sys.executable
+    if args.ours_backend == "vllm":
+        ours_python = str(ROOT / ".venv-vllm" / "bin" / "python")
+        if not Path(ours_python).exists():
+            raise SystemExit("--ours_backend vllm needs .venv-vllm (bash tests/vllm_stage.sh builds it)")
     sides = ["ours", "trl"] + (["ours-tree"] if args.ours_tree else [])
     results = {s: {"step_s": [], "gen_s": [], "peak_mb": [], "completion_tokens": []} for s in sides}
     with tempfile.TemporaryDirectory() as tmp:
         model = make_model(args.model, Path(tmp))
         for rep in range(args.repeats):
             for side in sides:
-                cmd = [sys.executable, __file__, "--child", side, "--model_path", str(model), "--out", tmp,
+                python = ours_python if side.startswith("ours") else sys.executable
+                cmd = [python, __file__, "--child", side, "--ours_backend", args.ours_backend, "--model_path", str(model), "--out", tmp,
                        "--steps", str(args.steps), "--bf16", str(bf16).lower()] + (["--trl_gradient_checkpointing"]
                                                       if args.trl_gradient_checkpointing else [])
                 proc = subprocess.run(cmd, capture_output=True, text=True,
@@ -210,7 +224,7 @@ def main() -> None:
         return mean, (statistics.stdev(times) / len(times) ** 0.5 / mean if len(times) > 1 else 0.0)
     trl_step, trl_rel = mean_and_rel_se(results["trl"]["step_s"])
     print(f"\nvs_trl: model {args.model}, k={K} x {QUESTIONS} questions, {COMPLETION_TOKENS} completion tokens, "
-          f"{'bfloat16' if bf16 else 'float32'}, trl {trl.__version__}, torch {torch.__version__}, {device}")
+          f"{'bfloat16' if bf16 else 'float32'}, ours generating with {args.ours_backend}, trl {trl.__version__}, torch {torch.__version__}, {device}")
     for side in sides:
         r = results[side]
         step, sd = statistics.fmean(r["step_s"]), statistics.stdev(r["step_s"]) if len(r["step_s"]) > 1 else 0.0
