@@ -317,7 +317,9 @@ def _training_note(model: str, cfg: EvalConfig) -> str:
             f"; add --run {run_dir} to evaluate it the way its training did") if differ else ""
 
 
-def main(argv=None) -> list[dict]:
+def _settings(argv) -> tuple[EvalConfig, str]:
+    """The evaluation's settings, checked: the defaults, then a training run's settings (--run) or the official
+    protocol's, then the flags. Returns them and a phrase saying where they came from."""
     parser = config.build_parser(EvalConfig, prog="eval.py",
                                  description="Evaluate a tool-using policy (AEPO, arXiv:2510.14545): Pass@k, EM, F1")
     args = config.parse_args(parser, argv, "eval.py")
@@ -337,6 +339,12 @@ def main(argv=None) -> list[dict]:
     config.check_valid(cfg)                      # before anything is read or written
     if not cfg.model:
         raise UserError("give --run runs/<name> (a training run) or --model PATH (python eval.py --help)")
+    return cfg, source
+
+
+def main(argv=None) -> list[dict]:
+    cfg, source = _settings(argv)
+    official = cfg.protocol == "official"
     stamp = time.strftime("%Y%m%d-%H%M%S")
     out = Path(cfg.out_dir) if cfg.out_dir else \
         Path(cfg.run, "eval", f"{Path(cfg.model).name}-{stamp}") if cfg.run else Path("runs", "eval", stamp)

@@ -22,6 +22,7 @@
 """
 import argparse
 import json
+import os
 import subprocess
 import sys
 import tempfile
@@ -71,7 +72,7 @@ def step_flops(run_dir: Path, cfg: dict, mcfg) -> dict[int, tuple[float, float, 
     per_mini = cfg["mini_batch_size"]
     out = {}
     for step, recs in steps.items():
-        matmul = attn = positions = 0.0
+        attn = positions = 0.0
         for s in range(0, len(recs), per_mini):
             lengths = [r["prompt_tokens"] + t["length"] for r in recs[s:s + per_mini] for t in r["trajectories"]]
             for group in split_micro_batches(list(range(len(lengths))), lengths, cfg["micro_batch_size"],
@@ -79,8 +80,7 @@ def step_flops(run_dir: Path, cfg: dict, mcfg) -> dict[int, tuple[float, float, 
                 width = max(lengths[i] for i in group)
                 positions += len(group) * width
                 attn += attention * len(group) * width ** 2
-        matmul = 2 * weights * positions
-        out[step] = (matmul, attn, positions)
+        out[step] = (2 * weights * positions, attn, positions)
     return out
 
 
@@ -116,7 +116,6 @@ def main(argv=None) -> None:
     parser.add_argument("--skip_generation", action="store_true", help="leave out part 4's generator comparison")
     parser.add_argument("train_flags", nargs="*", help="after --: flags for train.py")
     args = parser.parse_args(argv)
-    import os
     import torch
     import yaml
     from transformers import AutoConfig
