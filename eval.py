@@ -38,6 +38,7 @@ from harness.cli import UserError
 from harness.config import arg, like
 from harness.correctness import Judge, math_equal
 from harness.dataset import load_dataset
+from harness.models import load_model
 from reward import score_response
 
 # --------------------------------------------------------------------------------------------------
@@ -284,27 +285,6 @@ def run_settings(run_dir: Path) -> dict:
     return out
 
 
-def run_checkpoint(run_dir: Path, step: int) -> Path:
-    ckpts = checkpoint.checkpoint_dirs(run_dir)
-    if step:
-        ckpts = [c for c in ckpts if c.name == f"step_{step:06d}"]
-    if not ckpts:
-        have = ", ".join(c.name for c in checkpoint.checkpoint_dirs(run_dir)) or "none"
-        raise UserError(f"--run {run_dir}: no checkpoint" + (f" of step {step}" if step else "") + f" (have: {have})")
-    return ckpts[-1]
-
-
-def load_model(path_or_id: str, device: str = "cpu", dtype: str = "auto"):
-    """(model, tokenizer) from a local directory or a hub id (models.model_source: a clear one-line error when
-    neither is there), on `device` (cpu when CUDA is unavailable)."""
-    import torch
-    from harness.models import load_lm, load_tokenizer, model_source
-    source = model_source(path_or_id)
-    if device.startswith("cuda") and not torch.cuda.is_available():
-        device = "cpu"
-    return load_lm(source, device, dtype if dtype == "auto" else getattr(torch, dtype)), load_tokenizer(source)
-
-
 def _training_note(model: str, cfg: EvalConfig) -> str:
     """When --model is a checkpoint of a training run evaluated without --run: the settings that differ."""
     run_dir = Path(model).resolve().parent.parent
@@ -333,7 +313,7 @@ def _settings(argv) -> tuple[EvalConfig, str]:
     if args["run"] or official:
         args = config.parse_args(parser, argv, "eval.py")
     if args["run"]:
-        args["model"] = args["model"] or str(run_checkpoint(Path(args["run"]), args["step"]))
+        args["model"] = args["model"] or str(checkpoint.run_checkpoint(Path(args["run"]), args["step"]))
         source = f"the settings of {args['run']} and the flags"
     cfg = EvalConfig(**{k: v for k, v in args.items() if k != "config"})
     config.check_valid(cfg)                      # before anything is read or written

@@ -32,13 +32,24 @@ import torch
 
 from harness import parallel
 from harness import policy as policy_mod
-from harness.cli import RunFailure, stop_requested
+from harness.cli import RunFailure, UserError, stop_requested
 
 
 def checkpoint_dirs(run_dir: Path) -> list[Path]:
     """The run's complete checkpoints, oldest first."""
     root = Path(run_dir) / "checkpoints"
     return sorted(p for p in root.glob("step_*") if (p / "trainer_state.pt").exists()) if root.exists() else []
+
+
+def run_checkpoint(run_dir: Path, step: int) -> Path:
+    """The run's latest complete checkpoint, or that of `step` (eval.py --run, --step); a clear error if none."""
+    ckpts = checkpoint_dirs(run_dir)
+    if step:
+        ckpts = [c for c in ckpts if c.name == f"step_{step:06d}"]
+    if not ckpts:
+        have = ", ".join(c.name for c in checkpoint_dirs(run_dir)) or "none"
+        raise UserError(f"--run {run_dir}: no checkpoint" + (f" of step {step}" if step else "") + f" (have: {have})")
+    return ckpts[-1]
 
 
 @contextlib.contextmanager

@@ -193,3 +193,12 @@ def load_lm(path: str, device, dtype=torch.float32):
     except OSError as err:
         raise UserError(f"could not load the model {path}: {' '.join(str(err).split())[:200]}") from None
     return lm.to(device).eval()
+
+
+def load_model(path_or_id: str, device: str = "cpu", dtype: str = "auto"):
+    """(model, tokenizer) from a local directory or a hub id (models.model_source: a clear one-line error when
+    neither is there), on `device` (cpu when CUDA is unavailable)."""
+    source = model_source(path_or_id)
+    if device.startswith("cuda") and not torch.cuda.is_available():
+        device = "cpu"
+    return load_lm(source, device, dtype if dtype == "auto" else getattr(torch, dtype)), load_tokenizer(source)
