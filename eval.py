@@ -340,7 +340,7 @@ def main(argv=None) -> list[dict]:
             raise UserError(f"--data {path}: no questions in it")
     config.check_writable(str(out), "out_dir")
     if official:
-        return official_eval.main(cfg, datasets, out, load_model)
+        return official_eval.main(cfg, datasets, out)
     judge = Judge.from_env(cfg.judge_url, cfg.judge_model, cfg.judge_api_key,
                            cfg.judge_cache or out / "judge_cache.json") if cfg.judge else None
     model, tokenizer = load_model(cfg.model, cfg.device, cfg.dtype)

@@ -87,7 +87,8 @@ def run_ours(model: Path, steps: int, out: Path, tree: bool, bf16: bool, backend
                 f"--micro_batch_size={K * QUESTIONS}", f"--max_response_tokens={COMPLETION_TOKENS}",
                 f"--entropy_branching={str(tree).lower()}", f"--lr={LR}",
                 f"--steps={steps}", f"--out_dir={out}", f"--run_name={name}", "--save_every=0",
-                "--keep_checkpoints=1", "--log_samples=0", "--seed=0", f"--bf16={str(bf16).lower()}", f"--backend={backend}", "--device=cpu"])
+                "--keep_checkpoints=1", "--log_samples=0", "--seed=0", f"--bf16={str(bf16).lower()}",
+                f"--backend={backend}"] + (["--device=cpu"] if backend == "vllm" else []))   # vLLM's CPU build
     rows = [json.loads(line) for line in (out / name / "metrics.jsonl").read_text().splitlines()]
     return {"step_s": [r["time/step"] for r in rows], "gen_s": [r["time/rollout"] for r in rows],
             "completion_tokens": [r["gen_len"] for r in rows]}
@@ -201,9 +202,9 @@ def main() -> None:
         for rep in range(args.repeats):
             for side in sides:
                 python = ours_python if side.startswith("ours") else sys.executable
-                cmd = [python, __file__, "--child", side, "--ours_backend", args.ours_backend, "--model_path", str(model), "--out", tmp,
-                       "--steps", str(args.steps), "--bf16", str(bf16).lower()] + (["--trl_gradient_checkpointing"]
-                                                      if args.trl_gradient_checkpointing else [])
+                cmd = [python, __file__, "--child", side, "--ours_backend", args.ours_backend, "--model_path",
+                       str(model), "--out", tmp, "--steps", str(args.steps), "--bf16", str(bf16).lower()]
+                cmd += ["--trl_gradient_checkpointing"] if args.trl_gradient_checkpointing else []
                 proc = subprocess.run(cmd, capture_output=True, text=True,
                                       env={**os.environ, "TOKENIZERS_PARALLELISM": "false"})
                 lines = [x for x in proc.stdout.splitlines() if x.startswith("RESULT ")]
@@ -224,7 +225,8 @@ def main() -> None:
         return mean, (statistics.stdev(times) / len(times) ** 0.5 / mean if len(times) > 1 else 0.0)
     trl_step, trl_rel = mean_and_rel_se(results["trl"]["step_s"])
     print(f"\nvs_trl: model {args.model}, k={K} x {QUESTIONS} questions, {COMPLETION_TOKENS} completion tokens, "
-          f"{'bfloat16' if bf16 else 'float32'}, ours generating with {args.ours_backend}, trl {trl.__version__}, torch {torch.__version__}, {device}")
+          f"{'bfloat16' if bf16 else 'float32'}, ours generating with {args.ours_backend}, trl {trl.__version__}, "
+          f"torch {torch.__version__}, {device}")
     for side in sides:
         r = results[side]
         step, sd = statistics.fmean(r["step_s"]), statistics.stdev(r["step_s"]) if len(r["step_s"]) > 1 else 0.0

@@ -43,11 +43,10 @@ def checkpoint_dirs(run_dir: Path) -> list[Path]:
 
 def run_checkpoint(run_dir: Path, step: int) -> Path:
     """The run's latest complete checkpoint, or that of `step` (eval.py --run, --step); a clear error if none."""
-    ckpts = checkpoint_dirs(run_dir)
-    if step:
-        ckpts = [c for c in ckpts if c.name == f"step_{step:06d}"]
+    every = checkpoint_dirs(run_dir)
+    ckpts = [c for c in every if c.name == f"step_{step:06d}"] if step else every
     if not ckpts:
-        have = ", ".join(c.name for c in checkpoint_dirs(run_dir)) or "none"
+        have = ", ".join(c.name for c in every) or "none"
         raise UserError(f"--run {run_dir}: no checkpoint" + (f" of step {step}" if step else "") + f" (have: {have})")
     return ckpts[-1]
 

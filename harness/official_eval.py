@@ -251,7 +251,7 @@ def markdown_table(summaries: list[dict]) -> str:
     return "\n".join(lines) + "\n"
 
 
-def main(cfg, datasets: list, out: Path, load_model) -> list[dict]:
+def main(cfg, datasets: list, out: Path) -> list[dict]:
     """eval.py --protocol official, from its EvalConfig: the policy (the endpoint at cfg.policy_url, else cfg.model
     sampled by transformers), the browsing search over cfg.search's results, the python tool, the judge; then
     `evaluate` on every data set, and summary.{md,json} over them."""
@@ -280,7 +280,7 @@ def main(cfg, datasets: list, out: Path, load_model) -> list[dict]:
         generator = openai_client.CompletionsGenerator(cfg.policy_url, tokenizer)
     else:
         from harness.generation import TransformersGenerator
-        model, tokenizer = load_model(cfg.model, cfg.device, cfg.dtype)
+        model, tokenizer = models.load_model(cfg.model, cfg.device, cfg.dtype)
         generator = TransformersGenerator(model, tokenizer, batch_size=cfg.batch_size)
     settings = OfficialSettings(Sampling(cfg.temperature, cfg.top_p, cfg.top_k, cfg.repetition_penalty),
                                 cfg.max_response_tokens, cfg.calls_per_step, cfg.python_limit, cfg.search_limit,
