@@ -5,7 +5,7 @@ Paper: Dong et al., "Agentic Entropy-Balanced Policy Optimization", arXiv:2510.1
 algorithm.md §6: each question gets n independent trajectories from the training rollout code (no branching) at
 temperature 0.6 and top-p 0.95; Pass@1 is the mean correctness and Pass@k the unbiased estimator. Correct is exact
 match of the boxed answer, `math_equal` for math questions, or an LLM judge (harness/correctness.py). `--protocol
-official` runs the authors' evaluation instead (harness/official_eval.py: text completion with per-tool limits, the
+official` runs the authors' evaluation instead (harness/official/protocol.py: text completion with per-tool limits, the
 browse-and-summarise search, their judge rule, Pass@k over --runs runs), each of its settings a flag whose default
 under that protocol is the official value.
 
@@ -21,7 +21,6 @@ processes split the questions in whole chunks, each with its one-process seed); 
 from __future__ import annotations
 
 import json
-import math
 import shutil
 import sys
 import time
@@ -32,28 +31,15 @@ from typing import Union
 
 import rollout
 import tools
-from harness import checkpoint, cli, config, generation, parallel, rundir, runlog, search as search_mod, trees
-from harness import official_eval
+from harness import cli, config, generation, search as search_mod, trees
+from harness.run import checkpoint, parallel, rundir, runlog
+from harness.official import protocol
 from harness.cli import UserError
 from harness.config import arg, like
 from harness.correctness import Judge, math_equal
 from harness.dataset import load_dataset
 from harness.models import load_model
-from reward import score_response
-
-# --------------------------------------------------------------------------------------------------
-# Pass@k
-
-
-def pass_at_k(n: int, c: int, k: int) -> float:
-    """Eq.: Pass@k = 1 − C(n−c, k) / C(n, k): the chance that k of the n samples (drawn without
-    replacement) contain at least one of the c correct ones."""
-    if not 0 <= c <= n or not 1 <= k <= n:
-        raise ValueError(f"pass_at_k needs 0 <= c <= n and 1 <= k <= n, got n={n}, c={c}, k={k}")
-    if n - c < k:
-        return 1.0
-    return 1.0 - math.comb(n - c, k) / math.comb(n, k)
-
+from reward import pass_at_k, score_response  # noqa: F401 (eval.pass_at_k: the name other code imports)
 
 # --------------------------------------------------------------------------------------------------
 # Evaluation: n independent rollouts per question with the training rollout code
@@ -340,7 +326,7 @@ def main(argv=None) -> list[dict]:
             raise UserError(f"--data {path}: no questions in it")
     config.check_writable(str(out), "out_dir")
     if official:
-        return official_eval.main(cfg, datasets, out)
+        return protocol.main(cfg, datasets, out)
     judge = Judge.from_env(cfg.judge_url, cfg.judge_model, cfg.judge_api_key,
                            cfg.judge_cache or out / "judge_cache.json") if cfg.judge else None
     model, tokenizer = load_model(cfg.model, cfg.device, cfg.dtype)

@@ -3,14 +3,15 @@
 Paper: Dong et al., "Agentic Entropy-Balanced Policy Optimization", arXiv:2510.14545, paper §4 setup; algorithm.md
 §5: −1 for a malformed trajectory, otherwise the token F1 (SQuAD normalisation) of the \\boxed{} answer against the
 best gold alias, +0.1 when the answer scores and the trajectory used both search and python. Evaluation also counts
-exact match; its other checks (`math_equal`, the LLM judge) are in harness/correctness.py. This file copies with
-tools.py (torch is not needed).
+exact match and Pass@k (`pass_at_k`, §6); its other checks (`math_equal`, the LLM judge) are in
+harness/correctness.py. This file copies with tools.py (torch is not needed).
 
 Deviations from the paper / official code (algorithm.md §8): D21 (the text of `<result>` blocks opaque to the format
 check), D22 (the evaluation prediction when the format check fails).
 """
 from __future__ import annotations
 
+import math
 import re
 import string
 from collections import Counter
@@ -178,3 +179,13 @@ def deep_research_reward(response_text: str, golds, strict_format: bool = False)
     """algorithm.md §5: −1 if the format is invalid, else F1(boxed answer, best gold) + 0.1·[F1 > 0 and both
     search and python were used]. response_text: the policy response only (after the prompt)."""
     return score_response(response_text, golds, strict_format)["reward"]
+
+
+def pass_at_k(n: int, c: int, k: int) -> float:
+    """Eq.: Pass@k = 1 − C(n−c, k) / C(n, k): the chance that k of the n samples (drawn without
+    replacement) contain at least one of the c correct ones."""
+    if not 0 <= c <= n or not 1 <= k <= n:
+        raise ValueError(f"pass_at_k needs 0 <= c <= n and 1 <= k <= n, got n={n}, c={c}, k={k}")
+    if n - c < k:
+        return 1.0
+    return 1.0 - math.comb(n - c, k) / math.comb(n, k)

@@ -74,7 +74,7 @@ def premonitor_budget(premonitor: "Trajectory", k: int, beta: float = 0.5) -> in
 
 
 # --------------------------------------------------------------------------------------------------
-# The generation interface (harness/generation.py implements it for transformers and vLLM): ids in, segments out
+# The generation interface (harness/generation/__init__.py implements it for transformers and vLLM): ids in, segments out
 
 
 @dataclass(frozen=True)

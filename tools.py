@@ -6,7 +6,7 @@ setting: the policy interleaves reasoning with `<search>` / `<python>` calls who
 blocks); algorithm.md §0. Generation stops at a closing tool tag; this module parses the call out of the segment,
 runs every call of a round concurrently, and returns observation text that the rollout wraps with `format_result`
 and appends with loss mask 0. The search backends are in harness/search.py; the python tool's sandbox in
-harness/sandbox.py, imported only when a program runs, so this file copies alone with rollout.py (without harness/ a
+harness/sandbox/__init__.py, imported only when a program runs, so this file copies alone with rollout.py (without harness/ a
 program runs in a plain subprocess with a timeout, and its observation says it was not sandboxed).
 
 Deviations from the paper / official code (algorithm.md §8): D11 (malformed calls become `Error: ...`
@@ -154,7 +154,7 @@ def _run_python(code: str, timeout_s: float = 10.0, max_output_chars: int = 4_00
         return f"Error: python code is not valid UTF-8 ({e.reason})", "error"
     cpu = cpu_s if cpu_s is not None else int(timeout_s) + 1
     try:
-        from harness import sandbox           # only the python tool needs it: rollout.py + tools.py copy alone
+        from harness import sandbox  # only the python tool needs it: rollout.py + tools.py copy alone
     except ImportError:                      # copied without harness/: a plain subprocess, as the official code
         return _run_unsandboxed(code, timeout_s, max_output_chars)
     result = sandbox.run(code, timeout_s, memory_mb, cpu, file_size_mb, no_network, max_processes,
@@ -186,7 +186,7 @@ def _run_python(code: str, timeout_s: float = 10.0, max_output_chars: int = 4_00
     return (text or "(no output; use print() to show a value)"), status
 
 
-UNSANDBOXED = "(not sandboxed: harness/sandbox.py is not beside tools.py)"
+UNSANDBOXED = "(not sandboxed: harness/sandbox/__init__.py is not beside tools.py)"
 
 
 def _run_unsandboxed(code: str, timeout_s: float, max_output_chars: int) -> tuple[str, str]:

@@ -14,7 +14,7 @@ mini-batches of the same rollouts (loss.py).
 One code path for 1..N processes: each rank rolls out its own share of the step's questions (all k trajectories of a
 question stay on one rank), and the only cross-rank quantities are sums: the token and sequence counts of each
 optimiser mini-batch (the loss divides by them), the batch entropy statistics (the entropy-aware advantage z-scores
-with them), gradients and logged metrics. The set-up is harness/startup.py, the machinery the rest of harness/.
+with them), gradients and logged metrics. The set-up is harness/run/startup.py, the machinery the rest of harness/.
 
 Deviations from the paper / official code (algorithm.md §8): D14 (old-policy entropy z-scored over the batch on all
 ranks), D16 (the loss divided by the mini-batch's global token count), D26 (optional supervised cold start), D27
@@ -36,10 +36,11 @@ import loss
 import reward
 import rollout
 import tools
-from harness import checkpoint, cli, config, dataset, generation, parallel, rundir, runlog, trees
-from harness.policy import (backward_micro_batches, full_named_parameters, micro_batches, optimizer_step, pad_share,
-                            split_micro_batches, tensorize, unwrap)  # noqa: F401 -- split_micro_batches: train's API
-from harness.startup import Run, set_up
+from harness import cli, config, dataset, generation, trees
+from harness.run import checkpoint, parallel, rundir, runlog
+from harness.run.policy import (backward_micro_batches, full_named_parameters, micro_batches, optimizer_step,
+                                pad_share, split_micro_batches, tensorize, unwrap)  # noqa: F401 -- train's API
+from harness.run.startup import Run, set_up
 
 # ---------------------------------------------------------------------------------------------------------------------
 # One training step (this rank's questions; every rank runs it, the collectives are sums)

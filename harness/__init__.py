@@ -1,10 +1,16 @@
-"""The machinery the paper's algorithm runs on, one module per job (the algorithm itself is in the top-level files):
-startup (a training run's set-up), config (the flags), cli (how a command ends), models (finding and loading a
-model), policy (the model on 1..N processes), generation and vllm_generation (the two generation backends),
-coldstart (the embedded model's supervised cold start), dataset, search (the search tool's backends), correctness
-(math_equal and the LLM judge), sandbox with sandbox_cgroups, sandbox_seccomp, sandbox_cleanup, landlock and rootfs
-(the python tool's isolation), parallel (process group), checkpoint, rundir (the run folder and its settings), runlog
-(logs, plots), http_client (bounded HTTP requests), trees (rollout trees recorded and drawn),
-official_eval, official_rules, browse and openai_client (the authors' evaluation protocol: its loop, its rules, its
-search, its endpoints). Nothing is imported here: `python harness/sandbox.py` starts from a bare interpreter.
+"""The machinery the paper's algorithm runs on (the algorithm itself is in the top-level files), one module per job.
+tests/test_architecture.py checks this map against the tree.
+
+Modules: `cli` (how a command ends), `config` (the flags), `models` (the embedded model, a directory or a hub id),
+`dataset`, `search` (BM25, replay, retrieval server, web), `correctness` (math_equal, the LLM judge), `trees` (tree
+records, diversity, drawings), `http_client` (bounded HTTP requests), `openai_client` (OpenAI-compatible endpoints).
+`run/`: `run/startup` (a training run's set-up), `run/parallel` and `run/watchdog` (the process group),
+`run/policy` (the model on 1..N processes, micro-batches), `run/checkpoint`, `run/rundir` (the run folder and its
+settings), `run/runlog` (metrics, plots), `run/coldstart` (the embedded model's supervised cold start).
+`generation/` (the transformers backend, make_generator) with `generation/vllm`.
+`sandbox/` (the python tool's isolation) with `sandbox/cgroups`, `sandbox/seccomp`, `sandbox/cleanup`,
+`sandbox/landlock`, `sandbox/rootfs`.
+`official/` (the authors' evaluation protocol) with `official/protocol` (its loop), `official/rules` (its scoring),
+`official/browse` (its browsing search).
+Nothing is imported here: `python harness/sandbox/__init__.py` starts from a bare interpreter.
 """

@@ -301,10 +301,12 @@ def parse_config(argv=None, defaults: dict | None = None) -> Config:
         (0 <= cfg.overlong_cache < cfg.max_response_tokens, f"--overlong_cache ({cfg.overlong_cache}) must be >= 0 and "
                                                             f"less than --max_response_tokens ({cfg.max_response_tokens})"),
         (not cfg.kl_in_reward or cfg.reinforce_pp, "--kl_in_reward belongs to --reinforce_pp (the per-token returns)"),
-        (not cfg.tensorboard or importlib.util.find_spec("tensorboard") is not None,
-         "--tensorboard needs the tensorboard package: pip install tensorboard (or leave --tensorboard false)"),
-        (not cfg.wandb or importlib.util.find_spec("wandb") is not None,
-         "--wandb needs the wandb package: pip install wandb (or leave --wandb false)"),
+        *((not getattr(cfg, name) or importlib.util.find_spec(name) is not None,
+           f"--{name} needs the {name} package: pip install {name} (or leave --{name} false)")
+          for name in ("tensorboard", "wandb")),
+        (not (cfg.backend == "vllm" and cfg.temperature != 1.0 and (cfg.tis_cap or cfg.mismatch_token_mask or
+              cfg.mismatch_segment_mask or cfg.mismatch_sequence_mask)), "the mismatch correction (--tis_cap, "
+         "--mismatch_*_mask) needs the generator's log-probs, which vLLM gives at --temperature 1 only"),
     ]
     for ok, message in checks:
         if not ok:
@@ -356,8 +358,7 @@ def cache_dir(path: str | os.PathLike | None = None) -> Path:
 def check_files(cfg: Config) -> None:
     """The data files exist (their rows are checked when they are read, still before the run folder exists) and
     --out_dir can be written."""
-    for path, what in ((cfg.train_data, "train_data"), (cfg.eval_data, "eval_data"),
-                       (cfg.cold_start_data, "cold_start_data")):
+    for what, path in ((flag, getattr(cfg, flag)) for flag in ("train_data", "eval_data", "cold_start_data")):
         if path and not Path(path).is_file():
             raise UserError(f"--{what} {path}: file not found")
     check_writable(cfg.out_dir, "out_dir")

@@ -4,7 +4,7 @@ The policy's <search> calls (the setup of paper §4) go to a search engine whose
 snippet` lines (10 snippets of at most 1,000 characters in the official code). Every backend has `search(queries:
 list[str]) -> list[str]`, one result text per query, so a rollout round's queries go out as one batch. The two web
 backends (Bright Data's SERP API over Bing, as the official code calls it, and Serper.dev) also give their results
-themselves (`organic`), which the official evaluation's browsing search fetches and summarises (harness/browse.py).
+themselves (`organic`), which the official evaluation's browsing search fetches and summarises (harness/official/browse.py).
 
 Deviations from the paper / official code (algorithm.md §8): D13 (the default is offline BM25 over ~10,000 English
 Wikipedia summaries; Bright Data's SERP API over Bing, the official training and evaluation search, is the
@@ -250,7 +250,7 @@ class WebSearch:
         return [r for r in organic if isinstance(r, dict)]
 
     def organic(self, query: str) -> list[dict]:
-        """The top results as {"title", "url", "site_name", "date", "snippet"} (harness/browse.py reads them)."""
+        """The top results as {"title", "url", "site_name", "date", "snippet"} (harness/official/browse.py reads them)."""
         return [{"title": str(r.get("title", "")), "url": str(r.get("link", "")), "site_name": "",
                  "date": str(r.get("date", "")), "snippet": str(r.get("snippet", ""))}
                 for r in self._reply(query)[:self.topk]]
@@ -307,7 +307,7 @@ class BrightDataSearch:
         return [r for r in reply.get("organic") or [] if isinstance(r, dict)]   # no `organic`: no results
 
     def organic(self, query: str) -> list[dict]:
-        """The top results as {"title", "url", "site_name", "date", "snippet"} (harness/browse.py reads them)."""
+        """The top results as {"title", "url", "site_name", "date", "snippet"} (harness/official/browse.py reads them)."""
         return [{"title": str(r.get("title", "")), "url": str(r.get("link", "")),
                  "site_name": str(r.get("site_name", "")), "date": str(r.get("datePublished", "")).split("T")[0],
                  "snippet": str(r.get("description", "")).replace("<b>", "").replace("</b>", "")}

@@ -201,7 +201,7 @@ def test_static_select_policy_is_policy_forward():
     """memory_sim.StaticSelectPolicy (mask-1 positions as indices, for fake tensors) computes what Policy.forward
     computes from the mask: the same log-probs and entropies, and the same gradients."""
     import memory_sim
-    from harness.policy import Policy
+    from harness.run.policy import Policy
     from transformers import AutoModelForCausalLM, Qwen3Config
     torch.manual_seed(0)
     lm = AutoModelForCausalLM.from_config(Qwen3Config(**MEMSIM_ARCH, attn_implementation="sdpa"))

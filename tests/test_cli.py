@@ -228,7 +228,8 @@ def test_ctrl_c_after_a_step_says_what_was_kept_and_the_resume_works(setup):
 # More places a newcomer met a traceback or a silent surprise
 
 
-@pytest.mark.parametrize("kind", ["tensorboard", "wandb", "out_dir is a file", "out_dir unwritable", "abbreviated"])
+@pytest.mark.parametrize("kind", ["tensorboard", "wandb", "out_dir is a file", "out_dir unwritable", "abbreviated",
+                                  "correction without log-probs"])
 def test_more_mistakes_are_caught_before_any_work(kind, setup, tmp_path, capsys, monkeypatch):  # noqa: F811
     import importlib.util
     (tmp_path / "a_file").write_text("x")
@@ -241,6 +242,8 @@ def test_more_mistakes_are_caught_before_any_work(kind, setup, tmp_path, capsys,
         "out_dir is a file": ({"out_dir": tmp_path / "a_file" / "runs"}, "a_file is a file, not a directory"),
         "out_dir unwritable": ({"out_dir": "/proc/aepo/runs"}, "--out_dir /proc/aepo/runs: cannot write in /proc"),
         "abbreviated": ({}, "unrecognized arguments: --step"),
+        "correction without log-probs": ({"backend": "vllm", "temperature": 0.7, "tis_cap": 2.0},
+                                         "needs the generator's log-probs, which vLLM gives at --temperature 1 only"),
     }[kind]
     argv = flags(setup, f"more_{kind.replace(' ', '_')}", **over) + (["--step", "8"] if kind == "abbreviated" else [])
     code, err = command(capsys, train.main, argv)

@@ -19,11 +19,11 @@ import pytest
 import torch
 import torch.multiprocessing as mp
 
-from harness import checkpoint
+from harness.run import checkpoint
 from harness import generation
 import loss
-from harness import parallel
-from harness import policy as policy_mod
+from harness.run import parallel
+from harness.run import policy as policy_mod
 import tools
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "bench"))

@@ -21,7 +21,7 @@ ROOT = Path(__file__).resolve().parents[1]
 README = (ROOT / "README.md").read_text(encoding="utf-8")
 REFERENCE = (ROOT / "docs" / "reference.md").read_text(encoding="utf-8")
 ALGORITHM = (ROOT / "docs" / "algorithm.md").read_text(encoding="utf-8")
-MODULES = sorted([*ROOT.glob("*.py"), *(p for p in ROOT.glob("harness/*.py") if p.name != "__init__.py")])
+MODULES = sorted([*ROOT.glob("*.py"), *(p for p in ROOT.glob("harness/**/*.py") if p != ROOT / "harness/__init__.py")])
 PAPER_FILES = {"rollout.py", "loss.py", "advantage.py", "reward.py", "tools.py", "train.py", "eval.py"}
 
 
@@ -146,3 +146,9 @@ def test_no_test_module_imports_another():
     for path in sorted((ROOT / "tests").glob("test_*.py")):
         imports = re.findall(r"^\s*(?:from|import) tests\.(test_\w+)", path.read_text(encoding="utf-8"), re.M)
         assert not imports, f"{path.name} imports {imports}"
+
+
+def test_the_readmes_deviation_range_is_the_lists():
+    """The README's "(D1-Dn)" names the last deviation algorithm.md lists."""
+    listed = [int(n) for n in re.findall(r"^- D(\d+)\.", ALGORITHM, re.M)]
+    assert re.search(r"\(D1-D(\d+)\)", README).group(1) == str(max(listed)), "README's deviation range"

@@ -9,6 +9,7 @@ scoring its own questions), the data order, and the vLLM per-step cycle. The hel
 tests/conftest.py, the injected score and generators (`fake_score`, `AnswerAtOnce`) in tests/fakes.py; each run is 2
 steps of 2 questions × k = 2 unless a test says otherwise."""
 import contextlib
+import dataclasses
 import json
 import math
 import sys
@@ -19,13 +20,13 @@ import torch
 
 import advantage
 from harness import dataset
-from harness import checkpoint
+from harness.run import checkpoint
 from harness import cli
-from harness import coldstart
+from harness.run import coldstart
 from harness import config
 import loss
-from harness import policy as policy_mod
-from harness import startup
+from harness.run import policy as policy_mod
+from harness.run import startup
 import rollout
 import tools
 import train
@@ -509,10 +510,31 @@ def test_a_generator_left_with_old_weights_trips_the_mismatch_warning(stale, set
         assert all(r["mismatch/k3"] < 1e-6 for r in rows) and "mismatch/k3" not in out.replace("mismatch ", "")
 
 
+def test_the_correction_without_generator_logprobs_is_one_error_line(setup, capsys):
+    """A generator that gives no log-probs with --tis_cap on: train.main, as the command line runs it, ends with one
+    line `error: ...` naming what is missing and exit code 2 (the update's error wrapping leaves a UserError alone)."""
+    from harness import generation, models
+
+    class NoLogprobs(generation.TransformersGenerator):
+        def generate(self, *args, **kwargs):
+            return [dataclasses.replace(seg, logprobs=None) for seg in super().generate(*args, **kwargs)]
+
+    def make(cfg, init_path, policy, tokenizer, rank, device):
+        return NoLogprobs(models.load_lm(init_path, device), tokenizer, batch_size=cfg.gen_batch_size)
+
+    code = cli.run_cli(lambda argv: train.main(argv, score=fake_score, make_generator=make),
+                       flags(setup, "no_logprobs", steps=1, tis_cap=2.0))
+    err = capsys.readouterr().err
+    assert code == 2, err
+    said = [line for line in err.replace("\r", "\n").splitlines() if line.startswith("error: ")]
+    assert len(said) == 1 and "needs the generator's log-probs" in said[0] and "Traceback" not in err, err
+    assert err.rstrip().endswith(said[0]), err                              # the last thing said (progress bars before)
+
+
 def test_the_correction_switches_reach_the_loss():
     """train.rollout_correction reads each switch: all off gives no weights (the default run's loss is unchanged);
     each on gives loss.rollout_correction's weights with its band; no generator log-probs is an error."""
-    from harness.policy import MicroBatch
+    from harness.run.policy import MicroBatch
     mb = MicroBatch(torch.zeros(1, 4, dtype=torch.long), torch.ones(1, 4, dtype=torch.long), torch.ones(1, 3),
                     gen_logp=torch.tensor([[0.0, -1.0, 0.5]]), old_logp=torch.zeros(1, 3))   # ρ = 1, e, e^−0.5
     assert train.rollout_correction(mb, config.Config()) is None

@@ -1,4 +1,4 @@
-"""Tests for eval.py --protocol official (harness/official_eval.py, official_rules.py, browse.py, openai_client.py, the
+"""Tests for eval.py --protocol official (harness/official/protocol.py, official_rules.py, browse.py, openai_client.py, the
 official judge and metrics in correctness.py, the Bright Data client in search.py): every rule of the authors'
 evaluation protocol, against a scripted policy and real servers on loopback (tests/standins.py: pages, Bright Data's
 SERP API, an OpenAI-compatible chat server as summariser and judge)."""
@@ -13,9 +13,10 @@ import pytest
 
 import eval as E
 import tools
-from harness import browse, http_client, openai_client, search
-from harness import official_eval as O
-from harness import official_rules as R
+from harness import http_client, openai_client, search
+from harness.official import browse
+from harness.official import protocol as O
+from harness.official import rules as R
 from harness.cli import UserError
 from harness.correctness import OfficialJudge, math_string_equal, official_scores, official_verdict
 from harness.dataset import load_dataset

@@ -12,12 +12,12 @@ import torch
 
 from harness import models
 
-from harness import checkpoint
+from harness.run import checkpoint
 from harness import cli
 from harness import config
 from harness import generation
 import eval as evaluation
-from harness import policy as policy_mod
+from harness.run import policy as policy_mod
 import train
 from tests.conftest import QA, flags, hand_made_trajectories, make_tiny_model, spawn, train_worker, weights
 from tests.fakes import EchoTools, fake_score
@@ -277,7 +277,7 @@ def test_model_only_checkpoints_resume(setup, monkeypatch, capsys):
 
 def _metrics_worker(rank, world, out):
     import transformers
-    from harness import parallel
+    from harness.run import parallel
     parallel.init("cpu", timeout_min=1)        # a collective mismatch then fails within a minute instead of hanging
     try:
         local = {"reward": 1.0 + rank, "n_traj": 4.0}

@@ -174,10 +174,10 @@ def test_a_checkpoints_generation_config_does_not_shape_the_samples(tokenizer):
 @pytest.mark.parametrize("temperature", [1.0, 0.7])
 def test_generator_log_probs_equal_the_trainers(tokenizer, temperature):
     """Every sampled token carries the generator's log-prob at the sampling temperature over the whole vocabulary:
-    what the trainer's old-policy pass computes for it (harness.policy.Policy, teacher-forced, in float32). Both run
+    what the trainer's old-policy pass computes for it (harness.run.policy.Policy, teacher-forced, in float32). Both run
     the same float32 model here, so the mismatch is rounding: |Δ| < 1e-4; top-p below 1 changes what is sampled,
     not what is compared."""
-    from harness import policy as policy_mod
+    from harness.run import policy as policy_mod
     model = peaked(tokenizer, seed=8)
     context = as_ids(chat_prompt(tokenizer, "Who wrote Hamlet?"))
     seg = TransformersGenerator(model, tokenizer).generate(

@@ -26,7 +26,8 @@ from pathlib import Path
 
 import pytest
 
-from harness import sandbox, sandbox_cgroups, sandbox_cleanup
+from harness import sandbox
+from harness.sandbox import cgroups, cleanup
 import tools
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -325,7 +326,7 @@ def test_memory_limit_holds_for_all_processes_together():
             "print([os.waitstatus_to_exitcode(os.waitpid(pid, 0)[1]) for pid in children])")
     result = sandbox.run(code, total_memory_mb=192)
     assert result.oom_kills > 0 and (result.returncode == -9 or -9 in ast.literal_eval(result.output)), result
-    assert not list(Path(sandbox_cgroups.parent("memory")).glob("aepo_python_*"))  # removed after the call
+    assert not list(Path(cgroups.parent("memory")).glob("aepo_python_*"))  # removed after the call
 
 
 def test_disk_use_is_bounded_and_another_call_still_starts():
@@ -387,7 +388,7 @@ def test_remove_tree_never_follows_a_link_out(tmp_path):
     finally:
         os.close(fd)
     os.symlink(planted, tree / "at_the_top")
-    sandbox_cleanup.remove_tree(str(tree))
+    cleanup.remove_tree(str(tree))
     assert not tree.exists()
     assert sorted(os.listdir(planted)) == ["directory", "keep.txt"]
     assert (planted / "keep.txt").read_text() == "kept" and (planted / "keep.txt").stat().st_nlink == 1
@@ -471,7 +472,7 @@ def check_spawn_loop(out: str, limit: int, marker: str) -> None:
     assert re.fullmatch(rf"Error: the program hit the process limit \({limit}\): \d+ process creations were "
                         r"refused", error), out
     assert gone(marker)
-    assert not (Path(sandbox_cgroups.parent("pids")) / Path(first[2]).parent.name).exists()  # named as its directory
+    assert not (Path(cgroups.parent("pids")) / Path(first[2]).parent.name).exists()  # named as its directory
 
 
 @pytest.mark.parametrize("loop", SPAWN_LOOPS)

@@ -12,10 +12,10 @@ import torch
 import torch.multiprocessing as mp
 
 import tools
-from harness import coldstart
+from harness.run import coldstart
 from harness import cli
 from harness import config
-from harness import policy as policy_mod
+from harness.run import policy as policy_mod
 import train
 from tests.conftest import QA, flags, free_port, hand_made_trajectories, make_tiny_model, weights
 from tests.fakes import fake_score

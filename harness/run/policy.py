@@ -25,7 +25,7 @@ from dataclasses import dataclass
 import torch
 
 import loss
-from harness import parallel
+from harness.run import parallel
 from harness.cli import UserError
 from harness.models import load_lm
 
@@ -236,6 +236,8 @@ def backward_micro_batches(policy, mbs: list[MicroBatch], world: int, amp, tempe
                 logp, entropy = policy(mb.input_ids, mb.attention_mask, mb.mask, temperature, chunk_size)
             try:                                     # non-finite inputs raise in loss.py: add where it happened
                 value, metrics = loss_of(mb, logp, entropy)
+            except UserError:                        # a user's mistake stays one line (cli.run_cli), not a bug
+                raise
             except ValueError as err:
                 raise ValueError(f"{where}, micro-batch {i}: {err}") from err
             if not torch.isfinite(value):

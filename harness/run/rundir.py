@@ -12,10 +12,10 @@ import subprocess
 import sys
 from pathlib import Path
 
-from harness import checkpoint
+from harness.run import checkpoint
 from harness import cli
 from harness import config
-from harness import parallel
+from harness.run import parallel
 
 # ---------------------------------------------------------------------------------------------------------------------
 # The run directory

@@ -17,9 +17,9 @@ import torch
 
 import rollout
 import tools
-from harness import (checkpoint, cli, coldstart, config, dataset, models, parallel, rundir, search as search_mod,
-                     watchdog)
-from harness.policy import load_policy, unwrap
+from harness import cli, config, dataset, models, search as search_mod
+from harness.run import checkpoint, coldstart, parallel, rundir, watchdog
+from harness.run.policy import load_policy, unwrap
 
 
 @dataclass
@@ -38,7 +38,7 @@ class Run:
     eval_rows: list[dict]
     steps: int                               # the run's last step
     start_step: int                          # 0, or the step of the checkpoint a resume starts from
-    policy: torch.nn.Module                  # harness.policy.Policy, placed for `world` processes
+    policy: torch.nn.Module                  # harness.run.policy.Policy, placed for `world` processes
     ref: torch.nn.Module | None              # the frozen reference (kl_coef > 0)
     optimizer: torch.optim.Optimizer
     generator: rollout.Generator             # the backend's, the watchdog told about each call

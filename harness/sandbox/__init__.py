@@ -2,12 +2,12 @@
 
 The policy's `<python>` calls run during every rollout (the agentic setting of paper §3), thousands of times per
 training step, written by a policy that is being pushed to try things. `run` makes the call's cgroups
-(sandbox_cgroups.py) and starts the program through `unshare` into new namespaces, where a small init process joins the
+(cgroups.py) and starts the program through `unshare` into new namespaces, where a small init process joins the
 cgroups, puts a size-limited tmpfs over the working directory, pivots into a minimal root (rootfs.py) and forks the
 program; the child applies rlimits, a Landlock ruleset (landlock.py; read-only: the interpreter and the system's
-libraries; read-write: its own working directory) and a seccomp filter (sandbox_seccomp.py) before exec'ing the
+libraries; read-write: its own working directory) and a seccomp filter (seccomp.py) before exec'ing the
 interpreter on the program; on the wall-clock timeout the whole process group dies, and with it the namespaces and
-everything in them; then the cgroups and the call's directory go (sandbox_cleanup.py: any tree, iteratively, never
+everything in them; then the cgroups and the call's directory go (cleanup.py: any tree, iteratively, never
 following a link).
 
 Layers, each detected once per process (`isolation()`) and used wherever available:
@@ -38,9 +38,9 @@ The sandbox's own status (a set-up failure, the program's exit code as its init 
 launcher closes before it executes the program (and whose holder, the init, it cannot ptrace), never on the program's
 output or through an exit code it can choose.
 
-Run as a script, this file is the launcher inside the sandbox (`python -I -S harness/sandbox.py OPTIONS -- PROGRAM`).
+Run as a script, this file is the launcher inside the sandbox (`python -I -S harness/sandbox/__init__.py OPTIONS -- PROGRAM`).
 Every call starts it, so the top imports only what the launcher needs; the trainer-side functions import re, subprocess,
-tempfile, sandbox_cgroups and sandbox_cleanup where they use them (about 12 ms less per call).
+tempfile, cgroups and cleanup where they use them (about 12 ms less per call).
 
 What the program meets: it may read only the interpreter, its packages, the system's programs and libraries and its
 own directory: code that reads other files (a data set, the user's home) gets FileNotFoundError (no such path in the
@@ -60,8 +60,8 @@ import resource
 import sys
 
 if __name__ == "__main__":  # the launcher runs under -I, which leaves the repository off sys.path
-    sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from harness import landlock, rootfs, sandbox_seccomp  # noqa: E402
+    sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
+from harness.sandbox import landlock, rootfs, seccomp  # noqa: E402
 
 # ---------------------------------------------------------------------------------------------------------------
 # Inside the sandbox: the launcher (joins the cgroups; as init of the PID namespace mounts the working directory's
@@ -136,7 +136,7 @@ def launch(argv: list[str]) -> None:
         if int(options["landlock"]):
             landlock.restrict(int(options["landlock"]), paths["ro"], paths["rw"], options["tcp"] == "1")
         if options["vsock"] == "1":
-            sandbox_seccomp.close_vsock(os.uname().machine)
+            seccomp.close_vsock(os.uname().machine)
         os.execv(program[0], program)
     except OSError as e:
         os.write(report, f"sandbox setup failed: {e}\n".encode())
@@ -160,7 +160,7 @@ HINTS = {"PID namespace": "`unshare -rpf --mount-proc` fails: user namespaces di
                          "pivot_root fails there (a trainer in a chroot, a container that restricts mounts)",
          "Landlock": "kernel older than 5.13, Landlock not in the boot-time lsm= list, or not one of "
                      + ", ".join(landlock.MACHINES),
-         "vsock filter": "a machine other than " + ", ".join(sandbox_seccomp.MACHINES) + ", or a kernel without "
+         "vsock filter": "a machine other than " + ", ".join(seccomp.MACHINES) + ", or a kernel without "
                          "seccomp filters (CONFIG_SECCOMP_FILTER)",
          "process limit": "as root: " + CGROUP_HINT.format("pids") + "; as another user: no user namespace or a "
                           "kernel older than 5.14",
@@ -206,7 +206,7 @@ def isolation() -> dict:
     "memory_limit": "memory cgroup" | "" (none), "rlimits": names of the limits set}. The layers the launcher sets
     up are tried on a program that does nothing: all at once, and where that fails each alone."""
     import re
-    from harness import sandbox_cgroups
+    from harness.sandbox import cgroups
     network = _unshare_works("-rn")
     pid = _unshare_works("-rnpf" if network else "-rpf", "--mount-proc")
     ipc = _unshare_works("-ri")
@@ -214,9 +214,9 @@ def isolation() -> dict:
     nproc = (pid or network or ipc) and os.geteuid() != 0 and kernel >= [5, 14]  # per user namespace; root: exempt
     layers = {"pid_namespace": pid, "network_namespace": network, "ipc_namespace": ipc, "minimal_root": pid,
               "disk_limit": pid, "landlock_abi": landlock.abi(),
-              "vsock_filter": os.uname().machine in sandbox_seccomp.MACHINES,
-              "process_limit": "pids cgroup" if sandbox_cgroups.parent("pids") else "RLIMIT_NPROC" if nproc else "",
-              "memory_limit": "memory cgroup" if sandbox_cgroups.parent("memory") else "",
+              "vsock_filter": os.uname().machine in seccomp.MACHINES,
+              "process_limit": "pids cgroup" if cgroups.parent("pids") else "RLIMIT_NPROC" if nproc else "",
+              "memory_limit": "memory cgroup" if cgroups.parent("memory") else "",
               "rlimits": ("AS", "CPU", "FSIZE")}
     tried = {"minimal_root": False, "disk_limit": False, "vsock_filter": False, "process_limit": "", "memory_limit": ""}
     if not _works(layers):
@@ -338,11 +338,11 @@ def run(code: str, timeout_s: float = 10.0, memory_mb: int = 1_024, cpu_s: int =
     directory, or the sandbox's set-up failed (the program is never run with fewer layers than asked)."""
     import subprocess
     import tempfile
-    from harness import sandbox_cgroups, sandbox_cleanup
+    from harness.sandbox import cgroups, cleanup
     layers = isolation() if layers is None else layers
     tmp = tempfile.mkdtemp(prefix="aepo_python_")
     work, output_path = os.path.join(tmp, "work"), os.path.join(tmp, "output.txt")
-    cgroups, report = [], -1
+    call_cgroups, report = [], -1
     try:
         os.mkdir(work)
         with open(os.path.join(work, "main.py"), "w", encoding="utf-8") as f:
@@ -350,12 +350,12 @@ def run(code: str, timeout_s: float = 10.0, memory_mb: int = 1_024, cpu_s: int =
         root = os.path.join(tmp, "root") if layers["minimal_root"] and layers["pid_namespace"] else ""
         if root:
             os.mkdir(root)  # the mount point of the minimal root's tmpfs
-        cgroups = sandbox_cgroups.make(os.path.basename(tmp),  # named as the call's directory
+        call_cgroups = cgroups.make(os.path.basename(tmp),  # named as the call's directory
                                        max_processes if layers["process_limit"] == "pids cgroup" else 0,
                                        total_memory_mb << 20 if layers["memory_limit"] else 0)
         report, report_write = os.pipe()  # the launcher's channel to us; the program never holds it
         cmd = command(work, report_write, layers, memory_mb, cpu_s, file_size_mb, no_network, max_processes,
-                      tuple(cgroups), root, disk_mb)
+                      tuple(call_cgroups), root, disk_mb)
         env = {"PATH": os.environ.get("PATH", "/usr/bin:/bin"), "HOME": work, "TMPDIR": work, "LANG": "C.UTF-8",
                "OMP_NUM_THREADS": "1", "OPENBLAS_NUM_THREADS": "1", "MKL_NUM_THREADS": "1", "MPLBACKEND": "Agg"}
         timed_out = False
@@ -369,7 +369,7 @@ def run(code: str, timeout_s: float = 10.0, memory_mb: int = 1_024, cpu_s: int =
                 proc.wait(timeout=timeout_s)
             except subprocess.TimeoutExpired:
                 timed_out = True
-            sandbox_cleanup.kill_all(proc, layers["pid_namespace"])
+            cleanup.kill_all(proc, layers["pid_namespace"])
         lines = _read_report(report)
         failures = [line for line in lines if line.startswith("sandbox setup failed: ")]
         if failures:
@@ -379,14 +379,14 @@ def run(code: str, timeout_s: float = 10.0, memory_mb: int = 1_024, cpu_s: int =
         with open(output_path, "rb") as f:
             output = f.read(read_bytes).decode("utf-8", errors="replace")
         return Result(output.replace(work + os.sep, ""), os.path.getsize(output_path), returncode, timed_out,
-                      sandbox_cgroups.refused(cgroups), sandbox_cgroups.oom_kills(cgroups))
+                      cgroups.refused(call_cgroups), cgroups.oom_kills(call_cgroups))
     finally:
         try:
             if report >= 0:
                 os.close(report)
-            sandbox_cgroups.remove(cgroups)
+            cgroups.remove(call_cgroups)
         finally:
-            sandbox_cleanup.remove_tree(tmp)
+            cleanup.remove_tree(tmp)
 
 
 if __name__ == "__main__":

@@ -1,5 +1,5 @@
 """The run's generator (`make_generator`) and the transformers generation backend (any device); vLLM's is in
-harness/vllm_generation.py. Both implement `rollout.Generator`.
+harness/generation/vllm.py. Both implement `rollout.Generator`.
 
 A backend returns, per context, the segment the policy generated up to the next tool stop, `</answer>`, EOS or the
 token budget, with its segment entropy H_seg (algorithm.md §1: `rollout.segment_entropy` over the top-10 log-probs of
@@ -23,11 +23,11 @@ def make_generator(cfg, init_path: str, policy, tokenizer, rank: int, device):
     """The run's generator: vLLM (one engine per rank, built from the checkpoint at init_path), or transformers
     sampling from the policy's own LM (one process, DDP) or from an unsharded copy of it (FSDP2: D27)."""
     if cfg.backend == "vllm":
-        from harness.vllm_generation import VLLMGenerator
+        from harness.generation.vllm import VLLMGenerator
         return VLLMGenerator(init_path, gpu_memory_utilization=cfg.vllm_gpu_memory_utilization, seed=cfg.seed + rank,
                              max_model_len=cfg.max_prompt_tokens + cfg.max_response_tokens)
     from harness.models import load_lm
-    from harness.policy import is_sharded, unwrap
+    from harness.run.policy import is_sharded, unwrap
     lm = load_lm(init_path, device) if is_sharded(policy) else unwrap(policy).lm
     return TransformersGenerator(lm, tokenizer, batch_size=cfg.gen_batch_size)
 

@@ -30,8 +30,8 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from harness import parallel
-from harness import policy as policy_mod
+from harness.run import parallel
+from harness.run import policy as policy_mod
 from harness.cli import RunFailure, UserError, stop_requested
 
 

@@ -8,6 +8,7 @@ import ast
 from collections import Counter
 
 from harness.correctness import official_scores
+from reward import pass_at_k
 
 TAGS = ("</python>", "</search>", "</answer>")
 
@@ -130,7 +131,6 @@ def run_summary(records: list[dict], counts: Counter) -> dict:
 def aggregate(runs: list[list[dict]], name: str) -> dict:
     """Over the runs: Pass@1 = the mean of the runs' correctness, Pass@k (k ≤ runs) the unbiased estimator over each
     question's runs, every metric the mean of the runs' means."""
-    from eval import pass_at_k
     n, per_run = len(runs), [run_summary(records, Counter()) for records in runs]
     correct = [sum(records[i]["correct"] for records in runs) for i in range(len(runs[0]))] if runs else []
     summary = {"dataset": name, "questions": len(correct), "runs": n}

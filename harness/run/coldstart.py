@@ -18,8 +18,9 @@ from pathlib import Path
 import torch
 
 import tools
-from harness import cli, parallel
-from harness.policy import backward_micro_batches, optimizer_step, tensorize, unwrap
+from harness import cli
+from harness.run import parallel
+from harness.run.policy import backward_micro_batches, optimizer_step, tensorize, unwrap
 
 # ---------------------------------------------------------------------------------------------------------------------
 # Supervised cold start: demonstrations tokenised exactly like rollouts (policy segments mask 1, results mask 0)

@@ -5,7 +5,7 @@ Per question (`infer`): the chat template once, then calls to the policy (a `rol
 an OpenAI-compatible endpoint or a test's script) at temperature 0.6, top-p 0.95, top-k 20, repetition penalty 1.1,
 at most 4,096 tokens a call. A call's text is cut at a `<result>` the policy wrote itself and after its first
 closing tag; a step whose calls hold no closing tag is continued, up to 4 calls in all. A step that ends with
-</python> runs the code (120 s), one with </search> the browsing search (harness/browse.py), each as `<result>…
+</python> runs the code (120 s), one with </search> the browsing search (harness/official/browse.py), each as `<result>…
 </result>`; past 5 python or 10 search calls, or for a query the question already searched, the result says so and
 nothing runs. Any other step ends the sample, and so does its 1,500 s deadline. The prediction is the last
 \\boxed{} of the last <answer>; the scores (`score`) are the official evaluator's EM, accuracy, F1, math_equal and,
@@ -22,7 +22,7 @@ from concurrent.futures import ThreadPoolExecutor, TimeoutError as FutureTimeout
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
-from harness.official_rules import TAGS, aggregate, cut_call, print_last_expression, run_summary, score, tag_content
+from harness.official.rules import TAGS, aggregate, cut_call, print_last_expression, run_summary, score, tag_content
 from rollout import Sampling
 
 PYTHON_LIMIT = "The python tool may not be used any more: its call limit is exceeded."
@@ -257,7 +257,7 @@ def main(cfg, datasets: list, out: Path) -> list[dict]:
     `evaluate` on every data set, and summary.{md,json} over them."""
     import tools
     from harness import config, models, openai_client, search as search_mod
-    from harness.browse import BrowseSearch, PageCache, Summarizer
+    from harness.official.browse import BrowseSearch, PageCache, Summarizer
     from harness.cli import UserError
     from harness.correctness import OfficialJudge
     if cfg.search not in ("brightdata", "web"):
