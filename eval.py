@@ -20,6 +20,7 @@ processes split the questions in whole chunks, each with its one-process seed); 
 """
 from __future__ import annotations
 
+import dataclasses
 import json
 import shutil
 import sys
@@ -31,11 +32,11 @@ from typing import Union
 
 import rollout
 import tools
-from harness import cli, config, generation, search as search_mod, trees
+from harness import cli, config, generation, search as search_mod, settings as settings_mod, trees
 from harness.run import checkpoint, parallel, rundir, runlog
 from harness.official import protocol
 from harness.cli import UserError
-from harness.config import arg, like
+from harness.config import Config, arg
 from harness.correctness import Judge, math_equal
 from harness.dataset import load_dataset
 from harness.models import load_model
@@ -183,20 +184,33 @@ def markdown_table(summaries: list[dict]) -> str:
 # Command line
 
 
+def like(key: str, default=dataclasses.MISSING, help: str = ""):
+    """A field of another command's config (eval.py) that is the training setting `key`: Config's help unless `help`
+    is given, Config's default unless `default` is, and metadata "train_key" (eval.py --run reads the run's value of
+    `key` into it)."""
+    source = {f.name: f for f in dataclasses.fields(Config)}[key]
+    if default is dataclasses.MISSING:
+        default = source.default_factory() if source.default_factory is not dataclasses.MISSING else source.default
+    return arg(default, help or source.metadata["help"].replace(" [embedded]", ""), source.metadata["valid"],
+               train_key=key)
+
+
 @dataclass
 class EvalConfig:
     run: str = arg("", "a training run folder (runs/<name>): evaluate its latest checkpoint (or --step) with the data, "
-                       "tools, search, token budget and sampling it trained with; the flags below override them")
+                       "tools, search, token budget and sampling it trained with; the flags below override them",
+                   group="what to evaluate, and how (both protocols)")
     step: int = arg(0, "with --run: the checkpoint of this step (0 = the latest)", valid="[0, inf)")
     model: str = arg("", "a model directory (e.g. runs/<name>/checkpoints/step_000016) or hub id, evaluated with "
                          "the defaults below unless flags change them")
     data: Union[str, list[str]] = arg("data/qa_test.jsonl", "dataset file(s), .jsonl or verl .parquet; several: "
                                                             "--data '[a.jsonl, b.jsonl]'", train_key="eval_data")
     limit: int = like("eval_limit", 0, "evaluate only the first N questions of each file (0 = all)")
-    n: int = like("eval_n", 5, "samples per question (Pass@k for every k <= n; algorithm.md §6: 5)")
-    temperature: float = like("eval_temperature")
-    top_p: float = like("eval_top_p")
-    max_response_tokens: int = like("max_response_tokens", 4096, "response budget per trajectory: policy tokens + "
+    n: int = like("eval_n", EvalSettings.n, "samples per question (Pass@k for every k <= n; algorithm.md §6: 5)")
+    temperature: float = arg(EvalSettings.sampling.temperature, "evaluation sampling temperature (algorithm.md §6)",
+                             valid="[0, inf)")
+    top_p: float = arg(EvalSettings.sampling.top_p, "evaluation nucleus sampling (algorithm.md §6)", valid="(0, 1]")
+    max_response_tokens: int = like("max_response_tokens", EvalSettings.max_response_tokens, "response budget per trajectory: policy tokens + "
                                     "tool results (official protocol: tokens per generate call, 4096)")
     max_tool_calls: int = like("max_tool_calls")
     strict_format: bool = like("strict_format")
@@ -208,20 +222,22 @@ class EvalConfig:
                       valid="bm25 | replay | http | web | brightdata", train_key="search")
     search_kw: dict = like("search_kw", {}, "keyword arguments for search.make_search (default: 10 snippets, as the "
                                             "official code)")
-    python_timeout_s: float = like("python_timeout_s")
+    python_limits: dict = like("python_limits")
     python_isolation: str = like("python_isolation")
-    python_max_processes: int = like("python_max_processes")
-    python_memory_mb: int = like("python_memory_mb")
-    python_disk_mb: int = like("python_disk_mb")
+    device: str = arg("cuda", "torch device (cpu when CUDA is unavailable)")
+    dtype: str = arg("auto", "model dtype", valid="auto | float32 | bfloat16 | float16")
+    seed: int = like("seed", help="rollout seed")
+    out_dir: str = arg("", "output directory (default: <run>/eval/<checkpoint>-<time> with --run, else "
+                           "runs/eval/<time>)")
     judge: bool = arg(False, "correctness by an OpenAI-compatible LLM judge instead of EM / math_equal (official "
-                             "protocol: on, with its rule)")
+                             "protocol: on, with its rule)", group="the LLM judge")
     judge_url: str = arg("", "the judge's base URL (default $AEPO_JUDGE_URL)")
     judge_model: str = arg("", "the judge's model name (default $AEPO_JUDGE_MODEL)")
     judge_api_key: str = arg("", "the judge's API key (default $AEPO_JUDGE_API_KEY)")
     judge_cache: str = arg("", "JSON file of cached verdicts (default <out_dir>/judge_cache.json)")
     protocol: str = arg("training", "training: n rollouts per question with the training rollout and search; "
                                     "official: the authors' evaluation (algorithm.md §6), the flags below its own",
-                        valid="training | official")
+                        valid="training | official", group="the official protocol (algorithm.md §6)")
     top_k: int = arg(0, "top-k sampling, 0 = off (official protocol: 20)", valid="[0, inf)")
     repetition_penalty: float = arg(1.0, "repetition penalty on sampling only, never on H_seg or log-probs; 1 = off "
                                          "(official protocol: 1.1)", valid="(0, inf)")
@@ -244,11 +260,6 @@ class EvalConfig:
     page_cache: str = arg("", "official protocol: SQLite file of SERP replies and pages, kept across runs (default "
                               "<cache_dir>/browse/pages.sqlite)")
     fetch_timeout_s: float = arg(20.0, "official protocol: seconds per page fetch (official 20)", valid="(0, inf)")
-    device: str = arg("cuda", "torch device (cpu when CUDA is unavailable)")
-    dtype: str = arg("auto", "model dtype", valid="auto | float32 | bfloat16 | float16")
-    seed: int = like("seed", help="rollout seed")
-    out_dir: str = arg("", "output directory (default: <run>/eval/<checkpoint>-<time> with --run, else "
-                           "runs/eval/<time>)")
 
 
 # the official protocol's values of the flags both protocols read (algorithm.md §6); its own flags default to theirs
@@ -256,6 +267,17 @@ OFFICIAL = {"temperature": 0.6, "top_p": 0.95, "top_k": 20, "repetition_penalty"
             "search": "brightdata", "search_kw": {}, "judge": True, "batch_size": 50}
 # eval.py flag <- the run's config.yaml key
 FROM_RUN = {f.name: f.metadata["train_key"] for f in fields(EvalConfig) if "train_key" in f.metadata}
+
+
+def eval_settings(cfg: EvalConfig | Config) -> EvalSettings:
+    """The EvalSettings of eval.py's flags, or of a training Config read through FROM_RUN (eval_n, gen_batch_size,
+    ...; its sampling then the evaluation's own, algorithm.md §6): the one place both commands build them."""
+    if isinstance(cfg, Config):
+        cfg = EvalConfig(**{flag: getattr(cfg, key) for flag, key in FROM_RUN.items()})
+    return EvalSettings(n=cfg.n, sampling=rollout.Sampling(cfg.temperature, cfg.top_p, cfg.top_k,
+                                                           cfg.repetition_penalty),
+                        max_response_tokens=cfg.max_response_tokens, max_tool_calls=cfg.max_tool_calls,
+                        batch_size=cfg.batch_size, seed=cfg.seed, strict_format=cfg.strict_format)
 
 
 def run_settings(run_dir: Path) -> dict:
@@ -332,18 +354,13 @@ def main(argv=None) -> list[dict]:
     model, tokenizer = load_model(cfg.model, cfg.device, cfg.dtype)
     search = search_mod.make_search(cfg.search, **cfg.search_kw)
     search_mod.check_reachable(search)
-    print(config.python_isolation(cfg.python_isolation), flush=True)
-    tool_runner = tools.Tools(search, python_timeout_s=cfg.python_timeout_s,
-                              python_kw={"max_processes": cfg.python_max_processes,
-                                         "total_memory_mb": cfg.python_memory_mb, "disk_mb": cfg.python_disk_mb})
+    print(settings_mod.python_isolation(cfg.python_isolation), flush=True)
+    tool_runner = settings_mod.make_tools(search, cfg.python_limits)
     new_dir = not out.exists()
     out.mkdir(parents=True, exist_ok=True)
     (out / "config.json").write_text(json.dumps(asdict(cfg), indent=2))
     generator = generation.TransformersGenerator(model, tokenizer, batch_size=cfg.batch_size)
-    settings = EvalSettings(n=cfg.n, sampling=rollout.Sampling(cfg.temperature, cfg.top_p, cfg.top_k,
-                                                               cfg.repetition_penalty),
-                            max_response_tokens=cfg.max_response_tokens, max_tool_calls=cfg.max_tool_calls,
-                            batch_size=cfg.batch_size, seed=cfg.seed, strict_format=cfg.strict_format)
+    settings = eval_settings(cfg)
     summaries = []
     try:
         for path, rows in datasets:

@@ -16,7 +16,7 @@ exp and 0 at mask-0 tokens, a safeguard neither official loss has; k3 clamped to
 low_var_kl), D18 (token entropy over the full vocabulary in float32, chunk by chunk from the hidden states), D19 (the
 entropy bonus a setting of its own), D20 (CISPO's lower bound off through eps_low = 1).
 """
-import math
+from dataclasses import dataclass
 
 import torch
 
@@ -248,22 +248,51 @@ def clip_metrics(ratio, log_ratio, adv, valid, eps_low, eps_high, clip_c, kept_h
             "approx_kl": ((rd - 1.0 - log_ratio.detach().double()) * m).sum(), "ratio": (rd * m).sum()}
 
 
-def policy_loss(logp, old_logp, advantages, mask, n_valid, eps_low=0.2, eps_high=0.2, clip_c=3.0,
-                sg_clip=True, ref_logp=None, kl_coef=0.0, *, sg_clip_low=False, cispo=False, entropy=None,
-                entropy_coeff=0.0, loss_agg="token-mean", n_seqs=None, max_len=None, weights=None):
+SURROGATES = ("aepo", "ppo", "gppo", "cispo")
+
+
+@dataclass(frozen=True)
+class LossSettings:
+    """The objective, chosen once at set-up (algorithm.md §4, §7): the surrogate J (aepo: `aepo_surrogate`; ppo: its
+    sg_clip=False; gppo: `gppo_surrogate`; cispo: `cispo_surrogate`), its clip bounds ε_l, ε_h and dual-clip c, the
+    KL coefficient (to a frozen reference), the entropy-bonus coefficient, and the aggregation (`aggregate`; max_len
+    for seq-mean-token-sum-norm)."""
+    surrogate: str = "aepo"
+    eps_low: float = 0.2
+    eps_high: float = 0.2
+    clip_c: float = 3.0
+    kl_coef: float = 0.0
+    entropy_coef: float = 0.0
+    loss_agg: str = "token-mean"
+    max_len: int | None = None
+
+    def __post_init__(self):
+        if self.surrogate not in SURROGATES:
+            raise ValueError(f"surrogate must be one of {', '.join(SURROGATES)}; got {self.surrogate!r}")
+        if self.loss_agg not in LOSS_AGGS:
+            raise ValueError(f"loss_agg must be one of {', '.join(LOSS_AGGS)}; got {self.loss_agg!r}")
+
+
+def policy_loss(logp, old_logp, advantages, mask, n_valid, settings: LossSettings = LossSettings(), *,
+                ref_logp=None, entropy=None, n_seqs=None, weights=None):
     """Eq. (algorithm.md §4): r = exp(logp − old_logp); loss = aggregate(−J) + kl_coef·aggregate(k3)
-    − entropy_coeff·aggregate(H), J the surrogate: `aepo_surrogate` (PPO with sg_clip=False), `gppo_surrogate`
-    (sg_clip_low) or `cispo_surrogate` (cispo); k3 = clamp(e^d − d − 1, −10, 10), d = ref_logp − logp (verl's
-    low_var_kl); aggregate: token-mean Σ·mask / n_valid by default (`aggregate` has verl's others).
-    logp: (B, T) current-policy log-probs (carry gradient); old_logp: (B, T) behaviour policy; advantages: (B, T) Ã;
-    mask: (B, T), 1 = token sampled by the policy; n_valid: mask-1 tokens of the whole optimiser mini-batch (all
-    micro-batches and ranks); ref_logp: (B, T) frozen reference (k3 always reported, in the loss when kl_coef > 0);
-    entropy: (B, T) current-policy H with its gradient (in the loss when entropy_coeff != 0); loss_agg, n_seqs,
-    max_len: see `aggregate`; weights: (B, T) detached per-token factors of J (`rollout_correction`), None = 1.
-    The log-ratio is clamped to [−20, 20] and 0 at mask-0 tokens (D17).
+    − entropy_coef·aggregate(H), J the settings' surrogate; k3 = clamp(e^d − d − 1, −10, 10), d = ref_logp − logp
+    (verl's low_var_kl); aggregate: token-mean Σ·mask / n_valid by default (`aggregate` has verl's others).
+    logp: (B, T) current-policy log-probs (carry gradient); old_logp: (B, T) behaviour policy; advantages: (B, T) Ã,
+    or (B,) one per sequence (TRL's), broadcast over T; mask: (B, T), 1 = token sampled by the policy; n_valid:
+    mask-1 tokens of the whole optimiser mini-batch (all micro-batches and ranks); ref_logp: (B, T) frozen reference
+    (k3 always reported, in the loss when kl_coef > 0); entropy: (B, T) current-policy H with its gradient (in the
+    loss when entropy_coef != 0); n_seqs: sequences of the mini-batch (seq-mean-*); weights: (B, T) detached
+    per-token factors of J (harness/mismatch.py's correction), None = 1. The log-ratio is clamped to [−20, 20] and 0
+    at mask-0 tokens (D17).
     Returns (loss 0-d, metrics): `clip_metrics`' sums, and "kl_ref" (Σ k3), "pg_loss", "kl_loss", "entropy_loss"
     (this call's additive parts of the loss); sum them over micro-batches and ranks, divide by the global count."""
-    shape = logp.shape
+    s, shape = settings, logp.shape
+    if not isinstance(s, LossSettings):
+        raise TypeError(f"settings must be a loss.LossSettings (the clip bounds, surrogate and coefficients), got "
+                        f"{type(s).__name__}")
+    if advantages.dim() == 1 and len(shape) == 2 and advantages.shape[0] == shape[0]:
+        advantages = advantages[:, None].expand(shape)                       # one advantage per sequence
     for name, t in (("old_logp", old_logp), ("advantages", advantages), ("mask", mask), ("ref_logp", ref_logp),
                     ("entropy", entropy), ("weights", weights)):
         if t is not None and t.shape != shape:
@@ -273,16 +302,16 @@ def policy_loss(logp, old_logp, advantages, mask, n_valid, eps_low=0.2, eps_high
     n_valid = float(n_valid)
     if not n_valid > 0:
         raise ValueError(f"n_valid must be > 0 (global count of mask-1 tokens), got {n_valid}")
-    agg = dict(n_valid=n_valid, loss_agg=loss_agg, n_seqs=n_seqs, max_len=max_len)
+    agg = dict(n_valid=n_valid, loss_agg=s.loss_agg, n_seqs=n_seqs, max_len=s.max_len)
     valid, adv = mask.bool(), advantages.float()
     log_ratio = torch.where(valid, (logp.float() - old_logp.float()).clamp(-20.0, 20.0), 0.0)
     ratio = torch.exp(log_ratio)
-    if cispo:
-        j = cispo_surrogate(ratio, logp.float(), adv, eps_low, eps_high)
-    elif sg_clip_low:
-        j = gppo_surrogate(ratio, adv, eps_low, eps_high, clip_c, sg_clip)
+    if s.surrogate == "cispo":
+        j = cispo_surrogate(ratio, logp.float(), adv, s.eps_low, s.eps_high)
+    elif s.surrogate == "gppo":
+        j = gppo_surrogate(ratio, adv, s.eps_low, s.eps_high, s.clip_c)
     else:
-        j = aepo_surrogate(ratio, adv, eps_low, eps_high, clip_c, sg_clip)
+        j = aepo_surrogate(ratio, adv, s.eps_low, s.eps_high, s.clip_c, sg_clip=s.surrogate == "aepo")
     if weights is not None:
         j = j * weights.detach()                                             # sg(.): the rollout correction
     pg_loss = aggregate(j, valid, scale=-1.0, **agg)
@@ -293,77 +322,21 @@ def policy_loss(logp, old_logp, advantages, mask, n_valid, eps_low=0.2, eps_high
         d = torch.where(valid, (ref_logp.float() - logp.float()).clamp(-20.0, 20.0), 0.0)
         k3 = (torch.exp(d) - d - 1.0).clamp(-10.0, 10.0)                     # KL(π_θ‖π_ref), k3 (low_var_kl)
         kl_ref = torch.where(valid, k3, 0.0).sum()
-        kl_loss = aggregate(k3, valid, scale=kl_coef, **agg) if kl_coef else zero
-    if entropy is not None and entropy_coeff:
+        kl_loss = aggregate(k3, valid, scale=s.kl_coef, **agg) if s.kl_coef else zero
+    if entropy is not None and s.entropy_coef:
         check_finite("entropy (mask-1 tokens)", entropy, valid)
-        entropy_loss = aggregate(entropy.float(), valid, scale=-entropy_coeff, **agg)   # bonus: −c·H
-    metrics = clip_metrics(ratio, log_ratio, adv, valid, eps_low, eps_high, clip_c, kept_hi=sg_clip or cispo,
-                           kept_lo=sg_clip_low or cispo, dual_clip=not cispo)
+        entropy_loss = aggregate(entropy.float(), valid, scale=-s.entropy_coef, **agg)   # bonus: −c·H
+    metrics = clip_metrics(ratio, log_ratio, adv, valid, s.eps_low, s.eps_high, s.clip_c,
+                           kept_hi=s.surrogate != "ppo", kept_lo=s.surrogate in ("gppo", "cispo"),
+                           dual_clip=s.surrogate != "cispo")
     metrics.update({name: value.detach().double() for name, value in
                     (("kl_ref", kl_ref), ("pg_loss", pg_loss), ("kl_loss", kl_loss), ("entropy_loss", entropy_loss))})
     return pg_loss + kl_loss + entropy_loss, metrics
 
 
-# ---------------------------------------------------------------------------------------------
-# Generator–trainer mismatch (an extension, not in the paper: algorithm.md §4b)
-
-LOG_RATIO_EDGES = (-4.0, 4.0, 160)                 # the histogram of log ρ: 160 bins over [−4, 4], ends open
-
-
-def mismatch_stats(old_logp, gen_logp, mask):
-    """Sums over the mask-1 tokens whose generator log-prob is finite, with ρ = π_old/π_gen = exp(old − gen):
-    [tokens, Σ k1, Σ k3, Σ [ρ ∉ [1/2, 2]], sequences, Σ over sequences of their mean k1, then the histogram of log ρ]
-    (float64, one vector: sum it over micro-batches and ranks), k1 = log π_gen − log π_old (samples from the
-    generator: KL(π_gen‖π_old) ≈ mean k1), k3 = ρ − 1 − log ρ. old_logp, gen_logp, mask: (B, T)."""
-    valid = mask.bool() & torch.isfinite(gen_logp)
-    log_rho = torch.where(valid, old_logp.double() - gen_logp.double(), 0.0).clamp(-20.0, 20.0)
-    k1, k3 = -log_rho, torch.where(valid, log_rho.exp() - 1.0 - log_rho, 0.0)
-    per_seq = valid.sum(-1)
-    has = per_seq > 0
-    seq_mean = torch.where(has, k1.sum(-1) / per_seq.clamp(min=1), 0.0)
-    low, high, n_bins = LOG_RATIO_EDGES
-    bins = ((log_rho - low) / (high - low) * n_bins).floor().clamp(0, n_bins - 1).long()
-    hist = torch.zeros(n_bins, dtype=torch.float64, device=old_logp.device).index_add_(
-        0, bins[valid], torch.ones_like(log_rho[valid]))
-    outside = valid & ((log_rho < -math.log(2.0)) | (log_rho > math.log(2.0)))
-    head = torch.stack([valid.sum().double(), k1.sum(), k3.sum(), outside.sum().double(), has.sum().double(),
-                        seq_mean.sum()])
-    return torch.cat([head, hist])
-
-
-def _run_ids(valid):
-    """(B, T) long: 1, 2, ... for each run of consecutive mask-1 tokens of a row (its segments), 0 elsewhere."""
-    starts = valid & ~torch.nn.functional.pad(valid, (1, 0))[:, :-1]
-    return torch.where(valid, starts.long().cumsum(-1), 0)
-
-
-def _mean_within(values, groups, valid):
-    """Each valid entry's group mean of `values` (groups: (B, T) ids, 0 = none, per row), broadcast back."""
-    n_groups = int(groups.max()) + 1 if groups.numel() else 1
-    flat = (torch.arange(groups.shape[0], device=groups.device)[:, None] * n_groups + groups).flatten()
-    w = valid.flatten().double()
-    sums = torch.zeros(groups.shape[0] * n_groups, dtype=torch.float64, device=values.device)
-    sums.index_add_(0, flat, values.flatten().double() * w)
-    counts = torch.zeros_like(sums).index_add_(0, flat, w)
-    return (sums / counts.clamp(min=1))[flat].view(groups.shape)
-
-
-def rollout_correction(old_logp, gen_logp, mask, tis_cap=0.0, token_band=None, segment_band=None,
-                       sequence_band=None):
-    """Eq. (the decoupled correction of verl's rollout correction; algorithm.md §4b), ρ_t = π_old/π_gen:
-         w_t = sg(min(ρ_t, tis_cap))                                  (tis_cap > 0: truncated importance weight)
-             · [ρ_t ∈ token_band]                                     (token mask, IcePop)
-             · [exp(mean_{t' ∈ segment} log ρ_t') ∈ segment_band]     (a policy span between tool results)
-             · [exp(mean_{t' ∈ trajectory} log ρ_t') ∈ sequence_band]  (geometric mean over the trajectory)
-    multiplying the surrogate J_t, whose ratio stays π_θ/π_old. Bands are (low, high) or None (off); tokens with no
-    finite generator log-prob get w = 1. old_logp, gen_logp, mask: (B, T). Returns (w (B, T) detached, masked (B, T)
-    bool: the tokens a band set to 0)."""
-    valid = mask.bool() & torch.isfinite(gen_logp)
-    log_rho = torch.where(valid, old_logp.detach().double() - gen_logp.double(), 0.0).clamp(-20.0, 20.0)
-    w = torch.where(valid & (tis_cap > 0), log_rho.exp().clamp(max=tis_cap if tis_cap > 0 else 1.0), 1.0)
-    keep = torch.ones_like(valid)
-    for band, level in ((token_band, log_rho), (segment_band, _mean_within(log_rho, _run_ids(valid), valid)),
-                        (sequence_band, _mean_within(log_rho, valid.long(), valid))):
-        if band is not None:
-            keep &= ~valid | ((level >= math.log(band[0])) & (level <= math.log(band[1])))
-    return (w * keep).float().detach(), valid & ~keep                       # sg(.)
+def __getattr__(name):
+    """The mismatch statistics and correction lived here before harness/mismatch.py: the old names still import."""
+    if name in ("mismatch_stats", "rollout_correction", "LOG_RATIO_EDGES"):
+        from harness import mismatch
+        return getattr(mismatch, name)
+    raise AttributeError(f"module 'loss' has no attribute {name!r}")

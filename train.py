@@ -23,9 +23,7 @@ ranks), D16 (the loss divided by the mini-batch's global token count), D26 (opti
 from __future__ import annotations
 
 import dataclasses
-import json
 import sys
-import time
 from collections import Counter
 
 import torch
@@ -36,9 +34,9 @@ import loss
 import reward
 import rollout
 import tools
-from harness import cli, config, dataset, generation, trees
-from harness.run import checkpoint, parallel, rundir, runlog
-from harness.run.policy import (backward_micro_batches, full_named_parameters, micro_batches, optimizer_step,
+from harness import cli, config, dataset, generation, mismatch, settings, trees
+from harness.run import checkpoint, parallel, probe, rundir, runlog
+from harness.run.policy import (full_named_parameters, located, micro_batches, no_grad_sync, optimizer_step,
                                 pad_share, split_micro_batches, tensorize, unwrap)  # noqa: F401 -- train's API
 from harness.run.startup import Run, set_up
 
@@ -49,58 +47,55 @@ from harness.run.startup import Run, set_up
 def rl_step(run: Run, step: int, progress=None) -> tuple[dict, runlog.StepBatch]:
     """Step `step` (0-based): rollout -> reward -> advantages -> old-policy pass -> update -> weights to the
     generator. Returns the step's metrics (means over all ranks) and what this rank rolled out (for the logs)."""
-    cfg, t0 = run.cfg, time.time()
+    cfg, clock = run.cfg, runlog.Clock()
     rows = dataset.step_questions(run.train_rows, step, cfg.questions_per_step, cfg.seed)[
         run.rank * run.questions_here:(run.rank + 1) * run.questions_here]
     if cfg.dynamic_sampling:                     # DAPO: as many again, to keep the groups whose rewards differ
         rows += dataset.spare_questions(run.train_rows, step, run.questions_here, cfg.seed * run.world + run.rank)
 
     # ---- rollout (algorithm.md §2): k trajectories per question, tree-structured
-    with torch.no_grad(), run.amp():
-        trajectories, tree = rollout.tree_rollout(
+    with clock("rollout"), torch.no_grad(), run.amp():
+        trajectories, tree_stats = rollout.tree_rollout(
             [tools.build_prompt(run.tokenizer, r["question"]) for r in rows], run.generator, run.tools, run.tokenizer,
-            run.tree, sampling=run.sampling, seed=(cfg.seed * 100_003 + step) * run.world + run.rank,
+            run.tree_settings, sampling=run.sampling, seed=(cfg.seed * 100_003 + step) * run.world + run.rank,
             progress=progress)
-    run.generator.sleep()                        # its memory to the update, where it has any to give (vLLM, GPU)
-    t_rollout = time.time() - t0
-    rank_times = parallel.gather(t_rollout)      # the slowest rank holds every other one at the next collective
+        run.generator.sleep()                    # its memory to the update, where it has any to give (vLLM, GPU)
+    rollout_seconds = parallel.gather(clock.seconds["rollout"])   # the slowest rank holds the others here
 
     # ---- reward (algorithm.md §5), once per trajectory; DAPO keeps the groups whose rewards differ (§7)
     scores = [run.score(t.text, rows[t.group_id]["golds"]) for t in trajectories]
     rewards = rewards_of(scores, trajectories, cfg)
     if cfg.dynamic_sampling:
-        rows, trajectories, scores, rewards, tree = keep_varied_groups(rows, trajectories, scores, rewards, tree,
-                                                                       run.questions_here)
+        rows, trajectories, scores, rewards, tree_stats = keep_varied_groups(rows, trajectories, scores, rewards,
+                                                                             tree_stats, run.questions_here)
 
-    # ---- outcome advantage A per token (§3a; GiGPO's step advantage, §7), mini-batches of whole questions
-    t1 = time.time()
-    adv = outcome_advantages(trajectories, rewards, cfg, run.tokenizer.pad_token_id)
-    batches = micro_batches(trajectories, adv, rewards, cfg.questions_per_step // cfg.mini_batch_size, cfg,
-                            run.tokenizer.pad_token_id, run.device)
-
-    # ---- old-policy log-probs and token entropies (one no-grad pass), entropy-aware advantage Ã (§3b)
-    entropy, mismatch = old_policy_pass(run.policy, run.ref, batches, cfg, run.amp)
-    t_old = time.time() - t1
+    with clock("old_logp"):
+        # ---- outcome advantage A per token (§3a; GiGPO's step advantage, §7), mini-batches of whole questions
+        adv = outcome_advantages(trajectories, rewards, cfg, run.tokenizer.pad_token_id)
+        batches = micro_batches(trajectories, adv, rewards, cfg.questions_per_step // cfg.mini_batch_size, cfg,
+                                run.tokenizer.pad_token_id, run.device)
+        # ---- old-policy log-probs and token entropies (one no-grad pass), entropy-aware advantage Ã (§3b)
+        entropy_sums, mismatch_sums = old_policy_pass(run.policy, run.ref, batches, cfg, run.amp)
 
     # ---- policy update (algorithm.md §4): ppo_epochs × mini-batches, each one optimiser step
-    t2 = time.time()
-    losses, grad_norms, lr = update(run, batches, step)
-    t_update = time.time() - t2
+    with clock("update"):
+        losses, grad_norms = Counter(), []
+        unwrap(run.policy).lm.train()
+        for epoch in range(cfg.ppo_epochs):
+            for j, mbs in enumerate(batches):
+                losses.update(accumulate_gradients(run.policy, mbs, cfg, run.world, run.amp,
+                                                   f"step {step + 1}, epoch {epoch}, mini-batch {j}"))
+                grad_norms.append(optimizer_step(run.policy, run.optimizer, cfg.grad_clip))
+        unwrap(run.policy).lm.eval()
 
     # ---- the new weights to the generator (a collective under FSDP2)
-    t3 = time.time()
-    run.generator.update_weights(full_named_parameters(run.policy))
-    t_sync = time.time() - t3
+    with clock("sync"):
+        run.generator.update_weights(full_named_parameters(run.policy))
 
-    batch = runlog.StepBatch(rows, trajectories, scores, rewards, tree["m_per_question"])
-    metrics = runlog.step_metrics(step + 1, batch, tree, adv, entropy, losses, grad_norms)
-    metrics.update(runlog.mismatch_metrics(mismatch))
-    metrics.update({"lr": lr, "pad_share": pad_share(batches), "time/rollout": t_rollout, "time/old_logp": t_old,
-                    "time/update": t_update, "time/sync": t_sync,
-                    "time/rollout_slowest": max(rank_times),
-                    "time/rollout_imbalance": max(rank_times) / max(1e-9, sum(rank_times) / len(rank_times)),
-                    "time/step": time.time() - t0,
-                    "update_tokens_per_s": metrics["n_valid_tokens"] * cfg.ppo_epochs / max(t_update, 1e-9)})
+    batch = runlog.StepBatch(rows, trajectories, scores, rewards, tree_stats["m_per_question"])
+    metrics = runlog.step_metrics(step + 1, batch, tree_stats, adv, entropy_sums, losses, grad_norms)
+    metrics.update(mismatch.mismatch_metrics(mismatch_sums), lr=cfg.lr, pad_share=pad_share(batches))
+    metrics.update(clock.metrics(rollout_seconds, metrics["n_valid_tokens"] * cfg.ppo_epochs))
     return metrics, batch
 
 
@@ -121,14 +116,14 @@ def train(cfg, rank: int, world: int, device: torch.device, state: rundir.RunSta
                                                                                                         "before")
     if before:
         evals["before"] = before["pass@1"]
-    probe = record_probe(run)                    # a fixed set of trajectories, for the policy's own entropy
+    probe_set = probe.record(run)                # a fixed set of trajectories, for the policy's own entropy
     bar = tqdm(total=run.steps, initial=run.start_step, desc="train", unit="step", disable=not run.master,
                dynamic_ncols=True)
     metrics = {}
     for step in range(run.start_step, run.steps):
         metrics, batch = rl_step(run, step, runlog.RolloutProgress(bar) if run.master else None)
-        if probe and (step + 1) % run.cfg.probe_every == 0:
-            metrics["probe_entropy"] = probe_entropy(run, probe)
+        if probe_set:
+            metrics["probe_entropy"] = probe.entropy(run, probe_set)
         step_trees = parallel.gather(trees.records(step + 1, batch.rows, batch.trajectories, batch.m_per_question,
                                                    batch.rewards))
         state.steps_done = step + 1
@@ -165,48 +160,13 @@ def evaluate(run: Run, name: str) -> dict | None:
     cfg = run.cfg
     if not run.eval_rows:
         return None
-    settings = evaluation.EvalSettings(n=cfg.eval_n, sampling=rollout.Sampling(cfg.eval_temperature, cfg.eval_top_p),
-                                       max_response_tokens=cfg.max_response_tokens, max_tool_calls=cfg.max_tool_calls,
-                                       batch_size=cfg.gen_batch_size, seed=cfg.seed, strict_format=cfg.strict_format)
     with run.amp():
-        summary = evaluation.evaluate(run.generator, run.tokenizer, run.eval_rows, run.tools, settings, name=name,
+        summary = evaluation.evaluate(run.generator, run.tokenizer, run.eval_rows, run.tools,
+                                      evaluation.eval_settings(cfg), name=name,
                                       out_dir=run.dir / "eval", config=dataclasses.asdict(cfg), rank=run.rank,
                                       world=run.world, progress=run.master)
     run.log(f"eval {name}: " + runlog.eval_line(summary))
     return summary
-
-
-def record_probe(run: Run) -> list:
-    """The probe: one trajectory from each of the first --probe_questions held-out questions, sampled once by the
-    starting policy at the rollout temperature and kept in <run>/probe.json (a resumed run reads it back), so that
-    the policy's entropy is measured on the same tokens at every step (the sampled tokens' entropy moves with the
-    questions each step draws and with what the tree samples)."""
-    cfg, path = run.cfg, run.dir / "probe.json"
-    if not cfg.probe_questions or not run.eval_rows:
-        return []
-    if path.exists():
-        return [tuple(item) for item in json.loads(path.read_text())]
-    rows = run.eval_rows[:cfg.probe_questions]
-    with torch.no_grad(), run.amp():
-        trajectories, _ = rollout.tree_rollout(
-            [tools.build_prompt(run.tokenizer, r["question"]) for r in rows], run.generator, run.tools, run.tokenizer,
-            run.tree, sampling=run.sampling, seed=cfg.seed, k=1, entropy_branching=False)
-    probe = [(t.prompt_ids, t.response_ids, t.loss_mask) for t in trajectories if sum(t.loss_mask)]
-    if run.master:
-        path.write_text(json.dumps(probe))
-    return probe
-
-
-@torch.no_grad()
-def probe_entropy(run: Run, probe: list) -> float:
-    """The current policy's mean token entropy H_t (algorithm.md §1) over the probe's policy tokens, teacher-forced
-    (every rank computes it: a collective under FSDP2)."""
-    unwrap(run.policy).eval()
-    batch = tensorize(probe, run.tokenizer.pad_token_id, run.device)
-    with run.amp():
-        _, entropy = run.policy(batch.input_ids, batch.attention_mask, batch.mask, run.cfg.temperature,
-                                run.cfg.logp_chunk_size)
-    return float((entropy * batch.mask).sum() / batch.mask.sum())
 
 
 # ---------------------------------------------------------------------------------------------------------------------
@@ -246,8 +206,7 @@ def outcome_advantages(trajectories, rewards: torch.Tensor, cfg, pad_id: int) ->
     groups = torch.tensor([t.group_id for t in trajectories])
     full = tensorize([(t.prompt_ids, t.response_ids, t.loss_mask) for t in trajectories], pad_id, "cpu")
     if cfg.gigpo:
-        return advantage.gigpo_advantages(full.input_ids[:, 1:], full.mask, groups, rewards, omega=cfg.gigpo_omega,
-                                          std_norm=cfg.std_norm)
+        return advantage.gigpo_advantages(full.input_ids[:, 1:], full.mask, groups, rewards, std_norm=cfg.std_norm)
     return advantage.group_advantages(rewards, groups, std_norm=cfg.std_norm)[:, None] * full.mask
 
 
@@ -256,28 +215,27 @@ def outcome_advantages(trajectories, rewards: torch.Tensor, cfg, pad_id: int) ->
 
 
 @torch.no_grad()
-def old_policy_pass(policy, ref, batches: list[list], cfg, amp) -> tuple[torch.Tensor, torch.Tensor]:
+def old_policy_pass(policy, ref, batches: list[list], cfg, amp) -> tuple[torch.Tensor, mismatch.MismatchSums]:
     """Fill every micro-batch with old_logp and entropy (π_old at the rollout temperature), ref_logp (with a
     reference), and adv_tok = Ã (§3b) z-scored with entropy statistics over all ranks; with --reinforce_pp the
-    advantage is first the batch-normalised per-token return (§7). Returns, over all ranks (one all-reduce), the old
-    policy's entropy statistics [count, ΣH, ΣH²] and the generator–trainer mismatch sums (loss.mismatch_stats)."""
+    advantage is first the batch-normalised per-token return (§7). Returns, summed over all ranks, the old policy's
+    entropy statistics [count, ΣH, ΣH²] and the generator–trainer mismatch (harness/mismatch.py)."""
     unwrap(policy).eval()
     flat = [mb for mbs in batches for mb in mbs]
-    local = torch.zeros(3 + 6 + loss.LOG_RATIO_EDGES[2], dtype=torch.float64)
+    stats, sums = torch.zeros(3, dtype=torch.float64), mismatch.MismatchSums.zeros()
     with amp():
         for mb in flat:
-            mb.old_logp, mb.entropy = policy(mb.input_ids, mb.attention_mask, mb.mask, cfg.temperature,
-                                             cfg.logp_chunk_size)
+            mb.old_logp, mb.entropy = policy(mb.input_ids, mb.attention_mask, mb.mask, cfg.temperature)
             if ref is not None:
-                mb.ref_logp, _ = ref(mb.input_ids, mb.attention_mask, mb.mask, cfg.temperature, cfg.logp_chunk_size)
-            local[:3] += advantage.entropy_stats(mb.entropy, mb.mask).cpu()
+                mb.ref_logp, _ = ref(mb.input_ids, mb.attention_mask, mb.mask, cfg.temperature)
+            stats += advantage.entropy_stats(mb.entropy, mb.mask).cpu()
             if mb.gen_logp is not None:
-                local[3:] += loss.mismatch_stats(mb.old_logp, mb.gen_logp, mb.mask).cpu()
-    reduced = parallel.all_reduce_sum(local)
-    stats, mismatch = reduced[:3], reduced[3:]
+                sums += mismatch.mismatch_stats(mb.old_logp, mb.gen_logp, mb.mask)
+    stats = parallel.all_reduce_sum(stats)
+    sums = mismatch.MismatchSums.from_vector(parallel.all_reduce_sum(sums.vector()))
     mean_h, std_h = advantage.mean_std(stats)
     if cfg.reinforce_pp:                        # returns with the KL in the reward, normalised over all ranks
-        kl = cfg.kl_coef if cfg.kl_in_reward else 0.0
+        kl = cfg.kl_coef
         returns = [advantage.reinforce_pp_returns(mb.reward, mb.mask, *((mb.old_logp, mb.ref_logp) if kl else ()),
                                                   beta=kl) for mb in flat]
         ret_stats = sum(advantage.token_stats(g, mb.mask, "returns").cpu() for g, mb in zip(returns, flat))
@@ -289,61 +247,29 @@ def old_policy_pass(policy, ref, batches: list[list], cfg, amp) -> tuple[torch.T
             mb.adv_tok = advantage.entropy_weighted_advantages(mb.adv, mb.entropy, mb.mask, mean_h, std_h, cfg.alpha)
         else:
             mb.adv_tok = mb.adv * mb.mask
-    return stats, mismatch
-
-
-def update(run: Run, batches: list[list], step: int) -> tuple[dict, list[float], float]:
-    """ppo_epochs passes over the mini-batches, each one optimiser step, the learning rate warmed up over the run's
-    optimiser steps. Returns the loss metrics summed over every call, the gradient norms and the last learning rate."""
-    cfg = run.cfg
-    unwrap(run.policy).lm.train()
-    sums, grad_norms, lr = Counter(), [], cfg.lr
-    for epoch in range(cfg.ppo_epochs):
-        for j, mbs in enumerate(batches):
-            opt_step = (step * cfg.ppo_epochs + epoch) * len(batches) + j       # optimiser steps before this one
-            lr = cfg.lr * min(1.0, (opt_step + 1) / cfg.warmup_steps) if cfg.warmup_steps else cfg.lr
-            for group in run.optimizer.param_groups:
-                group["lr"] = lr
-            sums.update(accumulate_gradients(run.policy, mbs, cfg, run.world, run.amp,
-                                             f"step {step + 1}, epoch {epoch}, mini-batch {j}"))
-            grad_norms.append(optimizer_step(run.policy, run.optimizer, cfg.grad_clip))
-    unwrap(run.policy).lm.eval()
-    return dict(sums), grad_norms, lr
+    return stats, sums
 
 
 def accumulate_gradients(policy, mbs: list, cfg, world: int, amp, where: str) -> dict:
-    """Backward of loss.policy_loss over the micro-batches of one mini-batch, normalised by the mini-batch's token
-    and sequence counts over all ranks (N_valid, N_seq). Returns the loss metrics summed."""
-    counts = torch.stack([sum(mb.mask.sum() for mb in mbs).double(),
-                          torch.tensor(float(sum(len(mb.mask) for mb in mbs)), dtype=torch.float64)])
+    """The forward and backward of loss.policy_loss over the micro-batches of one optimiser mini-batch, accumulating
+    gradients (DDP syncs them on the last), normalised by the mini-batch's token and sequence counts over all ranks
+    (N_valid, N_seq; × world undoes the ranks' gradient average). Returns the loss metrics summed."""
+    objective, correction = settings.loss_settings(cfg), settings.correction(cfg)
+    counts = torch.tensor([sum(float(mb.mask.sum()) for mb in mbs), sum(len(mb.mask) for mb in mbs)],
+                          dtype=torch.float64)
     n_valid, n_seqs = parallel.all_reduce_sum(counts).tolist()
-
-    def objective(mb, logp, entropy):
-        weights = rollout_correction(mb, cfg)
-        return loss.policy_loss(
-            logp, mb.old_logp, mb.adv_tok, mb.mask, n_valid, eps_low=cfg.eps_low, eps_high=cfg.eps_high,
-            clip_c=cfg.clip_c, sg_clip=cfg.sg_clip, ref_logp=mb.ref_logp, kl_coef=0.0 if cfg.kl_in_reward else cfg.kl_coef,
-            sg_clip_low=cfg.sg_clip_low, cispo=cfg.cispo, entropy=entropy if cfg.entropy_coeff else None,
-            entropy_coeff=cfg.entropy_coeff, loss_agg=cfg.loss_agg, n_seqs=n_seqs, max_len=cfg.max_response_tokens,
-            weights=weights)
-
-    return backward_micro_batches(policy, mbs, world, amp, cfg.temperature, cfg.logp_chunk_size, objective, where)
-
-
-def rollout_correction(mb, cfg):
-    """The opt-in generator–trainer correction's per-token weights (loss.rollout_correction; algorithm.md §4b), or
-    None when every switch is off."""
-    band = (cfg.mismatch_low, cfg.mismatch_high)
-    if not (cfg.tis_cap or cfg.mismatch_token_mask or cfg.mismatch_segment_mask or cfg.mismatch_sequence_mask):
-        return None
-    if mb.gen_logp is None or not torch.isfinite(mb.gen_logp[mb.mask.bool()]).any():
-        raise cli.UserError("the mismatch correction needs the generator's log-probs, which this generator did not "
-                            "give (vLLM gives them at --temperature 1 only)")
-    weights, _ = loss.rollout_correction(mb.old_logp, mb.gen_logp, mb.mask, cfg.tis_cap,
-                                         band if cfg.mismatch_token_mask else None,
-                                         band if cfg.mismatch_segment_mask else None,
-                                         band if cfg.mismatch_sequence_mask else None)
-    return weights
+    sums = Counter()
+    for i, mb in enumerate(mbs):
+        with no_grad_sync(policy, last=i == len(mbs) - 1), located(f"{where}, micro-batch {i}"):
+            with amp():
+                logp, entropy = policy(mb.input_ids, mb.attention_mask, mb.mask, cfg.temperature)
+            value, metrics = loss.policy_loss(logp, mb.old_logp, mb.adv_tok, mb.mask, n_valid, objective,
+                                              ref_logp=mb.ref_logp, entropy=entropy, n_seqs=n_seqs,
+                                              weights=correction.weights(mb.old_logp, mb.gen_logp, mb.mask))
+            loss.check_finite("the loss", value)
+            (value * world).backward()
+        sums.update({key: float(v) for key, v in metrics.items()})
+    return dict(sums)
 
 
 # ---------------------------------------------------------------------------------------------------------------------

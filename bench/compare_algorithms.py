@@ -42,7 +42,7 @@ from lookup_task import make_task  # noqa: E402
 ALGOS = ("grpo", "reinforce_pp", "dapo", "gppo", "cispo", "gigpo", "arpo", "aepo")
 EXPERIMENTS = {"aepo-noentadv": ["--entropy_advantage=false"], "aepo-nosg": ["--sg_clip=false"],
                "aepo-norollout": ["--entropy_branching=false"], "aepo-halflr": ["--lr={half_lr}"],
-               "aepo-shortcold": ["--cold_start_steps=2"]}
+               "aepo-shortcold": ["--cold_start_kw={{questions: 24, steps: 2, batch: 3, lr: 5.0e-5}}"]}
 NAMES = {"grpo": "GRPO", "reinforce_pp": "REINFORCE++", "dapo": "DAPO", "gppo": "GPPO", "cispo": "CISPO",
          "gigpo": "GiGPO", "arpo": "ARPO", "aepo": "AEPO", "aepo-noentadv": "AEPO, no entropy advantage",
          "aepo-nosg": "AEPO, PPO clip", "aepo-norollout": "AEPO, no tree", "aepo-halflr": "AEPO, half lr",

@@ -10,7 +10,7 @@ nothing allocated). Rank 0 runs a steady-state step under PyTorch's `FSDPMemTrac
 bytes as ops create and free them: the old-policy pass on one micro-batch; one optimiser mini-batch (its first
 --micro_batches micro-batches, then the gradient clip and AdamW's step: from the second micro-batch on, the state at
 each one's start repeats); the weight sync (`full_named_parameters` in bf16). The YAML's settings (bf16, fsdp,
-gradient checkpointing, --logp_chunk_size); every trajectory at the full prompt + response budget, all response
+gradient checkpointing, the LM head 1024 tokens at a time); every trajectory at the full prompt + response budget, all response
 tokens scored, the MicroBatch tensors of all this rank's trajectories held throughout; micro-batches of 1, 4, 8, the
 config's and verl's per-GPU budget of rows (ppo_max_token_len_per_gpu = 2 x (prompt + response), use_dynamic_bsz).
 
@@ -79,7 +79,7 @@ class Setting:
     response: int
     trajectories: int                  # this rank's trajectories in the step (their MicroBatch tensors are held)
     micro_batches: int = 2             # micro-batches of the mini-batch simulated
-    chunk: int = 1024                  # --logp_chunk_size
+    chunk: int = 1024                  # the LM head's chunk (harness/run/policy.Policy)
 
 
 # ---------------------------------------------------------------------------------------------------------------------
@@ -305,7 +305,7 @@ def paper_settings(config_path: str, world: int, micro_batches: int):
                          f"checkpointing and no reference model")
     per_rank, mini = cfg.questions_per_step * cfg.k // world, cfg.mini_batch_size * cfg.k // world
     return cfg, [Setting(world, b, cfg.max_prompt_tokens, cfg.max_response_tokens, per_rank,
-                         min(micro_batches, math.ceil(mini / b)), cfg.logp_chunk_size)
+                         min(micro_batches, math.ceil(mini / b)), 1024)
                  for b in sorted({1, cfg.micro_batch_size, VERL_ROWS, 4, 8})]
 
 

@@ -8,7 +8,7 @@ model (SmolLM2-135M-Instruct).
 The same 16 contexts (8 training questions' prompts, and each with an opened `<search>`), 96 new tokens at most,
 temperature 1, one seed, through each generator's `generate` (the rollout's call): the transformers backend in
 float32, vLLM's CPU build in float32 and in bfloat16 (the engine dtype `--backend vllm` uses). For each, the
-trainer's float32 log-probs of the same tokens, and the step metrics of loss.mismatch_stats / runlog.mismatch_metrics
+trainer's float32 log-probs of the same tokens, and the step metrics of harness/mismatch.py (mismatch_stats, mismatch_metrics)
 (mean k1, k3, the log-perplexity difference, the quantiles of ρ = π_old/π_gen, the share outside [1/2, 2]). Expected:
 float32 against float32 near rounding; bfloat16 against float32 the precision gap the metrics exist to watch.
 """
@@ -25,10 +25,8 @@ def main() -> dict:
     import torch
     from transformers import AutoModelForCausalLM
 
-    import loss
     import tools
-    from harness import config, models
-    from harness.run import runlog
+    from harness import config, mismatch, models
     from harness.generation import TransformersGenerator
     from harness.run.policy import Policy, tensorize
     from rollout import Sampling
@@ -54,7 +52,7 @@ def main() -> dict:
                               tokenizer.pad_token_id, "cpu", gen_logp=[s.logprobs for s in segments])
             old, _ = trainer(batch.input_ids, batch.attention_mask, batch.mask, 1.0)
         generator.close()
-        metrics = runlog.mismatch_metrics(loss.mismatch_stats(old, batch.gen_logp, batch.mask))
+        metrics = mismatch.mismatch_metrics(mismatch.mismatch_stats(old, batch.gen_logp, batch.mask))
         metrics["tokens"] = int(batch.mask.sum())
         results[name] = metrics
         print(f"{name}: " + " | ".join(f"{k.split('/')[-1]} {v:.3g}" for k, v in metrics.items()), flush=True)

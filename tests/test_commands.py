@@ -22,8 +22,8 @@ from tests.conftest import VLLM_ON_CPU, flags         # VLLM_ON_CPU: run by the 
 from tests.fakes import fake_score
 
 ROOT = Path(__file__).resolve().parents[1]
-QUICK = {"--steps": "1", "--eval_limit": "1", "--eval_n": "1", "--eval_before": "false", "--cold_start_steps": "1",
-         "--cold_start_batch": "2", "--k": "2", "--max_response_tokens": "64"}
+QUICK = {"--steps": "1", "--eval_limit": "1", "--eval_n": "1", "--eval_before": "false",
+         "--cold_start_kw": "{questions: 24, steps: 1, batch: 2}", "--k": "2", "--max_response_tokens": "64"}
 LEAN = ["--save_trainer_state", "false"]                  # runs nobody resumes: write only the exported model
 TRAIN_ON_CPU = ["python train.py --steps 1 --eval_limit 2 --eval_n 1", "python train.py",
                 "python train.py --resume true", "torchrun --nproc_per_node=2 train.py",

@@ -49,11 +49,12 @@ USES = {
             ones = torch.ones(2, 5, device=device)
             with torch.device("meta"):                # a stray allocation lands here and fails or leaks out
                 outputs = [*loss.policy_loss(x, x.detach() + 0.3, torch.randn(2, 5, device=device), ones, 10.0,
-                                             ref_logp=x.detach(), kl_coef=0.1, entropy=x.detach(),
-                                             entropy_coeff=0.1)[1].values(),
-                           *loss.policy_loss(x, x.detach(), ones, ones, 10.0, cispo=True)[1].values(),
-                           *loss.policy_loss(x, x.detach(), ones, ones, 10.0, sg_clip_low=True,
-                                             loss_agg="seq-mean-token-sum-norm", n_seqs=2, max_len=8)[1].values(),
+                                             loss.LossSettings(kl_coef=0.1, entropy_coef=0.1), ref_logp=x.detach(),
+                                             entropy=x.detach())[1].values(),
+                           *loss.policy_loss(x, x.detach(), ones, ones, 10.0, loss.LossSettings("cispo"))[1].values(),
+                           *loss.policy_loss(x, x.detach(), ones, ones, 10.0,
+                                             loss.LossSettings("gppo", loss_agg="seq-mean-token-sum-norm", max_len=8),
+                                             n_seqs=2)[1].values(),
                            *loss.logprobs_and_entropy(torch.randn(4, 3, device=device),
                                                       torch.randn(7, 3, device=device),
                                                       torch.tensor([1, 2, 3, 4], device=device), chunk_size=3)]

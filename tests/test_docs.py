@@ -49,6 +49,24 @@ def test_flag_tables_are_the_configs(section, cls):
         assert meaning == fields[name].metadata["help"].replace("|", "/"), name
 
 
+def test_the_readme_hyperparameter_table_is_the_first_flag_group():
+    """The README's hyperparameter table names exactly the flags of --help's first group (the paper's), in order."""
+    table = README.split("## Hyperparameters and algorithms", 1)[1].split("\n\n", 2)[1]
+    in_table = re.findall(r"`--(\w+)`", table)
+    fields = dataclasses.fields(config.Config)
+    second = next(i for i, f in enumerate(fields) if i and f.metadata.get("group"))
+    first_group = [f.name for f in fields[:second]]
+    assert fields[0].metadata["group"].startswith("the paper's") and sorted(in_table) == sorted(first_group)
+    help_text = config.build_parser().format_help().split("\noptions:", 1)[1]          # past the usage block
+    assert help_text.index(fields[0].metadata["group"]) < min(help_text.index(f"--{f.name} ") for f in fields[second:])
+
+
+def test_every_flag_that_went_is_named_with_its_replacement():
+    section = REFERENCE.split("## `train.py` flags", 1)[1].split("\n## ", 1)[0]
+    for old, new in config.RENAMED.items():
+        assert f"`--{old}` → {new.replace('|', '/')}" in section, old
+
+
 def test_every_logged_metric_is_defined():
     """Every key of a real run's metrics.jsonl (the golden run's) is named in the metrics table; tools/… and time/…
     keys by their family."""

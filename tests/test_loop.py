@@ -4,14 +4,13 @@ Every test here fails if its path were skipped or wrong: the real deep-research 
 own golds, one optimiser step moving log-probs the way the advantages say, activation checkpointing recomputing in
 backward, the ablation switches and the learning-rate warm-up reaching the update, the KL to the reference reaching
 the gradient, periodic evaluation, prompts over max_prompt_tokens dropped, demonstrations read from
---cold_start_data, checkpoint pruning and the log trimming of a resume after a crash, DDP on two processes (each rank
+--cold_start_kw's data, checkpoint pruning and the log trimming of a resume after a crash, DDP on two processes (each rank
 scoring its own questions), the data order, and the vLLM per-step cycle. The helpers (`setup`, `flags`) are in
 tests/conftest.py, the injected score and generators (`fake_score`, `AnswerAtOnce`) in tests/fakes.py; each run is 2
 steps of 2 questions × k = 2 unless a test says otherwise."""
 import contextlib
 import dataclasses
 import json
-import math
 import sys
 from pathlib import Path
 
@@ -41,7 +40,7 @@ def rows_of(run: Path, name: str) -> list[dict]:
 class Spy:
     """Records what the loop hands to the algorithm; every wrapper calls the real function.
 
-    losses: (sg_clip, advantages (b, T), mask (b, T)) per loss.policy_loss call; groups: (rewards, group ids, A) per
+    losses: (surrogate, advantages (b, T), mask (b, T)) per loss.policy_loss call; groups: (rewards, group ids, A) per
     advantage.group_advantages call; lrs, grads: the learning rate and the whole gradient (flattened, before
     clipping) at each optimiser step; backwards: backward passes;
     recomputed: decoder-layer MLP forwards run inside a backward pass (activation checkpointing)."""
@@ -53,9 +52,9 @@ class Spy:
         real_loss, real_adv = loss.policy_loss, advantage.group_advantages
         real_step, real_load, real_backward = train.optimizer_step, startup.load_policy, torch.Tensor.backward
 
-        def policy_loss(logp, old_logp, advantages, mask, n_valid, **kw):
-            self.losses.append((kw["sg_clip"], advantages.detach().clone(), mask.clone()))
-            return real_loss(logp, old_logp, advantages, mask, n_valid, **kw)
+        def policy_loss(logp, old_logp, advantages, mask, n_valid, settings, **kw):
+            self.losses.append((settings.surrogate, advantages.detach().clone(), mask.clone()))
+            return real_loss(logp, old_logp, advantages, mask, n_valid, settings, **kw)
 
         def group_advantages(rewards, group_ids, **kw):
             out = real_adv(rewards, group_ids, **kw)
@@ -227,21 +226,21 @@ def test_gradient_checkpointing_gives_the_same_gradient(tokenizer, tmp_path):
         torch.testing.assert_close(grads[1][name], g, atol=1e-6, rtol=1e-5, msg=name)
 
 
-def test_ablation_switches_and_warmup_in_the_loop(setup, monkeypatch):
-    """--sg_clip false and --entropy_advantage false reach the update: the loss gets sg_clip=False and advantages
+def test_ablation_switches_in_the_loop(setup, monkeypatch):
+    """--sg_clip false and --entropy_advantage false reach the update: the loss gets PPO's surrogate and advantages
     equal to the group advantage A_j at every policy token (Ã = A); with --ppo_epochs 2 and a large learning rate the
-    second pass clips, and no clipped gradient is kept (preserved = 0). Warm-up over 4 optimiser steps: the
-    optimiser steps at lr·1/4, 2/4, 3/4, then lr. --dynamic_budget false (ARPO) reaches the rollout: no pre-monitor
-    in any tree and m = k // 2 for every question."""
+    second pass clips, and no clipped gradient is kept (preserved = 0). Every optimiser step runs at --lr (constant).
+    --dynamic_budget false (ARPO) reaches the rollout: no pre-monitor in any tree and m = k // 2 for every
+    question."""
     spy = Spy(monkeypatch)
     lr = 0.05
-    run = Path(train.main(flags(setup, "ablations", sg_clip="false", entropy_advantage="false", warmup_steps=4,
+    run = Path(train.main(flags(setup, "ablations", sg_clip="false", entropy_advantage="false",
                                 ppo_epochs=2, lr=lr, dynamic_budget="false"), score=fake_score)["run_dir"])
     tree_records = rows_of(run, "trees.jsonl")
     assert len(tree_records) == 2 * 2 and all(rec["m"] == 2 // 2 for rec in tree_records)
     assert {t["kind"] for rec in tree_records for t in rec["trajectories"]} <= {"global", "branch", "completion"}
-    assert spy.lrs == pytest.approx([lr / 4, lr / 2, 3 * lr / 4, lr, lr, lr, lr, lr], rel=1e-12)
-    assert len(spy.losses) == 8 and not any(sg_clip for sg_clip, _, _ in spy.losses)
+    assert spy.lrs == pytest.approx([lr] * 8, rel=1e-12)
+    assert len(spy.losses) == 8 and all(surrogate == "ppo" for surrogate, _, _ in spy.losses)
     per_step = [adv for _, _, adv in spy.groups]
     for n, (_, a, m) in enumerate(spy.losses):                   # 2 steps × 2 epochs × 2 mini-batches of 1 question
         step, mini = n // 4, n % 2
@@ -276,7 +275,7 @@ def test_kl_coef_adds_the_reference_kl_to_the_gradient(setup, monkeypatch):
 
 def test_long_prompts_dropped_and_demonstrations_from_file(setup, monkeypatch, tokenizer, tmp_path):  # noqa: F811
     """--max_prompt_tokens keeps only the questions whose prompt fits (here the two shortest), so RL never sees the
-    others; --cold_start_data: the cold start trains on that file's demonstrations, and no training question is
+    others; --cold_start_kw data: the cold start trains on that file's demonstrations, and no training question is
     set aside for demonstrations."""
     lengths = sorted((len(tools.build_prompt(tokenizer, q)), q) for q, _ in QA)
     assert lengths[1][0] < lengths[2][0]
@@ -295,7 +294,7 @@ def test_long_prompts_dropped_and_demonstrations_from_file(setup, monkeypatch, t
         return real_cold_start(policy, demonstrations, *args, **kw)
     monkeypatch.setattr(coldstart, "cold_start", cold_start)
     run = Path(train.main(flags(setup, "short_prompts", max_prompt_tokens=lengths[1][0], cold_start="true",
-                                cold_start_data=str(demo_file), cold_start_steps=1, cold_start_batch=2,
+                                cold_start_kw=json.dumps({"data": str(demo_file), "steps": 1, "batch": 2}),
                                 log_samples=4), score=fake_score)["run_dir"])
     assert seen == [demos]
     samples = rows_of(run, "samples.jsonl")
@@ -324,10 +323,8 @@ class Crash(Exception):
 
 def test_crash_then_resume_trims_logs_and_prunes_checkpoints(setup, monkeypatch):
     """Step 2 is logged, then its checkpoint fails: the resume from step 1 drops step 2's lines from metrics.jsonl,
-    samples.jsonl and trees.jsonl before redoing it, and logs the same numbers again. The learning-rate warm-up
-    (--warmup_steps 8, 2 optimiser steps per step) goes on where it stopped: step 2 ends at lr·4/8 in both runs, not
-    at lr·2/8 as a restarted warm-up would. --keep_checkpoints 1: once step 2 is saved, step 1's checkpoint is
-    deleted."""
+    samples.jsonl and trees.jsonl before redoing it, and logs the same numbers again (the AdamW state restored: the
+    same loss and gradient norm). --keep_checkpoints 1: once step 2 is saved, step 1's checkpoint is deleted."""
     real_save = checkpoint.save
 
     def save(run_dir, step, *args, **kw):
@@ -337,19 +334,18 @@ def test_crash_then_resume_trims_logs_and_prunes_checkpoints(setup, monkeypatch)
     monkeypatch.setattr(checkpoint, "save", save)
     lr = 1e-3
     with pytest.raises(Crash):
-        train.main(flags(setup, "crashed", keep_checkpoints=1, warmup_steps=8, lr=lr), score=fake_score)
+        train.main(flags(setup, "crashed", keep_checkpoints=1, lr=lr), score=fake_score)
     run = setup / "runs" / "crashed"
     crashed = rows_of(run, "metrics.jsonl")
     assert [m["step"] for m in crashed] == [1, 2]
     assert [r["step"] for r in rows_of(run, "trees.jsonl")] == [1, 1, 2, 2]          # one record per question
     assert [p.name for p in checkpoint.checkpoint_dirs(run)] == ["step_000001"]
     monkeypatch.setattr(checkpoint, "save", real_save)
-    train.main(flags(setup, "crashed", keep_checkpoints=1, warmup_steps=8, lr=lr, resume="true"), score=fake_score)
+    train.main(flags(setup, "crashed", keep_checkpoints=1, lr=lr, resume="true"), score=fake_score)
     resumed = rows_of(run, "metrics.jsonl")
     assert [m["step"] for m in resumed] == [1, 2]
     assert [s["step"] for s in rows_of(run, "samples.jsonl")] == [1, 1, 2, 2]
     assert [r["step"] for r in rows_of(run, "trees.jsonl")] == [1, 1, 2, 2]
-    assert [m["lr"] for m in crashed] == [m["lr"] for m in resumed] == pytest.approx([lr * 2 / 8, lr * 4 / 8])
     for key in ("reward", "pg_loss", "grad_norm", "entropy", "resp_len"):
         assert resumed[1][key] == pytest.approx(crashed[1][key], rel=1e-6, abs=1e-9), key
     assert [p.name for p in checkpoint.checkpoint_dirs(run)] == ["step_000002"]
@@ -426,8 +422,8 @@ def test_vllm_cycle_with_periodic_evaluation(setup, monkeypatch, tokenizer):
         return real_generate(self, prompts, params, use_tqdm)
     monkeypatch.setattr(fake_vllm.LLM, "generate", generate)
     run = Path(train.main(flags(setup, "vllm_eval", backend="vllm", eval_data=str(setup / "qa.jsonl"), eval_limit=1,
-                                eval_n=1, eval_every=1, eval_before="false", temperature=0.8, top_p=0.9,
-                                eval_temperature=0.6, eval_top_p=0.95), score=fake_score)["run_dir"])
+                                eval_n=1, eval_every=1, eval_before="false", temperature=0.8, top_p=0.9),
+                          score=fake_score)["run_dir"])
     llm = fake_vllm.LLM.instances[-1]
     calls = []                                   # the engine's calls in order, repeats collapsed (weight loads counted)
     for event in llm.events:
@@ -529,22 +525,3 @@ def test_the_correction_without_generator_logprobs_is_one_error_line(setup, caps
     said = [line for line in err.replace("\r", "\n").splitlines() if line.startswith("error: ")]
     assert len(said) == 1 and "needs the generator's log-probs" in said[0] and "Traceback" not in err, err
     assert err.rstrip().endswith(said[0]), err                              # the last thing said (progress bars before)
-
-
-def test_the_correction_switches_reach_the_loss():
-    """train.rollout_correction reads each switch: all off gives no weights (the default run's loss is unchanged);
-    each on gives loss.rollout_correction's weights with its band; no generator log-probs is an error."""
-    from harness.run.policy import MicroBatch
-    mb = MicroBatch(torch.zeros(1, 4, dtype=torch.long), torch.ones(1, 4, dtype=torch.long), torch.ones(1, 3),
-                    gen_logp=torch.tensor([[0.0, -1.0, 0.5]]), old_logp=torch.zeros(1, 3))   # ρ = 1, e, e^−0.5
-    assert train.rollout_correction(mb, config.Config()) is None
-    assert train.rollout_correction(mb, config.Config(tis_cap=2.0))[0].tolist() == \
-        pytest.approx([1.0, 2.0, math.exp(-0.5)])
-    assert train.rollout_correction(mb, config.Config(mismatch_token_mask=True)).tolist() == [[1.0, 0.0, 1.0]]
-    assert train.rollout_correction(mb, config.Config(mismatch_sequence_mask=True, mismatch_high=1.2)).tolist() == \
-        [[1.0, 1.0, 1.0]]                                                  # geo-mean e^(0.5/3) = 1.18
-    assert train.rollout_correction(mb, config.Config(mismatch_segment_mask=True, mismatch_high=1.1)).tolist() == \
-        [[0.0, 0.0, 0.0]]
-    mb.gen_logp = torch.full((1, 3), float("nan"))
-    with pytest.raises(cli.UserError, match="needs the generator's log-probs"):
-        train.rollout_correction(mb, config.Config(tis_cap=2.0))

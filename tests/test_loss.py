@@ -128,11 +128,11 @@ def test_chunked_frozen_weight_and_bad_shapes():
 # Policy loss
 
 
-def _grad_weight(r, a, sg_clip, **kw):
-    """F from ∂loss/∂logp = -F·A/n_valid for one token with ratio r and advantage a."""
+def _grad_weight(r, a, surrogate="aepo", **kw):
+    """F from ∂loss/∂logp = -F·A/n_valid for one token with ratio r and advantage a (kw: the other LossSettings)."""
     old = torch.zeros(1, 1)
     logp = torch.full((1, 1), math.log(r), requires_grad=True)
-    loss, _ = L.policy_loss(logp, old, torch.full((1, 1), a), torch.ones(1, 1), 1, sg_clip=sg_clip, **kw)
+    loss, _ = L.policy_loss(logp, old, torch.full((1, 1), a), torch.ones(1, 1), 1, L.LossSettings(surrogate, **kw))
     loss.backward()
     return (-logp.grad / a).item()
 
@@ -146,13 +146,13 @@ def _grad_weight(r, a, sg_clip, **kw):
     (1.5, -0.5, 1.5, 1.5),     # A < 0, 1 + eps_high < r < clip_c: min picks r·A
 ])
 def test_gradient_table(r, a, f_ppo, f_aepo):
-    assert _grad_weight(r, a, sg_clip=False) == pytest.approx(f_ppo, abs=1e-6)
-    assert _grad_weight(r, a, sg_clip=True) == pytest.approx(f_aepo, abs=1e-6)
+    assert _grad_weight(r, a, "ppo") == pytest.approx(f_ppo, abs=1e-6)
+    assert _grad_weight(r, a, "aepo") == pytest.approx(f_aepo, abs=1e-6)
 
 
 def test_gradient_table_other_eps():
-    assert _grad_weight(2.0, 1.0, True, eps_high=0.28) == pytest.approx(1.28, abs=1e-6)
-    assert _grad_weight(1.25, 1.0, True, eps_high=0.28) == pytest.approx(1.25, abs=1e-6)
+    assert _grad_weight(2.0, 1.0, "aepo", eps_high=0.28) == pytest.approx(1.28, abs=1e-6)
+    assert _grad_weight(1.25, 1.0, "aepo", eps_high=0.28) == pytest.approx(1.25, abs=1e-6)
 
 
 def test_loss_values_by_hand():
@@ -161,14 +161,14 @@ def test_loss_values_by_hand():
     mask = torch.ones(1, 4)
     # J = 1.2·1, 0.8·(-1), 3·(-1), 1·2  -> Σ J = 1.2 - 0.8 - 3 + 2 = -0.6; n_valid = 6
     for sg in (True, False):
-        loss, m = L.policy_loss(logp, torch.zeros(1, 4), adv, mask, 6, sg_clip=sg)
+        loss, m = L.policy_loss(logp, torch.zeros(1, 4), adv, mask, 6, L.LossSettings(surrogate=("aepo" if sg else "ppo")))
         assert loss.item() == pytest.approx(0.6 / 6, abs=1e-6)
     assert m["n_tokens"].item() == 4 and m["clip_hi"].item() == 1
     assert m["clip_lo"].item() == 1 and m["clip_dual"].item() == 1 and m["preserved"].item() == 0
     assert m["ratio"].item() == pytest.approx(7.0)
     k3 = sum(r - 1 - math.log(r) for r in (1.5, 0.5, 4.0, 1.0))
     assert m["approx_kl"].item() == pytest.approx(k3, rel=1e-6)
-    _, m = L.policy_loss(logp, torch.zeros(1, 4), adv, mask, 6, sg_clip=True)
+    _, m = L.policy_loss(logp, torch.zeros(1, 4), adv, mask, 6, L.LossSettings(surrogate="aepo"))
     assert m["preserved"].item() == 1
     assert all(not v.requires_grad and v.dim() == 0 for v in m.values())
 
@@ -193,7 +193,7 @@ def test_ratio_one_is_plain_policy_gradient():
     adv, mask = torch.randn(2, 6), (torch.rand(2, 6) > 0.3).float()
     for sg in (True, False):
         logp.grad = None
-        loss, _ = L.policy_loss(logp, logp.detach(), adv, mask, 10, sg_clip=sg)
+        loss, _ = L.policy_loss(logp, logp.detach(), adv, mask, 10, L.LossSettings(surrogate=("aepo" if sg else "ppo")))
         loss.backward()
         assert loss.item() == pytest.approx(-(adv * mask).sum().item() / 10, abs=1e-6)
         assert torch.allclose(logp.grad, -adv * mask / 10, atol=1e-7)
@@ -213,13 +213,13 @@ def test_sg_clip_off_equals_textbook_ppo():
     logp = (torch.randn(4, 32) * 0.6).requires_grad_()
     old, adv = torch.randn(4, 32) * 0.6, torch.randn(4, 32)
     mask = (torch.rand(4, 32) > 0.2).float()
-    loss, _ = L.policy_loss(logp, old, adv, mask, 77.0, sg_clip=False)
+    loss, _ = L.policy_loss(logp, old, adv, mask, 77.0, L.LossSettings(surrogate="ppo"))
     (g,) = torch.autograd.grad(loss, logp)
     ref = _textbook_ppo(logp, old, adv, mask, 77.0)
     (g_ref,) = torch.autograd.grad(ref, logp)
     assert torch.allclose(loss, ref, atol=1e-6) and torch.allclose(g, g_ref, atol=1e-7)
     # sg_clip on: same value, gradient differs only on upper-clipped positive-advantage tokens
-    loss2, _ = L.policy_loss(logp, old, adv, mask, 77.0, sg_clip=True)
+    loss2, _ = L.policy_loss(logp, old, adv, mask, 77.0, L.LossSettings(surrogate="aepo"))
     (g2,) = torch.autograd.grad(loss2, logp)
     up = (adv > 0) & (torch.exp(logp - old) > 1.2) & (mask > 0)
     assert up.any() and torch.allclose(loss2, ref, atol=1e-6)
@@ -234,12 +234,12 @@ def test_micro_batches_give_the_same_gradient():
     mask = (torch.rand(8, 20) > 0.3).float()
     ref_logp = torch.randn(8, 20) * 0.5
     n_valid = mask.sum()
-    full, _ = L.policy_loss(logp, old, adv, mask, n_valid, ref_logp=ref_logp, kl_coef=0.1)
+    full, _ = L.policy_loss(logp, old, adv, mask, n_valid, L.LossSettings(kl_coef=0.1), ref_logp=ref_logp)
     (g_full,) = torch.autograd.grad(full, logp)
     acc, total = torch.zeros_like(logp), 0.0
     for sl in (slice(0, 3), slice(3, 4), slice(4, 8)):    # uneven micro-batches
         part = logp.detach()[sl].clone().requires_grad_()
-        l, _ = L.policy_loss(part, old[sl], adv[sl], mask[sl], n_valid, ref_logp=ref_logp[sl], kl_coef=0.1)
+        l, _ = L.policy_loss(part, old[sl], adv[sl], mask[sl], n_valid, L.LossSettings(kl_coef=0.1), ref_logp=ref_logp[sl])
         l.backward()
         acc[sl] = part.grad
         total += l.item()
@@ -251,7 +251,7 @@ def test_kl_to_reference_k3_value_and_gradient():
     ref = torch.tensor([[-1.5, -1.0, -0.5]])
     mask = torch.tensor([[1.0, 1.0, 0.0]])
     adv = torch.zeros(1, 3)                               # isolate the KL term
-    loss, m = L.policy_loss(logp, logp.detach(), adv, mask, 4, ref_logp=ref, kl_coef=0.5)
+    loss, m = L.policy_loss(logp, logp.detach(), adv, mask, 4, L.LossSettings(kl_coef=0.5), ref_logp=ref)
     d = (ref - logp.detach())[0, :2]
     k3 = (d.exp() - d - 1).sum()
     assert m["kl_ref"].item() == pytest.approx(k3.item(), rel=1e-6)
@@ -270,7 +270,7 @@ def test_kl_k3_is_clamped_at_10_like_the_official_low_var_kl():
     logp = torch.tensor([[-6.0, -1.0]], requires_grad=True)
     ref = torch.tensor([[-1.0, -1.5]])
     mask = torch.ones(1, 2)
-    loss, m = L.policy_loss(logp, logp.detach(), torch.zeros(1, 2), mask, 2, ref_logp=ref, kl_coef=1.0)
+    loss, m = L.policy_loss(logp, logp.detach(), torch.zeros(1, 2), mask, 2, L.LossSettings(kl_coef=1.0), ref_logp=ref)
     small = math.exp(-0.5) + 0.5 - 1
     assert m["kl_ref"].item() == pytest.approx(10.0 + small, rel=1e-6)
     loss.backward()
@@ -284,8 +284,7 @@ def test_non_finite_inputs_raise_naming_tensor_and_count(name):
     args["mask"] = torch.ones(2, 3)
     args[name][0, 0], args[name][1, 2] = float("nan"), float("inf")
     with pytest.raises(ValueError, match=rf"^{name}: 2 of 6 entries are non-finite"):
-        L.policy_loss(args["logp"], args["old_logp"], args["advantages"], args["mask"], 6,
-                      ref_logp=args["ref_logp"], kl_coef=0.1)
+        L.policy_loss(args["logp"], args["old_logp"], args["advantages"], args["mask"], 6, L.LossSettings(kl_coef=0.1), ref_logp=args["ref_logp"])
 
 
 def test_bad_n_valid_and_shapes_raise():
@@ -293,7 +292,22 @@ def test_bad_n_valid_and_shapes_raise():
     with pytest.raises(ValueError, match="n_valid"):
         L.policy_loss(z, z, z, z, 0)
     with pytest.raises(ValueError, match="advantages"):
-        L.policy_loss(z, z, torch.zeros(2), z, 1)
+        L.policy_loss(z, z, torch.zeros(3), z, 1)                       # (T,) is not one per sequence
+    with pytest.raises(TypeError, match="LossSettings"):
+        L.policy_loss(z, z, z, z, 1, 0.2)                               # the old positional eps_low
+
+
+def test_one_advantage_per_sequence_is_broadcast_over_its_tokens():
+    """TRL passes (B,) advantages: the loss, metrics and gradient equal those of the (B, T) broadcast."""
+    torch.manual_seed(3)
+    logp = (torch.randn(3, 6) * 0.4).requires_grad_()
+    old, adv, mask = torch.randn(3, 6) * 0.4, torch.randn(3), (torch.rand(3, 6) > 0.3).float()
+    per_seq, m1 = L.policy_loss(logp, old, adv, mask, mask.sum())
+    (g1,) = torch.autograd.grad(per_seq, logp)
+    per_token, m2 = L.policy_loss(logp, old, adv[:, None].expand(3, 6), mask, mask.sum())
+    (g2,) = torch.autograd.grad(per_token, logp)
+    assert per_seq.item() == per_token.item() and torch.equal(g1, g2) and g1.abs().sum() > 0
+    assert all(m1[key].item() == m2[key].item() for key in m1)
 
 
 def test_chunked_path_is_float32_inside_autocast():
@@ -335,7 +349,7 @@ def test_pg_loss_metric_excludes_the_kl_term():
     kl = 0.5·(0.10653 + 0.71828)/4 = 0.10310."""
     logp = torch.tensor([[-1.0, -2.0]])
     ref = torch.tensor([[-1.5, -1.0]])
-    loss, m = L.policy_loss(logp, logp, torch.tensor([[1.0, -0.5]]), torch.ones(1, 2), 4, ref_logp=ref, kl_coef=0.5)
+    loss, m = L.policy_loss(logp, logp, torch.tensor([[1.0, -0.5]]), torch.ones(1, 2), 4, L.LossSettings(kl_coef=0.5), ref_logp=ref)
     kl = 0.5 * ((math.exp(-0.5) - 0.5) + (math.e - 2.0)) / 4
     assert m["pg_loss"].item() == pytest.approx(-0.125, abs=1e-7)
     assert m["kl_loss"].item() == pytest.approx(kl, rel=1e-6) and kl == pytest.approx(0.10310, abs=1e-5)
@@ -345,8 +359,7 @@ def test_pg_loss_metric_excludes_the_kl_term():
 # ---------------------------------------------------------------------------------------------
 # Baselines (algorithm.md §7): GPPO, CISPO, the entropy bonus, verl's loss aggregations
 
-VARIANTS = {"ppo": dict(sg_clip=False), "aepo": dict(sg_clip=True),
-            "gppo": dict(sg_clip=True, sg_clip_low=True), "cispo": dict(sg_clip=False, cispo=True)}
+VARIANTS = {name: L.LossSettings(name) for name in ("ppo", "aepo", "gppo", "cispo")}
 
 
 @pytest.mark.parametrize("r,a,f_ppo,f_aepo,f_gppo,f_cispo", [
@@ -362,25 +375,27 @@ VARIANTS = {"ppo": dict(sg_clip=False), "aepo": dict(sg_clip=True),
 def test_gradient_table_of_the_baselines(r, a, f_ppo, f_aepo, f_gppo, f_cispo):
     """∂loss/∂log π = −F·A/N_valid, F by hand per case (ε_l = ε_h = 0.2, c = 3)."""
     for name, f in zip(VARIANTS, (f_ppo, f_aepo, f_gppo, f_cispo)):
-        assert _grad_weight(r, a, **VARIANTS[name]) == pytest.approx(f, abs=1e-6), name
+        assert _grad_weight(r, a, name) == pytest.approx(f, abs=1e-6), name
 
 
 def test_gppo_lower_bound_and_dual_clip_interaction():
     """The lower sg bound acts where r < 1 − ε_l, the dual clip where r > c: with the dual clip off (c huge) a negative
-    token at r = 4 keeps weight r; with c = 3 it has none, whatever sg_clip_low says."""
-    gppo = VARIANTS["gppo"]
-    assert _grad_weight(4.0, -1.0, **gppo, clip_c=1e9) == pytest.approx(4.0, abs=1e-5)
-    assert _grad_weight(4.0, -1.0, **gppo, clip_c=3.0) == 0.0
-    assert _grad_weight(0.5, -1.0, **gppo, eps_low=0.3) == pytest.approx(0.7, abs=1e-6)
-    assert _grad_weight(0.5, -1.0, sg_clip=False, sg_clip_low=True) == pytest.approx(0.8, abs=1e-6)   # lower half alone
-    assert _grad_weight(1.5, 1.0, sg_clip=False, sg_clip_low=True) == 0.0
+    token at r = 4 keeps weight r; with c = 3 it has none, whatever the lower bound says. gppo_surrogate with
+    sg_clip=False (the lower half alone) keeps the lower bound's gradient and drops the upper one's."""
+    assert _grad_weight(4.0, -1.0, "gppo", clip_c=1e9) == pytest.approx(4.0, abs=1e-5)
+    assert _grad_weight(4.0, -1.0, "gppo", clip_c=3.0) == 0.0
+    assert _grad_weight(0.5, -1.0, "gppo", eps_low=0.3) == pytest.approx(0.7, abs=1e-6)
+    for r, a, f in ((0.5, -1.0, 0.8), (1.5, 1.0, 0.0)):
+        logp = torch.full((1, 1), math.log(r), requires_grad=True)
+        L.gppo_surrogate(torch.exp(logp), torch.full((1, 1), a), sg_clip=False).sum().backward()
+        assert logp.grad.item() / a == pytest.approx(f, abs=1e-6)
 
 
 def test_cispo_bounds_like_minimax_no_lower_bound():
     """MiniMax-M1 sets ε_low large (no lower bound) and tunes ε_high: eps_low = 1 gives weight r below 1."""
     for r in (0.5, 0.01):
-        assert _grad_weight(r, -1.0, False, cispo=True, eps_low=1.0) == pytest.approx(r, rel=1e-5)
-    assert _grad_weight(4.0, -1.0, False, cispo=True, eps_low=1.0, eps_high=0.28) == pytest.approx(1.28, abs=1e-6)
+        assert _grad_weight(r, -1.0, "cispo", eps_low=1.0) == pytest.approx(r, rel=1e-5)
+    assert _grad_weight(4.0, -1.0, "cispo", eps_low=1.0, eps_high=0.28) == pytest.approx(1.28, abs=1e-6)
 
 
 def test_gppo_value_is_ppo_and_gradient_differs_only_on_lower_clipped_tokens():
@@ -390,7 +405,7 @@ def test_gppo_value_is_ppo_and_gradient_differs_only_on_lower_clipped_tokens():
     mask = (torch.rand(4, 32) > 0.2).float()
     ref = _textbook_ppo(logp, old, adv, mask, 77.0)
     (g_ref,) = torch.autograd.grad(ref, logp)
-    loss, _ = L.policy_loss(logp, old, adv, mask, 77.0, **VARIANTS["gppo"])
+    loss, _ = L.policy_loss(logp, old, adv, mask, 77.0, VARIANTS["gppo"])
     (g,) = torch.autograd.grad(loss, logp)
     r = torch.exp(logp - old).detach()
     up = (adv > 0) & (r > 1.2) & (mask > 0)
@@ -408,7 +423,7 @@ def test_cispo_value_and_gradient_by_hand():
     r = torch.tensor([[1.5, 0.5, 1.1]])
     logp = (r.log() - 1.0).requires_grad_()
     adv = torch.tensor([[1.0, -1.0, 2.0]])
-    loss, m = L.policy_loss(logp, torch.full((1, 3), -1.0), adv, torch.ones(1, 3), 4, cispo=True)
+    loss, m = L.policy_loss(logp, torch.full((1, 3), -1.0), adv, torch.ones(1, 3), 4, L.LossSettings(surrogate="cispo"))
     j = 1.2 * (math.log(1.5) - 1) - 0.8 * (math.log(0.5) - 1) + 2.2 * (math.log(1.1) - 1)
     assert loss.item() == pytest.approx(-j / 4, abs=1e-6) and j == pytest.approx(-1.349242, abs=1e-6)
     assert m["pg_loss"].item() == pytest.approx(-j / 4, abs=1e-6)
@@ -425,7 +440,7 @@ def test_clip_metrics_per_variant_by_hand():
     expected = {"ppo": (0, 0, 3), "aepo": (1, 1, 2), "gppo": (1, 2, 1), "cispo": (1, 2, 0)}
     for name, (preserved, kept, dropped) in expected.items():
         logp = r.log().requires_grad_()
-        loss, m = L.policy_loss(logp, torch.zeros(1, 7), adv, torch.ones(1, 7), 7, **VARIANTS[name])
+        loss, m = L.policy_loss(logp, torch.zeros(1, 7), adv, torch.ones(1, 7), 7, VARIANTS[name])
         loss.backward()
         count = {key: v.item() for key, v in m.items()}
         assert (count["clip_hi"], count["clip_lo"], count["clip_dual"]) == (1, 1, 1), name
@@ -450,7 +465,7 @@ def test_loss_aggregations_by_hand(loss_agg, value, weights):
     adv = torch.tensor([[1.0, 2.0, 3.0, 9.0], [4.0, 9.0, 9.0, 9.0]])
     mask = torch.tensor([[1.0, 1.0, 1.0, 0.0], [1.0, 0.0, 0.0, 0.0]])
     logp = torch.zeros(2, 4, requires_grad=True)
-    loss, m = L.policy_loss(logp, torch.zeros(2, 4), adv, mask, 4, loss_agg=loss_agg, n_seqs=2, max_len=8)
+    loss, m = L.policy_loss(logp, torch.zeros(2, 4), adv, mask, 4, L.LossSettings(loss_agg=loss_agg, max_len=8), n_seqs=2)
     assert loss.item() == pytest.approx(value, abs=1e-6) and m["pg_loss"].item() == pytest.approx(value, abs=1e-6)
     loss.backward()
     w = torch.tensor(weights)[:, None] * mask
@@ -467,7 +482,7 @@ def test_every_aggregation_gives_the_same_gradient_over_micro_batches(loss_agg):
     old, adv, ref = torch.randn(8, 20) * 0.5, torch.randn(8, 20), torch.randn(8, 20) * 0.5
     mask = (torch.rand(8, 20) > 0.3).float()
     mask[3, 10:] = 0
-    kw = dict(kl_coef=0.1, entropy_coeff=0.01, loss_agg=loss_agg, n_seqs=8, max_len=32, sg_clip_low=True)
+    kw = dict(n_seqs=8, settings=L.LossSettings("gppo", kl_coef=0.1, entropy_coef=0.01, loss_agg=loss_agg, max_len=32))
     full, _ = L.policy_loss(logp, old, adv, mask, mask.sum(), ref_logp=ref, entropy=ent, **kw)
     g_full = torch.autograd.grad(full, (logp, ent))
     acc, total = [torch.zeros_like(logp), torch.zeros_like(ent)], 0.0
@@ -490,8 +505,7 @@ def test_kl_and_entropy_use_the_same_aggregation():
     ref = torch.tensor([[-1.5, -1.5, -9.0], [-1.0, 0.0, 0.0]])
     mask = torch.tensor([[1.0, 1.0, 0.0], [1.0, 0.0, 0.0]])
     ent = torch.tensor([[1.0, 2.0, 7.0], [4.0, 7.0, 7.0]])
-    loss, m = L.policy_loss(logp, logp, torch.zeros(2, 3), mask, 3, ref_logp=ref, kl_coef=0.5, entropy=ent,
-                            entropy_coeff=0.1, loss_agg="seq-mean-token-mean", n_seqs=2)
+    loss, m = L.policy_loss(logp, logp, torch.zeros(2, 3), mask, 3, L.LossSettings(kl_coef=0.5, entropy_coef=0.1, loss_agg="seq-mean-token-mean"), ref_logp=ref, entropy=ent, n_seqs=2)
     k_half, k_one = math.exp(-0.5) - 0.5, math.e - 2.0
     kl = 0.5 * ((2 * k_half) / 2 + k_one / 1) / 2
     bonus = -0.1 * ((1 + 2) / 2 + 4 / 1) / 2
@@ -503,11 +517,11 @@ def test_kl_and_entropy_use_the_same_aggregation():
 def test_bad_loss_aggregation_raises():
     z, one = torch.zeros(1, 2), torch.ones(1, 2)
     with pytest.raises(ValueError, match="loss_agg must be one of token-mean, seq-mean-token-sum"):
-        L.policy_loss(z, z, z, one, 2, loss_agg="seq-mean")
+        L.policy_loss(z, z, z, one, 2, L.LossSettings(loss_agg="seq-mean"))
     with pytest.raises(ValueError, match="needs n_seqs"):
-        L.policy_loss(z, z, z, one, 2, loss_agg="seq-mean-token-mean")
+        L.policy_loss(z, z, z, one, 2, L.LossSettings(loss_agg="seq-mean-token-mean"))
     with pytest.raises(ValueError, match="needs max_len"):
-        L.policy_loss(z, z, z, one, 2, loss_agg="seq-mean-token-sum-norm", n_seqs=1)
+        L.policy_loss(z, z, z, one, 2, L.LossSettings(loss_agg="seq-mean-token-sum-norm"), n_seqs=1)
 
 
 def test_entropy_bonus_gradient_is_minus_coeff_times_dH_dz():
@@ -520,8 +534,7 @@ def test_entropy_bonus_gradient_is_minus_coeff_times_dH_dz():
     mask = torch.tensor([[1.0, 1.0, 0.0, 1.0, 0.0], [1.0, 1.0, 1.0, 0.0, 0.0]])
     c, n = 0.3, 6.0
     h = L.token_entropy(z)
-    loss, m = L.policy_loss(L.token_logprobs(z, ids), L.token_logprobs(z, ids).detach(), torch.zeros(2, 5), mask, n,
-                            entropy=h, entropy_coeff=c)
+    loss, m = L.policy_loss(L.token_logprobs(z, ids), L.token_logprobs(z, ids).detach(), torch.zeros(2, 5), mask, n, L.LossSettings(entropy_coef=c), entropy=h)
     assert loss.item() == pytest.approx(-c * (h * mask).sum().item() / n, rel=1e-6)
     assert m["entropy_loss"].item() == pytest.approx(-c * (h * mask).sum().item() / n, rel=1e-6)
     (g,) = torch.autograd.grad(loss, z)
@@ -541,8 +554,7 @@ def test_entropy_bonus_gradient_is_minus_coeff_times_dH_dz():
         else:
             logits = hidden @ weight.T
             lp, ent = L.token_logprobs(logits, flat_ids), L.token_entropy(logits)
-        l, _ = L.policy_loss(lp[None], lp.detach()[None], torch.zeros(1, 10), flat_mask, n, entropy=ent[None],
-                             entropy_coeff=c)
+        l, _ = L.policy_loss(lp[None], lp.detach()[None], torch.zeros(1, 10), flat_mask, n, L.LossSettings(entropy_coef=c), entropy=ent[None])
         grads.append(torch.autograd.grad(l, (hidden, weight)))
     assert all(torch.allclose(a, b, atol=1e-5) for a, b in zip(*grads))
     # descending the loss raises the entropy of the masked tokens
@@ -553,60 +565,3 @@ def test_entropy_bonus_gradient_is_minus_coeff_times_dH_dz():
     loss0, m0 = L.policy_loss(L.token_logprobs(z, ids), L.token_logprobs(z, ids).detach(), torch.zeros(2, 5), mask, n,
                               entropy=h)
     assert loss0.item() == 0.0 and m0["entropy_loss"].item() == 0.0
-
-
-# ---------------------------------------------------------------------------------------------------------------------
-# The generator–trainer mismatch and its opt-in correction (algorithm.md §4b)
-
-
-def test_mismatch_stats_by_hand():
-    """ρ = π_old/π_gen = e^(old − gen): tokens (ρ = e^0.1, e^−1, e^2) and a mask-0 token and a nan one left out:
-    Σ k1 = −(0.1 − 1 + 2), Σ k3 = Σ (ρ − 1 − log ρ), outside [1/2, 2]: e^−1 and e^2; per sequence mean k1."""
-    old = torch.tensor([[0.1, -1.0, 0.0], [2.0, 5.0, 0.0]])
-    gen = torch.tensor([[0.0, 0.0, float("nan")], [0.0, 0.0, 0.0]])
-    mask = torch.tensor([[1.0, 1.0, 1.0], [1.0, 0.0, 0.0]])
-    s = L.mismatch_stats(old, gen, mask)
-    rho = [math.exp(0.1), math.exp(-1.0), math.exp(2.0)]
-    assert s[0].item() == 3 and s[1].item() == pytest.approx(-(0.1 - 1.0 + 2.0))
-    assert s[2].item() == pytest.approx(sum(r - 1 - math.log(r) for r in rho))
-    assert s[3].item() == 2 and s[4].item() == 2
-    assert s[5].item() == pytest.approx(-(0.1 - 1.0) / 2 - 2.0)              # mean k1 of each sequence, summed
-    hist = s[6:]
-    assert hist.sum().item() == 3 and hist[int((2.0 + 4) / 8 * 160)].item() == 1          # log ρ = 2 in its bin
-
-
-def test_rollout_correction_weights_by_hand():
-    """log ρ per token (row 0: segments {0, 1} and {3}, token 2 a tool result; row 1: one segment, token 3 without a
-    generator log-prob): TIS caps ρ at C; the token band drops ρ outside [1/2, 2]; the segment band the segments
-    whose geometric mean is outside (row 0's first: e^0.75 = 2.12); the sequence band whole trajectories (row 1:
-    e^(1.7/3) = 1.76 > 1.7, row 0: e^(1.4/3) = 1.59). nan and mask-0 tokens keep weight 1."""
-    log_rho = torch.tensor([[0.0, 1.5, 0.0, -0.1], [0.2, 0.3, 1.2, float("nan")]])
-    mask = torch.tensor([[1.0, 1.0, 0.0, 1.0], [1.0, 1.0, 1.0, 1.0]])
-    old, gen = torch.zeros(2, 4), -log_rho
-    w, _ = L.rollout_correction(old, gen, mask, tis_cap=2.0)
-    expected = torch.tensor([[1.0, 2.0, 1.0, math.exp(-0.1)], [math.exp(0.2), math.exp(0.3), 2.0, 1.0]])
-    torch.testing.assert_close(w, expected)
-    w, dropped = L.rollout_correction(old, gen, mask, token_band=(0.5, 2.0))
-    assert w.tolist() == [[1, 0, 1, 1], [1, 1, 0, 1]] and dropped.sum().item() == 2   # e^1.5 and e^1.2 > 2
-    w, _ = L.rollout_correction(old, gen, mask, segment_band=(0.5, 2.0))
-    assert w.tolist() == [[0, 0, 1, 1], [1, 1, 1, 1]]
-    w, _ = L.rollout_correction(old, gen, mask, sequence_band=(0.5, 1.7))
-    assert w.tolist() == [[1, 1, 1, 1], [0, 0, 0, 1]]
-    assert not w.requires_grad
-
-
-def test_rollout_correction_gradient_is_weight_times_the_surrogates():
-    """Decoupled: the ratio stays π_θ/π_old, the weight multiplies J and carries no gradient. With r = 1 (one
-    optimiser step per rollout) ∂loss/∂log π = −w·Ã/N at every token, and 0 where a band dropped it."""
-    logp = torch.tensor([[-1.0, -2.0, -0.5]], requires_grad=True)
-    old, adv, mask = logp.detach().clone(), torch.tensor([[1.0, -2.0, 0.5]]), torch.ones(1, 3)
-    gen = old - torch.tensor([[0.3, 1.2, -0.2]])                        # ρ = e^0.3, e^1.2, e^−0.2
-    w, _ = L.rollout_correction(old, gen, mask, tis_cap=2.0, token_band=(0.5, 3.0))
-    loss, _ = L.policy_loss(logp, old, adv, mask, 3, weights=w)
-    loss.backward()
-    rho = torch.tensor([[math.exp(0.3), 2.0, math.exp(-0.2)]])           # e^1.2 = 3.3 capped at 2, then dropped
-    expected_w = rho * torch.tensor([[1.0, 0.0, 1.0]])
-    torch.testing.assert_close(w, expected_w)
-    torch.testing.assert_close(logp.grad, -expected_w * adv / 3)
-    plain, _ = L.policy_loss(logp.detach().requires_grad_(), old, adv, mask, 3)
-    assert plain.item() == pytest.approx(-(adv.sum() / 3).item())       # without weights: the plain objective

@@ -299,7 +299,7 @@ def test_non_finite_loss_raises(tokenizer):
 def test_two_steps_then_resume_is_exact(setup, monkeypatch, tokenizer):
     initial = {k: v.clone() for k, v in make_tiny_model(tokenizer).state_dict().items()}
     # interrupted: 2 steps (with a cold start and a 1-question eval), then resume for a third
-    common = dict(cold_start="true", cold_start_questions=2, cold_start_steps=2, cold_start_batch=2, kl_coef=0.05)
+    common = dict(cold_start="true", cold_start_kw=json.dumps({"questions": 2, "steps": 2, "batch": 2}), kl_coef=0.05)
     out = train.main(flags(setup, "interrupted", eval_data=str(setup / "qa.jsonl"), eval_limit=1, **common), score=fake_score)
     run = Path(out["run_dir"])
     rows = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]

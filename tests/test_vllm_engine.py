@@ -176,7 +176,7 @@ def test_train_with_vllm_on_cpu_one_and_two_processes(cache, tmp_path):
 def test_engine_log_probs_equal_the_trainers_in_float32(cache):
     """At temperature 1 the engine gives every sampled token its log-prob (vLLM's raw ones): in float32 they are the
     float32 trainer's (harness.run.policy.Policy, teacher-forced) to rounding, the mismatch metrics' zero (k3 < 1e-8)."""
-    import loss
+    from harness import mismatch
     import tools
     from harness.run.policy import Policy, tensorize
     from transformers import AutoModelForCausalLM
@@ -194,5 +194,5 @@ def test_engine_log_probs_equal_the_trainers_in_float32(cache):
                       vgen.tokenizer.pad_token_id, "cpu", gen_logp=[s.logprobs for s in segments])
     with torch.no_grad():
         old, _ = Policy(lm)(batch.input_ids, batch.attention_mask, batch.mask, 1.0)
-    stats = loss.mismatch_stats(old, batch.gen_logp, batch.mask)
-    assert stats[0] == batch.mask.sum() and stats[2] / stats[0] < 1e-8
+    stats = mismatch.mismatch_stats(old, batch.gen_logp, batch.mask)
+    assert stats.tokens == batch.mask.sum() and stats.k3 / stats.tokens < 1e-8

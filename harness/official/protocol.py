@@ -260,6 +260,7 @@ def main(cfg, datasets: list, out: Path) -> list[dict]:
     from harness.official.browse import BrowseSearch, PageCache, Summarizer
     from harness.cli import UserError
     from harness.correctness import OfficialJudge
+    from harness.settings import python_isolation, python_limits
     if cfg.search not in ("brightdata", "web"):
         raise UserError(f"--protocol official fetches the pages of web results: --search brightdata (the official "
                         f"SERP API) or web, not {cfg.search}")
@@ -268,11 +269,10 @@ def main(cfg, datasets: list, out: Path) -> list[dict]:
     browse = BrowseSearch(search_mod.make_search(cfg.search, **{"timeout_s": cfg.tool_timeout_s, **cfg.search_kw}),
                           Summarizer(cfg.summarizer_url, cfg.summarizer_model), cache, cfg.fetch_timeout_s)
     print(f"browsing search: {browse!r}; judge: {getattr(judge, 'model', None)}", flush=True)
-    print(config.python_isolation(cfg.python_isolation), flush=True)
-    python_kw = {"max_processes": cfg.python_max_processes, "total_memory_mb": cfg.python_memory_mb,
-                 "disk_mb": cfg.python_disk_mb}
+    print(python_isolation(cfg.python_isolation), flush=True)
+    python_kw = {key: value for key, value in python_limits(cfg.python_limits).items() if key != "timeout_s"}
 
-    def python(code: str, deadline_s: float) -> str:
+    def python(code: str, deadline_s: float) -> str:              # the official per-call deadline, not timeout_s
         return tools.run_python(code, timeout_s=deadline_s, **python_kw)
 
     if cfg.policy_url:

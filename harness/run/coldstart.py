@@ -18,7 +18,7 @@ from pathlib import Path
 import torch
 
 import tools
-from harness import cli
+from harness import cli, settings
 from harness.run import parallel
 from harness.run.policy import backward_micro_batches, optimizer_step, tensorize, unwrap
 
@@ -39,7 +39,7 @@ def build_demonstrations(rows: list[dict], search) -> list[dict]:
     missing = [i for i, r in enumerate(rows) if not r["meta"].get("query")]
     if missing:
         raise cli.UserError(f"cold start from the training data needs a 'query' field in every row (row "
-                               f"{missing[0]} has none): pass --cold_start_data demos.jsonl or --cold_start false")
+                               f"{missing[0]} has none): pass --cold_start_kw '{{data: demos.jsonl}}' or --cold_start false")
     results = search.search([r["meta"]["query"] for r in rows])
     demos = []
     for i, (row, result) in enumerate(zip(rows, results)):
@@ -64,14 +64,14 @@ def load_demonstrations(path: str) -> list[dict]:
         try:
             demo = json.loads(line)
         except json.JSONDecodeError as err:
-            raise cli.UserError(f"--cold_start_data {path}: line {n}: not JSON ({err.msg})") from None
+            raise cli.UserError(f"--cold_start_kw data {path}: line {n}: not JSON ({err.msg})") from None
         roles = [m.get("role") for m in demo.get("messages", [])] if isinstance(demo, dict) else []
         if "user" not in roles or "assistant" not in roles:
-            raise cli.UserError(f"--cold_start_data {path}: line {n}: a demonstration needs {{'messages': [...]}} "
+            raise cli.UserError(f"--cold_start_kw data {path}: line {n}: a demonstration needs {{'messages': [...]}} "
                                    "with a user and an assistant message")
         demos.append(demo)
     if not demos:
-        raise cli.UserError(f"--cold_start_data {path}: no demonstrations")
+        raise cli.UserError(f"--cold_start_kw data {path}: no demonstrations")
     return demos
 
 
@@ -97,15 +97,16 @@ def demo_tokens(demo: dict, tokenizer) -> tuple[list[int], list[int], list[int]]
 def cold_start(policy, demos: list[dict], tokenizer, cfg, rank: int, world: int, device, amp, log):
     """Supervised steps on the demonstrations: loss = −Σ log π(y_t)·mask / N_valid (global count, like RL)."""
     from tqdm import tqdm
-    optimizer = torch.optim.AdamW(policy.parameters(), lr=cfg.cold_start_lr, weight_decay=0.0)
+    cs = settings.cold_start_settings(cfg)
+    optimizer = torch.optim.AdamW(policy.parameters(), lr=cs.lr, weight_decay=0.0)
     items = [demo_tokens(d, tokenizer) for d in demos]
     rng = random.Random(cfg.seed)
     order: list[int] = []
     unwrap(policy).lm.train()
-    for step in tqdm(range(cfg.cold_start_steps), desc="cold start", disable=rank != 0):
-        while len(order) < cfg.cold_start_batch * world:
+    for step in tqdm(range(cs.steps), desc="cold start", disable=rank != 0):
+        while len(order) < cs.batch * world:
             order += rng.sample(range(len(items)), len(items))
-        batch, order = order[:cfg.cold_start_batch * world], order[cfg.cold_start_batch * world:]
+        batch, order = order[:cs.batch * world], order[cs.batch * world:]
         mine = [items[i] for i in batch[rank::world]]
         mbs = [tensorize(mine[s:s + cfg.micro_batch_size], tokenizer.pad_token_id, device)
                for s in range(0, len(mine), cfg.micro_batch_size)]
@@ -115,32 +116,33 @@ def cold_start(policy, demos: list[dict], tokenizer, cfg, rank: int, world: int,
             value = -(logp * mb.mask).sum() / n_valid
             return value, {"nll": value.detach()}
 
-        sums = backward_micro_batches(policy, mbs, world, amp, 1.0, cfg.logp_chunk_size, nll, f"cold start {step}")
+        sums = backward_micro_batches(policy, mbs, world, amp, 1.0, nll, f"cold start {step}")
         grad_norm = optimizer_step(policy, optimizer, cfg.grad_clip)
         total = parallel.reduce_metrics(sums)["nll"]
-        log(f"cold start {step + 1}/{cfg.cold_start_steps} | nll/token {total:.3f} | grad_norm {grad_norm:.2f}")
+        log(f"cold start {step + 1}/{cs.steps} | nll/token {total:.3f} | grad_norm {grad_norm:.2f}")
     unwrap(policy).lm.eval()
 
 
 def cold_start_key(model_path: str, demos: list[dict], cfg, world: int) -> str:
     """Cache key: model + demonstration content + cold-start settings (the global batch grows with world size)."""
-    settings = (cfg.cold_start_steps, cfg.cold_start_batch, cfg.cold_start_lr, cfg.micro_batch_size, cfg.seed,
-                cfg.bf16, world)
-    h = hashlib.sha256(json.dumps([model_path, demos, settings], sort_keys=True).encode())
+    cs = settings.cold_start_settings(cfg)
+    key = (cs.steps, cs.batch, cs.lr, cfg.micro_batch_size, cfg.seed, cfg.bf16, world)
+    h = hashlib.sha256(json.dumps([model_path, demos, key], sort_keys=True).encode())
     return h.hexdigest()[:16]
 
 
 def demonstrations(cfg, train_rows: list[dict], search) -> tuple[list[dict], list[dict]]:
-    """(demonstrations, the training rows left for RL): --cold_start_data, or the first cold_start_questions
+    """(demonstrations, the training rows left for RL): --cold_start_kw's data, or its first `questions`
     training questions turned into demonstrations (RL then skips them); none without --cold_start."""
     if not cfg.cold_start:
         return [], train_rows
-    if cfg.cold_start_data:
-        demos = load_demonstrations(cfg.cold_start_data)
+    cs = settings.cold_start_settings(cfg)
+    if cs.data:
+        demos = load_demonstrations(cs.data)
     else:
-        demos = build_demonstrations(train_rows[:cfg.cold_start_questions], search)
-        train_rows = train_rows[cfg.cold_start_questions:]
+        demos = build_demonstrations(train_rows[:cs.questions], search)
+        train_rows = train_rows[cs.questions:]
     if not demos:
         raise cli.UserError("cold start: no usable demonstrations (no search result held its gold answer): pass "
-                               "--cold_start_data demos.jsonl or --cold_start false")
+                               "--cold_start_kw '{data: demos.jsonl}' or --cold_start false")
     return demos, train_rows

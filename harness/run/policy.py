@@ -10,8 +10,9 @@ the root group) shards parameters, gradients and optimiser state. A sharded mode
 filled from rank 0's copy of the checkpoint (`broadcast_from_rank0`), read in the checkpoint's own dtype (bfloat16
 for released models), so no rank but 0 ever holds the full model. Parameters stay float32 (the optimiser's master
 weights); `--bf16` computes in bfloat16 (FSDP2 mixed precision, autocast elsewhere). Also here: the inputs' layout
-(`MicroBatch`, `tensorize`: padded ids and the loss mask), the forward/backward over a mini-batch's micro-batches
-(`backward_micro_batches`, for RL and the cold start) and the optimiser step (gradient-norm clip over shards).
+(`MicroBatch`, `tensorize`: padded ids and the loss mask), the cold start's forward/backward over a mini-batch's
+micro-batches (`backward_micro_batches`; `located` says where an error happened) and the optimiser step
+(gradient-norm clip over shards).
 
 Deviations from the paper / official code (algorithm.md §8): D27 (under FSDP2 every micro-batch reduce-scatters its
 gradients: only DDP skips the sync until the last, since skipping it under FSDP2 keeps whole unsharded float32
@@ -224,24 +225,31 @@ def split_micro_batches(indices: list[int], lengths: list[int], size: int, max_t
     return out + ([current] if current else [])
 
 
-def backward_micro_batches(policy, mbs: list[MicroBatch], world: int, amp, temperature: float, chunk_size: int,
-                           loss_of, where: str = "") -> dict:
+@contextlib.contextmanager
+def located(where: str):
+    """A ValueError raised inside (non-finite inputs in loss.py, a bad shape) says where it happened: `where: ...`.
+    A UserError (a user's mistake) goes on as it is, one line (cli.run_cli), not a bug."""
+    try:
+        yield
+    except UserError:
+        raise
+    except ValueError as err:
+        raise ValueError(f"{where}: {err}") from err
+
+
+def backward_micro_batches(policy, mbs: list[MicroBatch], world: int, amp, temperature: float, loss_of,
+                           where: str = "") -> dict:
     """Forward and backward over the micro-batches of one optimiser mini-batch, accumulating gradients (DDP syncs
-    them on the last). loss_of(mb, logp, entropy) -> (loss 0-d, metrics): a sum over the micro-batch divided by the
-    mini-batch's global normaliser, so ×world undoes the ranks' gradient average. Returns the metrics summed."""
+    them on the last): the cold start's loop (the RL update writes its own out, train.accumulate_gradients).
+    loss_of(mb, logp, entropy) -> (loss 0-d, metrics): a sum over the micro-batch divided by the mini-batch's global
+    normaliser, so ×world undoes the ranks' gradient average. Returns the metrics summed."""
     sums: dict[str, float] = {}
     for i, mb in enumerate(mbs):
-        with no_grad_sync(policy, last=i == len(mbs) - 1):
+        with no_grad_sync(policy, last=i == len(mbs) - 1), located(f"{where}, micro-batch {i}"):
             with amp():
-                logp, entropy = policy(mb.input_ids, mb.attention_mask, mb.mask, temperature, chunk_size)
-            try:                                     # non-finite inputs raise in loss.py: add where it happened
-                value, metrics = loss_of(mb, logp, entropy)
-            except UserError:                        # a user's mistake stays one line (cli.run_cli), not a bug
-                raise
-            except ValueError as err:
-                raise ValueError(f"{where}, micro-batch {i}: {err}") from err
-            if not torch.isfinite(value):
-                raise FloatingPointError(f"non-finite loss {value.item()} at {where}, micro-batch {i}")
+                logp, entropy = policy(mb.input_ids, mb.attention_mask, mb.mask, temperature)
+            value, metrics = loss_of(mb, logp, entropy)
+            loss.check_finite("the loss", value)
             (value * world).backward()
         for key, v in metrics.items():
             sums[key] = sums.get(key, 0.0) + float(v)

@@ -6,6 +6,7 @@ over all ranks, and rank 0 writes. The run folder and the settings a run records
 """
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
 import time
@@ -65,18 +66,18 @@ def step_metrics(step: int, batch: StepBatch, tree: dict, adv, entropy, losses: 
     g = parallel.reduce_metrics(local)
     n_tok, n_opt = max(1.0, g["n_tokens"]), len(grad_norms)
     mean_h, std_h = advantage.mean_std(entropy)
-    m = {"step": step, "trajectories": g["trajectories"]}
-    m.update({key: g[key] / g["trajectories"] for key in PER_TRAJECTORY})
-    m.update({key: g[key] / g["questions"] for key in PER_QUESTION})
-    m.update({key: g[key] / n_tok for key in PER_TOKEN})
-    m.update({key: g[key] / n_opt for key in PER_OPTIMISER_STEP})
-    m.update({"branch_top_chain": g["branch_top_chain"] / g["trees_branched"] if g["trees_branched"] else 0.0,
+    out = {"step": step, "trajectories": g["trajectories"]}
+    out.update({key: g[key] / g["trajectories"] for key in PER_TRAJECTORY})
+    out.update({key: g[key] / g["questions"] for key in PER_QUESTION})
+    out.update({key: g[key] / n_tok for key in PER_TOKEN})
+    out.update({key: g[key] / n_opt for key in PER_OPTIMISER_STEP})
+    out.update({"branch_top_chain": g["branch_top_chain"] / g["trees_branched"] if g["trees_branched"] else 0.0,
               "entropy": mean_h, "entropy_std": std_h, "n_valid_tokens": float(entropy[0]),
               "deadline_hits": g["deadline_hits"],
               "grad_norm": sum(grad_norms) / n_opt})
-    m.update({key: g[key] / g["questions"] for key in sorted(g) if key.startswith("diversity/")})
-    m.update({key: v for key, v in g.items() if key.startswith("tools/")})
-    return m
+    out.update({key: g[key] / g["questions"] for key in sorted(g) if key.startswith("diversity/")})
+    out.update({key: v for key, v in g.items() if key.startswith("tools/")})
+    return out
 
 
 class MismatchWatch:
@@ -99,25 +100,31 @@ class MismatchWatch:
                 f"{level:.2e}: the generator may be sampling with stale or half-loaded weights (the weight sync)")
 
 
-def mismatch_metrics(sums) -> dict:
-    """The generator–trainer mismatch of the step (loss.mismatch_stats summed over all ranks) as logged means: mean k1
-    and k3, the log-perplexity difference (per trajectory, averaged), the quantiles of ρ = π_old/π_gen (from the
-    histogram of log ρ) and the share of tokens with ρ outside [1/2, 2]. Empty when no token had a generator
-    log-prob (a backend without them, vLLM at a temperature other than 1)."""
-    import math
+class Clock:
+    """Wall-clock seconds of a step's phases: `with clock("update"): ...` adds the block's time to seconds["update"];
+    `metrics` gives the step's time/* metrics."""
 
-    import loss
-    n, k1, k3, outside, n_seq, seq_k1 = (float(x) for x in sums[:6])
-    if n == 0:
-        return {}
-    hist, (low, high, n_bins) = sums[6:].double(), loss.LOG_RATIO_EDGES
-    cdf = hist.cumsum(0) / hist.sum()
+    def __init__(self):
+        self.start, self.seconds = time.time(), {}
 
-    def quantile(q):                              # the upper edge of the bin where the cdf passes q
-        return math.exp(low + (high - low) * (int((cdf < q).sum()) + 1) / n_bins)
-    return {"mismatch/k1": k1 / n, "mismatch/k3": k3 / n, "mismatch/log_ppl_diff": seq_k1 / max(1.0, n_seq),
-            "mismatch/ratio_p01": quantile(0.01), "mismatch/ratio_p50": quantile(0.5),
-            "mismatch/ratio_p99": quantile(0.99), "mismatch/out_2x": outside / n}
+    @contextlib.contextmanager
+    def __call__(self, phase: str):
+        start = time.time()
+        try:
+            yield
+        finally:
+            self.seconds[phase] = self.seconds.get(phase, 0.0) + time.time() - start
+
+    def metrics(self, rollout_seconds: list[float], update_tokens: float) -> dict:
+        """time/<phase> for each phase, the whole step, the slowest rank's rollout and its ratio to the ranks' mean
+        (rollout_seconds: every rank's, parallel.gather), and the update's throughput (update_tokens: the loss
+        tokens of every rank, times the epochs)."""
+        out = {f"time/{phase}": seconds for phase, seconds in self.seconds.items()}
+        slowest, mean = max(rollout_seconds), sum(rollout_seconds) / len(rollout_seconds)
+        out.update({"time/rollout_slowest": slowest, "time/rollout_imbalance": slowest / max(1e-9, mean),
+                    "time/step": time.time() - self.start,
+                    "update_tokens_per_s": update_tokens / max(self.seconds.get("update", 0.0), 1e-9)})
+        return out
 
 
 class RolloutProgress:
@@ -222,16 +229,18 @@ def plot_curves(metrics_path: Path, out_png: Path, evals: dict) -> None:
 
 
 class Trackers:
-    """TensorBoard (<run>/tb) and Weights & Biases, each only when switched on (rank 0)."""
+    """TensorBoard (<run>/tb) and Weights & Biases, each only when --report_to names it (rank 0)."""
 
     def __init__(self, cfg, run_dir: Path, master: bool):
         self.writers = []
-        if master and cfg.tensorboard:
+        if master and "tensorboard" in cfg.report_to:
             from torch.utils.tensorboard import SummaryWriter
             self.writers.append(SummaryWriter(str(run_dir / "tb")))
-        if master and cfg.wandb:
+        if master and "wandb" in cfg.report_to:
+            import os
+
             import wandb
-            self.writers.append(wandb.init(project=cfg.wandb_project, name=run_dir.name,
+            self.writers.append(wandb.init(project=os.environ.get("WANDB_PROJECT", "aepo"), name=run_dir.name,
                                            config=dataclasses.asdict(cfg), resume="allow"))
 
     def log(self, m: dict, step: int) -> None:

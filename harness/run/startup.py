@@ -16,8 +16,7 @@ from typing import Callable
 import torch
 
 import rollout
-import tools
-from harness import cli, config, dataset, models, search as search_mod
+from harness import cli, config, dataset, models, search as search_mod, settings
 from harness.run import checkpoint, coldstart, parallel, rundir, watchdog
 from harness.run.policy import load_policy, unwrap
 
@@ -42,7 +41,7 @@ class Run:
     ref: torch.nn.Module | None              # the frozen reference (kl_coef > 0)
     optimizer: torch.optim.Optimizer
     generator: rollout.Generator             # the backend's, the watchdog told about each call
-    tree: rollout.TreeSettings               # the rollout's settings (algorithm.md §2)
+    tree_settings: rollout.TreeSettings      # the rollout's settings (algorithm.md §2)
     sampling: rollout.Sampling               # the rollout's sampling (temperature, top-p)
     score: Callable[[str, list], dict]       # reward.score_response (with --strict_format), or a test's stand-in
     log: Callable[[str], None]               # a line on rank 0
@@ -57,7 +56,7 @@ class Run:
         return self.cfg.questions_per_step // self.world
 
     def amp(self):
-        """bfloat16 autocast when --bf16 resolved to on (config.resolve_bf16), else nothing."""
+        """bfloat16 autocast when --bf16 resolved to on (parallel.resolve_bf16), else nothing."""
         return torch.autocast(self.device.type, dtype=torch.bfloat16) if self.cfg.bf16 else contextlib.nullcontext()
 
 
@@ -74,7 +73,7 @@ def set_up(cfg: config.Config, rank: int, world: int, device: torch.device, stat
             tqdm.write(line)
 
     parallel.seed_all(cfg.seed + rank)
-    cfg = dataclasses.replace(cfg, bf16=config.resolve_bf16(cfg.bf16, device))    # the run's records say which
+    cfg = dataclasses.replace(cfg, bf16=parallel.resolve_bf16(cfg.bf16, device))    # the run's records say which
     cfg, note = config.fit_world(cfg, world)
     if note:
         log(note)
@@ -85,11 +84,8 @@ def set_up(cfg: config.Config, rank: int, world: int, device: torch.device, stat
     search_mod.check_reachable(search)
     base_path = parallel.on_rank0(lambda: models.resolve_model(cfg))   # rank 0 converts the embedded model once
     tokenizer = models.load_tokenizer(base_path)
-    log(config.python_isolation(cfg.python_isolation))                # every rank runs its own python calls
-    tool_runner = state.tools = tools.Tools(search, python_timeout_s=cfg.python_timeout_s,
-                                            python_kw={"max_processes": cfg.python_max_processes,
-                                                       "total_memory_mb": cfg.python_memory_mb,
-                                                       "disk_mb": cfg.python_disk_mb})
+    log(settings.python_isolation(cfg.python_isolation))              # every rank runs its own python calls
+    tool_runner = state.tools = settings.make_tools(search, cfg.python_limits)
     train_rows = dataset.load_questions(cfg.train_data, tokenizer, cfg.max_prompt_tokens, "train_data", cfg.skip_bad)
     eval_rows = dataset.load_questions(cfg.eval_data, tokenizer, cfg.max_prompt_tokens, "eval_data",
                                        cfg.skip_bad)[:cfg.eval_limit or None] if cfg.eval_data else []
@@ -121,13 +117,9 @@ def set_up(cfg: config.Config, rank: int, world: int, device: torch.device, stat
         if rank == 0:
             rundir.trim_logs(run_dir, start_step)
     state.first_step = state.steps_done = start_step
-    tree = rollout.TreeSettings(k=cfg.k, beta=cfg.beta, gamma=cfg.gamma, lam=cfg.lam, tau=cfg.tau,
-                                dynamic_budget=cfg.dynamic_budget, entropy_branching=cfg.entropy_branching,
-                                max_tool_calls=cfg.max_tool_calls, max_response_tokens=cfg.max_response_tokens,
-                                tool_limit_ends=cfg.tool_limit_ends, deadline_s=cfg.trajectory_deadline_s)
     return Run(cfg, rank, world, device, run_dir, info, tokenizer, search, watchdog.WatchedTools(tool_runner),
                train_rows, eval_rows, steps, start_step, policy, ref, optimizer, watchdog.WatchedGenerator(generator),
-               tree, rollout.Sampling(cfg.temperature, cfg.top_p),
+               settings.tree_settings(cfg), rollout.Sampling(cfg.temperature, cfg.top_p),
                functools.partial(score, strict_format=cfg.strict_format), log)
 
 
@@ -145,7 +137,7 @@ def _policy(cfg, base_path: str, demos: list[dict], tokenizer, ckpts: list[Path]
     policy = load_policy(init_path, world, device, cfg.parallel, cfg.bf16, rank, cfg.gradient_checkpointing)
     if need_cold_start:
         amp = (lambda: torch.autocast(device.type, dtype=torch.bfloat16)) if cfg.bf16 else contextlib.nullcontext
-        log(f"cold start: {len(demos)} demonstrations, {cfg.cold_start_steps} steps (cached in {cs_dir})")
+        log(f"cold start: {len(demos)} demonstrations, {settings.cold_start_settings(cfg).steps} steps (cached in {cs_dir})")
         coldstart.cold_start(policy, demos, tokenizer, cfg, rank, world, device, amp, log)
         checkpoint.export_model(policy, tokenizer, cs_dir, rank)
         init_path = str(cs_dir)

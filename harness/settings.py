@@ -1,0 +1,99 @@
+"""The settings objects of the paper's files, each built from the flags by one function here, which training,
+evaluation and the official protocol share: the objective (loss.LossSettings), the mismatch correction
+(mismatch.Correction), the tree rollout (rollout.TreeSettings), the python tool's limits and the tools
+(tools.Tools). A flag's default is written once, where the object it fills is defined.
+"""
+from __future__ import annotations
+
+import inspect
+from dataclasses import dataclass, fields
+
+import loss
+import rollout
+import tools
+from harness import mismatch
+from harness.cli import UserError
+
+
+def loss_settings(cfg) -> loss.LossSettings:
+    """The objective of a training Config: --surrogate (aepo with --sg_clip false is PPO's clip), the clip bounds, the
+    KL coefficient (0 in the loss when REINFORCE++ puts the KL into the reward), the entropy bonus, the aggregation
+    and, for seq-mean-token-sum-norm, the constant length --max_response_tokens."""
+    surrogate = "ppo" if cfg.surrogate == "aepo" and not cfg.sg_clip else cfg.surrogate
+    return loss.LossSettings(surrogate, cfg.eps_low, cfg.eps_high, cfg.clip_c,
+                             kl_coef=0.0 if cfg.reinforce_pp else cfg.kl_coef, entropy_coef=cfg.entropy_coef,
+                             loss_agg=cfg.loss_agg, max_len=cfg.max_response_tokens)
+
+
+def correction(cfg) -> mismatch.Correction:
+    """The generator–trainer correction of a training Config (--tis_cap, --mismatch_masks, --mismatch_band)."""
+    return mismatch.Correction(cfg.tis_cap, tuple(cfg.mismatch_masks), tuple(cfg.mismatch_band))
+
+
+def tree_settings(cfg) -> rollout.TreeSettings:
+    """The training rollout's settings (algorithm.md §2) of a training Config."""
+    return rollout.TreeSettings(k=cfg.k, beta=cfg.beta, gamma=cfg.gamma, lam=cfg.lam, tau=cfg.tau,
+                                dynamic_budget=cfg.dynamic_budget, entropy_branching=cfg.entropy_branching,
+                                max_tool_calls=cfg.max_tool_calls, max_response_tokens=cfg.max_response_tokens,
+                                tool_limit_ends=cfg.tool_limit_ends, deadline_s=cfg.trajectory_deadline_s)
+
+
+PYTHON_LIMITS = {name: p.default for name, p in inspect.signature(tools.run_python).parameters.items()
+                 if name in ("timeout_s", "max_processes", "total_memory_mb", "disk_mb")}
+
+
+def python_limits(limits: dict) -> dict:
+    """--python_limits (some of PYTHON_LIMITS' keys: tools.run_python's limits, whose defaults they keep) checked and
+    complete. A key that is none of them, or a value that is not a positive number, is a UserError."""
+    unknown = sorted(set(limits) - set(PYTHON_LIMITS))
+    if unknown:
+        raise UserError(f"--python_limits: unknown key(s) {', '.join(unknown)}; the keys are "
+                        f"{', '.join(PYTHON_LIMITS)}")
+    for key, value in limits.items():
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0:
+            raise UserError(f"--python_limits: {key} must be a positive number, got {value!r}")
+    return {**PYTHON_LIMITS, **limits}
+
+
+def make_tools(search, limits: dict) -> tools.Tools:
+    """The tool runner of a run or an evaluation: `search` and the python tool with --python_limits."""
+    kw = python_limits(limits)
+    return tools.Tools(search, python_timeout_s=kw.pop("timeout_s"), python_kw=kw)
+
+
+def python_isolation(mode: str) -> str:
+    """One line naming the python tool's isolation layers on this machine (sandbox.py); in strict mode a missing
+    layer is a UserError."""
+    from harness import sandbox
+    try:
+        return sandbox.describe(sandbox.require(mode))
+    except (sandbox.IsolationError, ValueError) as err:
+        raise UserError(f"--python_isolation: {err}") from None
+
+
+@dataclass(frozen=True)
+class ColdStart:
+    """The supervised cold start's settings (--cold_start_kw; D26): demonstrations from `data` (JSONL of
+    {'messages': [...]}) or built from the first `questions` training questions (which RL then skips), `steps`
+    AdamW steps of `batch` demonstrations at learning rate `lr`."""
+    data: str = ""
+    questions: int = 24
+    steps: int = 8
+    batch: int = 3
+    lr: float = 5e-5
+
+
+def cold_start_settings(cfg) -> ColdStart:
+    """--cold_start_kw as a ColdStart; a key that is not one of its fields, or a value of the wrong kind, is a
+    UserError."""
+    keys = {f.name: f.type for f in fields(ColdStart)}
+    for key, value in cfg.cold_start_kw.items():
+        if key not in keys:
+            raise UserError(f"--cold_start_kw: unknown key {key}; the keys are {', '.join(keys)}")
+        ok = isinstance(value, str) if key == "data" else \
+            isinstance(value, (int, float)) and not isinstance(value, bool) and value >= (0 if key != "batch" else 1)
+        if not ok or (key in ("questions", "steps", "batch") and value != int(value)):
+            raise UserError(f"--cold_start_kw: {key} {value!r} must be " +
+                            ("a path" if key == "data" else "a whole number >= 1" if key == "batch"
+                             else "a number >= 0" if key == "lr" else "a whole number >= 0"))
+    return ColdStart(**cfg.cold_start_kw)

@@ -1,0 +1,88 @@
+"""The generator–trainer mismatch and its opt-in correction (harness/mismatch.py; algorithm.md §4b): the sums and
+metrics by hand, the correction's weights and gradient, and how the training flags reach it."""
+import math
+
+import pytest
+import torch
+
+import loss as L
+from harness import cli, config, mismatch as M, settings
+
+
+def test_mismatch_stats_by_hand():
+    """ρ = π_old/π_gen = e^(old − gen): tokens (ρ = e^0.1, e^−1, e^2) and a mask-0 token and a nan one left out:
+    Σ k1 = −(0.1 − 1 + 2), Σ k3 = Σ (ρ − 1 − log ρ), outside [1/2, 2]: e^−1 and e^2; per sequence mean k1."""
+    old = torch.tensor([[0.1, -1.0, 0.0], [2.0, 5.0, 0.0]])
+    gen = torch.tensor([[0.0, 0.0, float("nan")], [0.0, 0.0, 0.0]])
+    mask = torch.tensor([[1.0, 1.0, 1.0], [1.0, 0.0, 0.0]])
+    s = M.mismatch_stats(old, gen, mask)
+    rho = [math.exp(0.1), math.exp(-1.0), math.exp(2.0)]
+    assert s.tokens.item() == 3 and s.k1.item() == pytest.approx(-(0.1 - 1.0 + 2.0))
+    assert s.k3.item() == pytest.approx(sum(r - 1 - math.log(r) for r in rho))
+    assert s.outside.item() == 2 and s.sequences.item() == 2
+    assert s.seq_mean_k1.item() == pytest.approx(-(0.1 - 1.0) / 2 - 2.0)    # mean k1 of each sequence, summed
+    assert s.hist.sum().item() == 3 and s.hist[int((2.0 + 4) / 8 * 160)].item() == 1     # log ρ = 2 in its bin
+    twice = M.MismatchSums.from_vector((s + s).vector())                    # a collective's round trip
+    assert twice.tokens.item() == 6 and torch.equal(twice.hist, 2 * s.hist)
+    metrics = M.mismatch_metrics(twice)
+    assert metrics["mismatch/k1"] == pytest.approx(s.k1.item() / 3) and metrics["mismatch/out_2x"] == 2 / 3
+    assert M.mismatch_metrics(M.MismatchSums.zeros()) == {}                 # no generator log-probs: no metrics
+
+
+def test_rollout_correction_weights_by_hand():
+    """log ρ per token (row 0: segments {0, 1} and {3}, token 2 a tool result; row 1: one segment, token 3 without a
+    generator log-prob): TIS caps ρ at C; the token band drops ρ outside [1/2, 2]; the segment band the segments
+    whose geometric mean is outside (row 0's first: e^0.75 = 2.12); the sequence band whole trajectories (row 1:
+    e^(1.7/3) = 1.76 > 1.7, row 0: e^(1.4/3) = 1.59). nan and mask-0 tokens keep weight 1."""
+    log_rho = torch.tensor([[0.0, 1.5, 0.0, -0.1], [0.2, 0.3, 1.2, float("nan")]])
+    mask = torch.tensor([[1.0, 1.0, 0.0, 1.0], [1.0, 1.0, 1.0, 1.0]])
+    old, gen = torch.zeros(2, 4), -log_rho
+    w, _ = M.rollout_correction(old, gen, mask, tis_cap=2.0)
+    expected = torch.tensor([[1.0, 2.0, 1.0, math.exp(-0.1)], [math.exp(0.2), math.exp(0.3), 2.0, 1.0]])
+    torch.testing.assert_close(w, expected)
+    w, dropped = M.rollout_correction(old, gen, mask, token_band=(0.5, 2.0))
+    assert w.tolist() == [[1, 0, 1, 1], [1, 1, 0, 1]] and dropped.sum().item() == 2   # e^1.5 and e^1.2 > 2
+    w, _ = M.rollout_correction(old, gen, mask, segment_band=(0.5, 2.0))
+    assert w.tolist() == [[0, 0, 1, 1], [1, 1, 1, 1]]
+    w, _ = M.rollout_correction(old, gen, mask, sequence_band=(0.5, 1.7))
+    assert w.tolist() == [[1, 1, 1, 1], [0, 0, 0, 1]]
+    assert not w.requires_grad
+
+
+def test_rollout_correction_gradient_is_weight_times_the_surrogates():
+    """Decoupled: the ratio stays π_θ/π_old, the weight multiplies J and carries no gradient. With r = 1 (one
+    optimiser step per rollout) ∂loss/∂log π = −w·Ã/N at every token, and 0 where a band dropped it."""
+    logp = torch.tensor([[-1.0, -2.0, -0.5]], requires_grad=True)
+    old, adv, mask = logp.detach().clone(), torch.tensor([[1.0, -2.0, 0.5]]), torch.ones(1, 3)
+    gen = old - torch.tensor([[0.3, 1.2, -0.2]])                        # ρ = e^0.3, e^1.2, e^−0.2
+    w, _ = M.rollout_correction(old, gen, mask, tis_cap=2.0, token_band=(0.5, 3.0))
+    loss, _ = L.policy_loss(logp, old, adv, mask, 3, weights=w)
+    loss.backward()
+    rho = torch.tensor([[math.exp(0.3), 2.0, math.exp(-0.2)]])           # e^1.2 = 3.3 capped at 2, then dropped
+    expected_w = rho * torch.tensor([[1.0, 0.0, 1.0]])
+    torch.testing.assert_close(w, expected_w)
+    torch.testing.assert_close(logp.grad, -expected_w * adv / 3)
+    plain, _ = L.policy_loss(logp.detach().requires_grad_(), old, adv, mask, 3)
+    assert plain.item() == pytest.approx(-(adv.sum() / 3).item())       # without weights: the plain objective
+
+
+def test_the_correction_flags_reach_the_weights():
+    """settings.correction reads each flag: all off gives no weights (the default run's loss is unchanged); each on
+    gives rollout_correction's weights with its band; no generator log-probs is a UserError (one line)."""
+    old, gen, mask = torch.zeros(1, 3), torch.tensor([[0.0, -1.0, 0.5]]), torch.ones(1, 3)   # ρ = 1, e, e^−0.5
+    weights = lambda **flags: settings.correction(config.Config(**flags)).weights(old, gen, mask)  # noqa: E731
+    assert weights() is None
+    assert weights(tis_cap=2.0)[0].tolist() == pytest.approx([1.0, 2.0, math.exp(-0.5)])
+    assert weights(mismatch_masks=["token"]).tolist() == [[1.0, 0.0, 1.0]]
+    assert weights(mismatch_masks=["sequence"], mismatch_band=[0.5, 1.2]).tolist() == [[1.0, 1.0, 1.0]]  # e^(0.5/3)
+    assert weights(mismatch_masks=["segment"], mismatch_band=[0.5, 1.1]).tolist() == [[0.0, 0.0, 0.0]]
+    with pytest.raises(cli.UserError, match="needs the generator's log-probs"):
+        settings.correction(config.Config(tis_cap=2.0)).weights(old, torch.full((1, 3), float("nan")), mask)
+
+
+def test_the_old_names_in_loss_still_import():
+    """loss.mismatch_stats, loss.rollout_correction and loss.LOG_RATIO_EDGES (where they lived) are harness/mismatch.py's."""
+    assert (L.mismatch_stats, L.rollout_correction, L.LOG_RATIO_EDGES) == \
+        (M.mismatch_stats, M.rollout_correction, M.LOG_RATIO_EDGES)
+    with pytest.raises(AttributeError):
+        L.no_such_name
