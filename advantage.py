@@ -9,8 +9,8 @@ functions: Dr. GRPO (`std_norm=False`), REINFORCE++, DAPO's dynamic sampling and
 advantage over the tree's shared states. Batch statistics are passed in (the trainer sums them over ranks), so this
 file copies alone (torch only).
 
-Deviations from the paper / official code (algorithm.md §8): D14 (the old policy's entropy, z-scored over the batch
-on all ranks, Bessel-corrected), D15 (equal rewards and groups of one give exactly 0), D20 (the REINFORCE++ return
+Deviations from the paper / official code (algorithm.md §8): D16 (the old policy's entropy, z-scored over the batch
+on all ranks, Bessel-corrected), D17 (equal rewards and groups of one give exactly 0), D22 (the REINFORCE++ return
 over policy tokens only, DAPO's dynamic sampling, GiGPO with γ = 1 and token-prefix states).
 """
 import torch

@@ -15,8 +15,8 @@ under that protocol is the official value.
     python eval.py --protocol official --model PATH --data ../shared/data/benchmarks/gaia.jsonl --summarizer_url URL \\
         --judge_url URL                                # the paper's evaluation (README: Evaluation)
 
-Deviations from the paper / official code (algorithm.md §8): D24 ("correct" explicit per data set), D25 (several
-processes split the questions in whole chunks, each with its one-process seed); under --protocol official, D33-D43.
+Deviations from the paper / official code (algorithm.md §8): D27 ("correct" explicit per data set), D28 (several
+processes split the questions in whole chunks, each with its one-process seed); under --protocol official, D29-D39.
 """
 from __future__ import annotations
 
@@ -75,7 +75,7 @@ def evaluate(generator, tokenizer, rows: list[dict], tool_runner, settings: Eval
     `tools.Tools`. Correct = exact_match of the boxed answer, or math_equal for rows with meta["kind"] == "math", or
     judge(question, prediction, golds) if given. Several processes (world > 1, every rank calls it): questions go
     out in chunks of batch_size // n, chunk j to rank j % world, each with the seed it has in one process, so the
-    merged results equal one process's (D25); every rank returns the summary."""
+    merged results equal one process's (D28); every rank returns the summary."""
     started = time.time()
     part = _sample_and_score(generator, tokenizer, rows, tool_runner, settings, judge, name, progress, rank, world)
     gathered = parallel.gather(part)

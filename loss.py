@@ -9,12 +9,12 @@ bounded gradient (weight 1+eps_high) for those tokens; everything else is the du
 (`aepo_surrogate`). GPPO's and CISPO's surrogates sit beside it; `policy_loss` composes a surrogate, the aggregation
 (verl's modes), the KL to a reference and the entropy bonus. This file copies alone (torch only).
 
-Deviations from the paper / official code (algorithm.md §8): D16 (every normaliser of a mini-batch, N_valid, N_seq
+Deviations from the paper / official code (algorithm.md §8): D18 (every normaliser of a mini-batch, N_valid, N_seq
 and seq-mean-token-sum-norm's constant length, global and passed in; verl 0.4 aggregates per micro-batch and, for
-seq-mean-token-sum-norm, divides by the micro-batch's padded length), D17 (the log-ratio clamped to [-20, 20] before
+seq-mean-token-sum-norm, divides by the micro-batch's padded length), D19 (the log-ratio clamped to [-20, 20] before
 exp and 0 at mask-0 tokens, a safeguard neither official loss has; k3 clamped to [-10, 10] as the official
-low_var_kl), D18 (token entropy over the full vocabulary in float32, chunk by chunk from the hidden states), D19 (the
-entropy bonus a setting of its own), D20 (CISPO's lower bound off through eps_low = 1).
+low_var_kl), D20 (token entropy over the full vocabulary in float32, chunk by chunk from the hidden states), D21 (the
+entropy bonus a setting of its own), D22 (CISPO's lower bound off through eps_low = 1).
 """
 from dataclasses import dataclass
 
@@ -284,7 +284,7 @@ def policy_loss(logp, old_logp, advantages, mask, n_valid, settings: LossSetting
     (k3 always reported, in the loss when kl_coef > 0); entropy: (B, T) current-policy H with its gradient (in the
     loss when entropy_coef != 0); n_seqs: sequences of the mini-batch (seq-mean-*); weights: (B, T) detached
     per-token factors of J (harness/mismatch.py's correction), None = 1. The log-ratio is clamped to [−20, 20] and 0
-    at mask-0 tokens (D17).
+    at mask-0 tokens (D19).
     Returns (loss 0-d, metrics): `clip_metrics`' sums, and "kl_ref" (Σ k3), "pg_loss", "kl_loss", "entropy_loss"
     (this call's additive parts of the loss); sum them over micro-batches and ranks, divide by the global count."""
     s, shape = settings, logp.shape

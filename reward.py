@@ -6,8 +6,8 @@ best gold alias, +0.1 when the answer scores and the trajectory used both search
 exact match and Pass@k (`pass_at_k`, §6); its other checks (`math_equal`, the LLM judge) are in
 harness/correctness.py. This file copies with tools.py (torch is not needed).
 
-Deviations from the paper / official code (algorithm.md §8): D21 (the text of `<result>` blocks opaque to the format
-check), D22 (the evaluation prediction when the format check fails).
+Deviations from the paper / official code (algorithm.md §8): D24 (the text of `<result>` blocks opaque to the format
+check), D25 (the evaluation prediction when the format check fails).
 """
 from __future__ import annotations
 
@@ -121,7 +121,7 @@ def check_format(response_text: str, strict: bool = False) -> tuple[bool, str]:
     </think> counts differ or are 0, there is not exactly one <answer>…</answer>, a tool tag is not followed in order
     by its closing tag and a <result> block, or the answer holds no \\boxed{}. strict=True: the <think> blocks
     must instead be balanced and unnested, in order (and may be absent: this project's rule before it followed the
-    official one). Text inside <result> blocks is opaque (D21)."""
+    official one). Text inside <result> blocks is opaque (D24)."""
     events, _ = _events(response_text)
     tags = [e[0] for e in events]
     if strict:

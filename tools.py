@@ -10,8 +10,8 @@ harness/sandbox/__init__.py, imported only when a program runs, so this file cop
 program runs in a plain subprocess with a timeout, and its observation says it was not sandboxed).
 
 Deviations from the paper / official code (algorithm.md §8): D11 (malformed calls become `Error: ...`
-observations), D12 (the python tool runs in a sandbox; results cached by tool and argument), D30 (generation also
-stops at `</answer>`), D31 (the result wrapper).
+observations), D12 (the python tool runs in a sandbox; results cached by tool and argument), D14 (generation also
+stops at `</answer>`), D15 (the result wrapper).
 """
 from __future__ import annotations
 

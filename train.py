@@ -16,8 +16,8 @@ question stay on one rank), and the only cross-rank quantities are sums: the tok
 optimiser mini-batch (the loss divides by them), the batch entropy statistics (the entropy-aware advantage z-scores
 with them), gradients and logged metrics. The set-up is harness/run/startup.py, the machinery the rest of harness/.
 
-Deviations from the paper / official code (algorithm.md §8): D14 (old-policy entropy z-scored over the batch on all
-ranks), D16 (the loss divided by the mini-batch's global token count), D26 (optional supervised cold start), D27
+Deviations from the paper / official code (algorithm.md §8): D16 (old-policy entropy z-scored over the batch on all
+ranks), D18 (the loss divided by the mini-batch's global token count), D40 (optional supervised cold start), D41
 (torchrun processes; under FSDP2 the transformers backend generates with an unsharded copy of the policy).
 """
 from __future__ import annotations

@@ -116,7 +116,7 @@ class Config:
     probe_questions: int = arg(4, "the probe: trajectories sampled once at the start from the first N held-out "
                                   "questions, on which the current policy's token entropy is measured every step "
                                   "(0 = none)", valid="[0, 1024]")
-    cold_start: bool = arg(True, "supervised cold start on tool-format demonstrations before RL (D26) [embedded]")
+    cold_start: bool = arg(True, "supervised cold start on tool-format demonstrations before RL (D40) [embedded]")
     cold_start_kw: dict = arg({}, "the cold start's settings (harness/run/coldstart.py ColdStart: data, questions, "
                                   "steps, batch, lr; e.g. {steps: 8, lr: 5e-5})")
     # rollout, tools and sandbox

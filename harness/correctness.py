@@ -2,7 +2,7 @@
 the official evaluator's own checks (its EM, accuracy, F1, string math_equal and judge rule) for eval.py --protocol
 official.
 
-Deviations from the paper / official code (algorithm.md §8): D23 (`math_equal` drops trailing unit words), D24
+Deviations from the paper / official code (algorithm.md §8): D26 (`math_equal` drops trailing unit words), D27
 ("correct" explicit per data set).
 """
 from __future__ import annotations
@@ -36,7 +36,7 @@ def _math(s: str):
 def math_equal(prediction: str | None, gold) -> bool:
     """True if a math prediction equals the gold answer by math-verify (numbers, fractions, LaTeX expressions,
     tuples, intervals, sets; \\boxed{}, $…$, \\text{units}, thousands separators and % handled), after a trailing
-    period and trailing unit words are dropped (D23). Both sides are parsed as the content of a
+    period and trailing unit words are dropped (D26). Both sides are parsed as the content of a
     \\boxed{}."""
     if prediction is None or not str(prediction).strip():
         return False

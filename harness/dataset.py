@@ -6,7 +6,7 @@ aliases; gsm8k solutions cut at '####'), their verl parquet training sets (extra
 reward_model.ground_truth) and the project's own QA set (data/qa_*.jsonl). Every row becomes {"question", "golds",
 "meta"}; meta["kind"] is "math" or "qa" (which correctness check evaluation uses).
 
-Deviations from the paper / official code (algorithm.md §8): D29 (a malformed row stops the run with its file and
+Deviations from the paper / official code (algorithm.md §8): D43 (a malformed row stops the run with its file and
 line; skip_bad=True skips it with a warning and keeps the message).
 """
 from __future__ import annotations

@@ -73,7 +73,7 @@ def python_isolation(mode: str) -> str:
 
 @dataclass(frozen=True)
 class ColdStart:
-    """The supervised cold start's settings (--cold_start_kw; D26): demonstrations from `data` (JSONL of
+    """The supervised cold start's settings (--cold_start_kw; D40): demonstrations from `data` (JSONL of
     {'messages': [...]}) or built from the first `questions` training questions (which RL then skips), `steps`
     AdamW steps of `batch` demonstrations at learning rate `lr`."""
     data: str = ""

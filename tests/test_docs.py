@@ -167,6 +167,7 @@ def test_no_test_module_imports_another():
 
 
 def test_the_readmes_deviation_range_is_the_lists():
-    """The README's "(D1-Dn)" names the last deviation algorithm.md lists."""
+    """The README's "(D1-Dn)" names the last deviation algorithm.md lists, and the list runs D1, D2, ... in order."""
     listed = [int(n) for n in re.findall(r"^- D(\d+)\.", ALGORITHM, re.M)]
+    assert listed == list(range(1, len(listed) + 1)), "algorithm.md's deviations out of number order"
     assert re.search(r"\(D1-D(\d+)\)", README).group(1) == str(max(listed)), "README's deviation range"

@@ -330,7 +330,7 @@ def test_chunked_path_is_float32_inside_autocast():
 
 
 def test_log_ratio_is_clamped_to_20():
-    """D17: log r is clamped to [-20, 20] before exp. A token 100 nats more likely than under π_old would
+    """D19: log r is clamped to [-20, 20] before exp. A token 100 nats more likely than under π_old would
     otherwise give r = inf and a nan loss: clamped, its ratio is e^20, a positive-advantage token counts 1 + ε_h
     (A = 1) and a negative one the dual clip c·A (A = −1), with no gradient past the clamp; a log-ratio of 30
     reports r = e^20."""

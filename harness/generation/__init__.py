@@ -7,7 +7,7 @@ the first 20 positions). Both read the top-10 of the raw (temperature 1) distrib
 `rollout.Sampling` says, so a tree does not depend on the backend or on a checkpoint's generation_config.
 
 Deviations from the paper / official code (algorithm.md §8): D9 (H_seg normalised by log of the model
-configuration's vocabulary size), D27 (under FSDP2 the transformers backend samples from an unsharded copy).
+configuration's vocabulary size), D41 (under FSDP2 the transformers backend samples from an unsharded copy).
 """
 from __future__ import annotations
 
@@ -21,7 +21,7 @@ from rollout import Sampling, Segment, segment_entropy
 
 def make_generator(cfg, init_path: str, policy, tokenizer, rank: int, device):
     """The run's generator: vLLM (one engine per rank, built from the checkpoint at init_path), or transformers
-    sampling from the policy's own LM (one process, DDP) or from an unsharded copy of it (FSDP2: D27)."""
+    sampling from the policy's own LM (one process, DDP) or from an unsharded copy of it (FSDP2: D41)."""
     if cfg.backend == "vllm":
         from harness.generation.vllm import VLLMGenerator
         return VLLMGenerator(init_path, gpu_memory_utilization=cfg.vllm_gpu_memory_utilization, seed=cfg.seed + rank,
@@ -84,7 +84,7 @@ class TransformersGenerator:
     generation_config is not applied). Each segment carries the log-prob of its tokens at the sampling temperature. H_seg uses the top-10 log-probs of the raw logits (T=1, before any repetition
     penalty), the same quantity vLLM returns, so trees do not depend on the backend. It samples from `model`, which
     is the policy's own LM with one process or DDP (update_weights then has nothing to copy) and an unsharded copy
-    under FSDP2 (D27)."""
+    under FSDP2 (D41)."""
 
     def __init__(self, model, tokenizer, batch_size: int = 64, topk: int = 10, n_entropy: int = 20):
         self.model, self.tokenizer, self.batch_size = model, tokenizer, batch_size

@@ -11,7 +11,7 @@ and every search step with its result) sent to a summariser LLM behind an OpenAI
 kept in an SQLite file (`PageCache`), so a second run reads them from disk and a run can be replayed offline. Every
 failure (the SERP API down, a page that times out or answers 404, a PDF that does not parse, the summariser down)
 becomes the text the policy or the summariser reads, and is counted. algorithm.md §6 describes it beside the
-training search; D33-D37 are where it differs from the authors' code.
+training search; D29-D33 are where it differs from the authors' code.
 """
 from __future__ import annotations
 

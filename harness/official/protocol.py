@@ -10,7 +10,7 @@ closing tag; a step whose calls hold no closing tag is continued, up to 4 calls 
 nothing runs. Any other step ends the sample, and so does its 1,500 s deadline. The prediction is the last
 \\boxed{} of the last <answer>; the scores (`score`) are the official evaluator's EM, accuracy, F1, math_equal and,
 with a judge, llm_equal (harness/correctness.py). `evaluate` repeats this for `runs` runs, one output file each, and
-reports the mean over runs and the unbiased Pass@k over them. algorithm.md §6 and D33-D43 say how this differs from
+reports the mean over runs and the unbiased Pass@k over them. algorithm.md §6 and D29-D39 say how this differs from
 the authors' pipeline.
 """
 from __future__ import annotations

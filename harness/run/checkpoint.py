@@ -12,7 +12,7 @@ Size per parameter: 4 B model shard + 8 B AdamW moments + 4 B (2 B with --bf16) 
 resume restarts the AdamW moments. Everything is written into `.tmp_step_NNNNNN/` and renamed when complete, so a
 crash mid-write keeps the previous checkpoint intact.
 
-Deviations from the paper / official code (algorithm.md §8): D28 (every checkpoint also exports the model in
+Deviations from the paper / official code (algorithm.md §8): D42 (every checkpoint also exports the model in
 save_pretrained form, which evaluation, vLLM and the cold-start cache read).
 """
 from __future__ import annotations

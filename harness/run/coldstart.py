@@ -5,7 +5,7 @@ SmolLM2-135M-Instruct (models.py), which never writes the tool format on its own
 steps on demonstrations built from training questions (question -> think -> search its query -> the real search results
 -> think -> \\boxed{gold}), tokenised exactly like rollouts: policy segments with mask 1, tool results with mask 0.
 
-Deviations from the paper / official code (algorithm.md §8): D26 (the cold start itself, off officially:
+Deviations from the paper / official code (algorithm.md §8): D40 (the cold start itself, off officially:
 loss = -Σ log π(y_t)·mask / N_valid over all ranks, cached by model, demonstrations and settings).
 """
 from __future__ import annotations

@@ -4,7 +4,7 @@ This is the plumbing that lets the training of paper §3 run on several processe
 quantities being sums (valid-token counts, entropy statistics, logged metrics) and gathered lists (evaluation
 records, RNG states). Without a process group every function is the identity, so one process needs no launcher.
 
-Deviations from the paper / official code (algorithm.md §8): D27 (torchrun processes, gloo on CPUs and nccl on
+Deviations from the paper / official code (algorithm.md §8): D41 (torchrun processes, gloo on CPUs and nccl on
 GPUs, instead of verl's Ray workers).
 """
 from __future__ import annotations

@@ -14,7 +14,7 @@ weights); `--bf16` computes in bfloat16 (FSDP2 mixed precision, autocast elsewhe
 micro-batches (`backward_micro_batches`; `located` says where an error happened) and the optimiser step
 (gradient-norm clip over shards).
 
-Deviations from the paper / official code (algorithm.md §8): D27 (under FSDP2 every micro-batch reduce-scatters its
+Deviations from the paper / official code (algorithm.md §8): D41 (under FSDP2 every micro-batch reduce-scatters its
 gradients: only DDP skips the sync until the last, since skipping it under FSDP2 keeps whole unsharded float32
 gradients on every rank).
 """
@@ -211,7 +211,7 @@ def pad_share(batches: list[list]) -> float:
 def split_micro_batches(indices: list[int], lengths: list[int], size: int, max_tokens: int) -> list[list[int]]:
     """A mini-batch's trajectories in micro-batches: `size` at a time in their order, or (max_tokens > 0) sorted by
     length and packed greedily so that rows × the longest row's length stays within max_tokens (a trajectory longer
-    than that is a micro-batch of its own). The loss divides by the mini-batch's global token count (D16), so the
+    than that is a micro-batch of its own). The loss divides by the mini-batch's global token count (D18), so the
     split changes no gradient beyond rounding, only the padding a forward pass computes."""
     if max_tokens <= 0:
         return [indices[s:s + size] for s in range(0, len(indices), size)]
@@ -275,7 +275,7 @@ def enable_gradient_checkpointing(lm) -> None:
 
 def no_grad_sync(policy, last: bool):
     """Gradient accumulation under DDP: reduce gradients only on the last micro-batch of a mini-batch. FSDP2 always
-    reduce-scatters (D27); one process has nothing to sync."""
+    reduce-scatters (D41); one process has nothing to sync."""
     if isinstance(policy, torch.nn.parallel.DistributedDataParallel) and not last:
         return policy.no_sync()
     return contextlib.nullcontext()

@@ -126,7 +126,7 @@ def set_up(cfg: config.Config, rank: int, world: int, device: torch.device, stat
 def _policy(cfg, base_path: str, demos: list[dict], tokenizer, ckpts: list[Path], rank: int, world: int, device,
             log) -> tuple[torch.nn.Module, str, str]:
     """(the policy, the model directory it was loaded from, the reference's): the latest checkpoint (--resume), a
-    cached cold start, or the base model, cold-started first (D26) when demonstrations are given and none is cached."""
+    cached cold start, or the base model, cold-started first (D40) when demonstrations are given and none is cached."""
     cs_dir = config.cache_dir(cfg.cache_dir) / "cold_start" / coldstart.cold_start_key(base_path, demos, cfg, world) \
         if demos else None
     need_cold_start = bool(demos) and not (cs_dir / "config.json").exists() and not cfg.resume
