@@ -210,7 +210,8 @@ class EvalConfig:
     temperature: float = arg(EvalSettings.sampling.temperature, "evaluation sampling temperature (algorithm.md §6)",
                              valid="[0, inf)")
     top_p: float = arg(EvalSettings.sampling.top_p, "evaluation nucleus sampling (algorithm.md §6)", valid="(0, 1]")
-    max_response_tokens: int = like("max_response_tokens", EvalSettings.max_response_tokens, "response budget per trajectory: policy tokens + "
+    max_response_tokens: int = like("max_response_tokens", EvalSettings.max_response_tokens,
+                                    "response budget per trajectory: policy tokens + "
                                     "tool results (official protocol: tokens per generate call, 4096)")
     max_tool_calls: int = like("max_tool_calls")
     strict_format: bool = like("strict_format")

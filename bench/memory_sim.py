@@ -5,14 +5,14 @@
 
 How (prior art: torchtitan's memory estimator): the model is built from its configuration (ARCHS: the released
 config.json's values, no weights) on the meta device, placed by `harness.run.policy.shard` (FSDP2, bf16 compute, float32
-master weights) over a fake process group of 8 ranks and filled with fake tensors (FakeTensorMode: shapes only,
-nothing allocated). Rank 0 runs a steady-state step under PyTorch's `FSDPMemTracker`, which counts every tensor's
-bytes as ops create and free them: the old-policy pass on one micro-batch; one optimiser mini-batch (its first
---micro_batches micro-batches, then the gradient clip and AdamW's step: from the second micro-batch on, the state at
-each one's start repeats); the weight sync (`full_named_parameters` in bf16). The YAML's settings (bf16, fsdp,
-gradient checkpointing, the LM head 1024 tokens at a time); every trajectory at the full prompt + response budget, all response
-tokens scored, the MicroBatch tensors of all this rank's trajectories held throughout; micro-batches of 1, 4, 8, the
-config's and verl's per-GPU budget of rows (ppo_max_token_len_per_gpu = 2 x (prompt + response), use_dynamic_bsz).
+master weights) over a fake process group of 8 ranks and filled with fake tensors (FakeTensorMode: shapes only, nothing
+allocated). Rank 0 runs a steady-state step under PyTorch's `FSDPMemTracker`, which counts every tensor's bytes as ops
+create and free them: the old-policy pass on one micro-batch; one optimiser mini-batch (its first --micro_batches
+micro-batches, then the gradient clip and AdamW's step: from the second micro-batch on, the state at each one's start
+repeats); the weight sync (`full_named_parameters` in bf16). The YAML's settings (bf16, fsdp, gradient checkpointing,
+the LM head 1024 tokens at a time); every trajectory at the full prompt + response budget, all response tokens scored,
+the MicroBatch tensors of all this rank's trajectories held throughout; micro-batches of 1, 4, 8, the config's and
+verl's per-GPU budget of rows (ppo_max_token_len_per_gpu = 2 x (prompt + response), use_dynamic_bsz).
 
 Attention as the GPU kernels allocate it: the model runs `flash_allocations_attention`, which allocates and saves
 what FlashAttention-2 (SDPA's flash backend, taken by transformers' sdpa path for an unpadded causal batch) does: the

@@ -6,12 +6,11 @@ model (SmolLM2-135M-Instruct).
     python bench/mismatch.py                      # without vllm: the transformers backend only
 
 The same 16 contexts (8 training questions' prompts, and each with an opened `<search>`), 96 new tokens at most,
-temperature 1, one seed, through each generator's `generate` (the rollout's call): the transformers backend in
-float32, vLLM's CPU build in float32 and in bfloat16 (the engine dtype `--backend vllm` uses). For each, the
-trainer's float32 log-probs of the same tokens, and the step metrics of harness/mismatch.py (mismatch_stats, mismatch_metrics)
-(mean k1, k3, the log-perplexity difference, the quantiles of ρ = π_old/π_gen, the share outside [1/2, 2]). Expected:
-float32 against float32 near rounding; bfloat16 against float32 the precision gap the metrics exist to watch.
-"""
+temperature 1, one seed, through each generator's `generate` (the rollout's call): the transformers backend in float32,
+vLLM's CPU build in float32 and in bfloat16 (the engine dtype `--backend vllm` uses). For each, the trainer's float32
+log-probs of the same tokens, and the step metrics of harness/mismatch.py (mismatch_stats, mismatch_metrics) (mean k1,
+k3, the log-perplexity difference, the quantiles of ρ = π_old/π_gen, the share outside [1/2, 2]). Expected: float32
+against float32 near rounding; bfloat16 against float32 the precision gap the metrics exist to watch. """
 import importlib.util
 import json
 import sys

@@ -323,7 +323,8 @@ def parse_config(argv=None, defaults: dict | None = None) -> Config:
                                 "\\" not in cfg.run_name),
          f"--run_name {cfg.run_name!r}: a plain folder name (no '/', no '..'), created under --out_dir"),
         (not (cfg.reinforce_pp and cfg.gigpo), "--reinforce_pp and --gigpo are two different advantages: pick one"),
-        (cfg.surrogate != "gppo" or cfg.sg_clip, "--surrogate gppo (GPPO's lower bound) needs --sg_clip (its upper one)"),
+        (cfg.surrogate != "gppo" or cfg.sg_clip,
+         "--surrogate gppo (GPPO's lower bound) needs --sg_clip (its upper one)"),
         (0 <= cfg.overlong_cache < cfg.max_response_tokens, f"--overlong_cache ({cfg.overlong_cache}) must be >= 0 and "
                                                             f"less than --max_response_tokens ({cfg.max_response_tokens})"),
         (set(cfg.report_to) <= {"tensorboard", "wandb"}, f"--report_to {cfg.report_to}: tensorboard and/or wandb"),

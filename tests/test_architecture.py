@@ -1,7 +1,8 @@
 """The tree's imports form layers: the paper's math (rollout, loss, advantage, reward, tools) imports only itself and
-the python tool's sandbox (and loss.py, lazily, harness/mismatch.py for the names that lived in it), harness/ never imports the entry points (eval.py, train.py), eval.py never imports
-train.py, and no module imports itself through others (no circle, function-level imports included). The harness map
-(harness/__init__.py's docstring) names every module and package there is."""
+the python tool's sandbox (and loss.py, lazily, harness/mismatch.py for the names that lived in it), harness/ never
+imports the entry points (eval.py, train.py), eval.py never imports train.py, and no module imports itself through
+others (no circle, function-level imports included). The harness map (harness/__init__.py's docstring) names every
+module and package there is."""
 import ast
 import re
 from pathlib import Path

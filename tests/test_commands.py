@@ -41,7 +41,7 @@ NOT_ON_CPU = ["torchrun --nproc_per_node=8 train.py --config configs/aepo_qwen3_
               "torchrun --nnodes=2",                     # 8 GPUs / several nodes
               "python eval.py --protocol official --model PATH --data ../shared/data/benchmarks/gaia.jsonl "
               "--summarizer_url URL",                    # real endpoints: the offline form is OFFICIAL_OFFLINE's test
-              "python eval.py --protocol official --model runs/<name>/checkpoints/step_000016 --policy_url"]
+              "python eval.py --protocol official --model runs/<name>/checkpoints/step_000016"]
 HELP = ["python train.py --help", "python eval.py --help"]
 OFFICIAL_OFFLINE = ["python -m tests.standins --port 8100 &"]   # with the README's eval.py line after it
 TREES = ["python -m harness.trees runs/<name>", "python -m harness.trees runs/<name> --step 3 --out t.png",
@@ -171,7 +171,8 @@ def test_the_offline_official_evaluation_runs_as_written(scratch, tiny_run):
     judge on loopback, a summary written."""
     readme = (ROOT / "README.md").read_text()
     line = next(i for i, text in enumerate(readme.splitlines()) if text.strip() == OFFICIAL_OFFLINE[0])
-    block = readme.splitlines()[line + 1:line + 4]
+    lines = readme.splitlines()[line + 1:]
+    block = lines[:next(i for i, text in enumerate(lines) if not text.rstrip().endswith("\\")) + 1]
     command = " ".join(part.strip().rstrip("\\").strip() for part in block)
     if not (scratch.parent / "shared").exists():
         pytest.skip("the GAIA file is in ../shared/data, absent here")

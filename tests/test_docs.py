@@ -4,7 +4,7 @@ cite resolves to a function or class in that file, every § citation in the code
 of docs/algorithm.md (or names another paper's section), every deviation is cited by a D<n> that exists, the paper's
 files open with the paper and their deviations and harness modules with one line of what they do, every module stays
 within one sitting (<= 400 lines), no test module imports another, the top level holds the paper's files and entry
-points only, and the README stays a reader's guide (<= 350 lines)."""
+points only, and the README stays a reader's guide (<= 350 lines of <= 120 characters)."""
 import ast
 import dataclasses
 import json
@@ -133,6 +133,8 @@ def test_the_top_level_is_the_paper_and_the_entry_points():
 
 def test_the_readme_is_a_readers_guide():
     assert len(README.splitlines()) <= 350
+    long = [i for i, line in enumerate(README.splitlines(), 1) if len(line) > 120]
+    assert not long, f"README lines over 120 characters: {long}"
     assert "PLACEHOLDER" not in README
 
 

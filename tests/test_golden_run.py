@@ -32,7 +32,8 @@ FLOAT_REL = 2e-2
 
 def test_metrics_equal_the_recorded_run(setup):
     run = Path(train.main(flags(setup, "golden", cold_start="true",
-                                cold_start_kw=json.dumps({"questions": 2, "steps": 2, "batch": 2}), kl_coef=0.05, seed=3, k=4, max_response_tokens=100,
+                                cold_start_kw=json.dumps({"questions": 2, "steps": 2, "batch": 2}), kl_coef=0.05,
+                                seed=3, k=4, max_response_tokens=100,
                                 micro_batch_size=3), score=fake_score, make_generator=SearchFirst.factory())["run_dir"])
     rows = [{k: v for k, v in json.loads(line).items() if not k.startswith(TIMES)}
             for line in (run / "metrics.jsonl").read_text().splitlines()]

@@ -2,12 +2,12 @@
 
 Every test here fails if its path were skipped or wrong: the real deep-research reward scored against each question's
 own golds, one optimiser step moving log-probs the way the advantages say, activation checkpointing recomputing in
-backward, the ablation switches and the learning-rate warm-up reaching the update, the KL to the reference reaching
-the gradient, periodic evaluation, prompts over max_prompt_tokens dropped, demonstrations read from
---cold_start_kw's data, checkpoint pruning and the log trimming of a resume after a crash, DDP on two processes (each rank
-scoring its own questions), the data order, and the vLLM per-step cycle. The helpers (`setup`, `flags`) are in
-tests/conftest.py, the injected score and generators (`fake_score`, `AnswerAtOnce`) in tests/fakes.py; each run is 2
-steps of 2 questions × k = 2 unless a test says otherwise."""
+backward, the ablation switches and the learning-rate warm-up reaching the update, the KL to the reference reaching the
+gradient, periodic evaluation, prompts over max_prompt_tokens dropped, demonstrations read from --cold_start_kw's data,
+checkpoint pruning and the log trimming of a resume after a crash, DDP on two processes (each rank scoring its own
+questions), the data order, and the vLLM per-step cycle. The helpers (`setup`, `flags`) are in tests/conftest.py, the
+injected score and generators (`fake_score`, `AnswerAtOnce`) in tests/fakes.py; each run is 2 steps of 2 questions × k =
+2 unless a test says otherwise."""
 import contextlib
 import dataclasses
 import json

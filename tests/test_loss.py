@@ -161,7 +161,8 @@ def test_loss_values_by_hand():
     mask = torch.ones(1, 4)
     # J = 1.2·1, 0.8·(-1), 3·(-1), 1·2  -> Σ J = 1.2 - 0.8 - 3 + 2 = -0.6; n_valid = 6
     for sg in (True, False):
-        loss, m = L.policy_loss(logp, torch.zeros(1, 4), adv, mask, 6, L.LossSettings(surrogate=("aepo" if sg else "ppo")))
+        loss, m = L.policy_loss(logp, torch.zeros(1, 4), adv, mask, 6,
+                                L.LossSettings(surrogate=("aepo" if sg else "ppo")))
         assert loss.item() == pytest.approx(0.6 / 6, abs=1e-6)
     assert m["n_tokens"].item() == 4 and m["clip_hi"].item() == 1
     assert m["clip_lo"].item() == 1 and m["clip_dual"].item() == 1 and m["preserved"].item() == 0
@@ -239,7 +240,8 @@ def test_micro_batches_give_the_same_gradient():
     acc, total = torch.zeros_like(logp), 0.0
     for sl in (slice(0, 3), slice(3, 4), slice(4, 8)):    # uneven micro-batches
         part = logp.detach()[sl].clone().requires_grad_()
-        l, _ = L.policy_loss(part, old[sl], adv[sl], mask[sl], n_valid, L.LossSettings(kl_coef=0.1), ref_logp=ref_logp[sl])
+        l, _ = L.policy_loss(part, old[sl], adv[sl], mask[sl], n_valid,
+                             L.LossSettings(kl_coef=0.1), ref_logp=ref_logp[sl])
         l.backward()
         acc[sl] = part.grad
         total += l.item()
@@ -284,7 +286,8 @@ def test_non_finite_inputs_raise_naming_tensor_and_count(name):
     args["mask"] = torch.ones(2, 3)
     args[name][0, 0], args[name][1, 2] = float("nan"), float("inf")
     with pytest.raises(ValueError, match=rf"^{name}: 2 of 6 entries are non-finite"):
-        L.policy_loss(args["logp"], args["old_logp"], args["advantages"], args["mask"], 6, L.LossSettings(kl_coef=0.1), ref_logp=args["ref_logp"])
+        L.policy_loss(args["logp"], args["old_logp"], args["advantages"], args["mask"], 6,
+                      L.LossSettings(kl_coef=0.1), ref_logp=args["ref_logp"])
 
 
 def test_bad_n_valid_and_shapes_raise():
@@ -349,7 +352,8 @@ def test_pg_loss_metric_excludes_the_kl_term():
     kl = 0.5·(0.10653 + 0.71828)/4 = 0.10310."""
     logp = torch.tensor([[-1.0, -2.0]])
     ref = torch.tensor([[-1.5, -1.0]])
-    loss, m = L.policy_loss(logp, logp, torch.tensor([[1.0, -0.5]]), torch.ones(1, 2), 4, L.LossSettings(kl_coef=0.5), ref_logp=ref)
+    loss, m = L.policy_loss(logp, logp, torch.tensor([[1.0, -0.5]]), torch.ones(1, 2), 4,
+                            L.LossSettings(kl_coef=0.5), ref_logp=ref)
     kl = 0.5 * ((math.exp(-0.5) - 0.5) + (math.e - 2.0)) / 4
     assert m["pg_loss"].item() == pytest.approx(-0.125, abs=1e-7)
     assert m["kl_loss"].item() == pytest.approx(kl, rel=1e-6) and kl == pytest.approx(0.10310, abs=1e-5)
@@ -465,7 +469,8 @@ def test_loss_aggregations_by_hand(loss_agg, value, weights):
     adv = torch.tensor([[1.0, 2.0, 3.0, 9.0], [4.0, 9.0, 9.0, 9.0]])
     mask = torch.tensor([[1.0, 1.0, 1.0, 0.0], [1.0, 0.0, 0.0, 0.0]])
     logp = torch.zeros(2, 4, requires_grad=True)
-    loss, m = L.policy_loss(logp, torch.zeros(2, 4), adv, mask, 4, L.LossSettings(loss_agg=loss_agg, max_len=8), n_seqs=2)
+    loss, m = L.policy_loss(logp, torch.zeros(2, 4), adv, mask, 4,
+                            L.LossSettings(loss_agg=loss_agg, max_len=8), n_seqs=2)
     assert loss.item() == pytest.approx(value, abs=1e-6) and m["pg_loss"].item() == pytest.approx(value, abs=1e-6)
     loss.backward()
     w = torch.tensor(weights)[:, None] * mask
@@ -505,7 +510,9 @@ def test_kl_and_entropy_use_the_same_aggregation():
     ref = torch.tensor([[-1.5, -1.5, -9.0], [-1.0, 0.0, 0.0]])
     mask = torch.tensor([[1.0, 1.0, 0.0], [1.0, 0.0, 0.0]])
     ent = torch.tensor([[1.0, 2.0, 7.0], [4.0, 7.0, 7.0]])
-    loss, m = L.policy_loss(logp, logp, torch.zeros(2, 3), mask, 3, L.LossSettings(kl_coef=0.5, entropy_coef=0.1, loss_agg="seq-mean-token-mean"), ref_logp=ref, entropy=ent, n_seqs=2)
+    loss, m = L.policy_loss(logp, logp, torch.zeros(2, 3), mask, 3,
+                            L.LossSettings(kl_coef=0.5, entropy_coef=0.1, loss_agg="seq-mean-token-mean"),
+                            ref_logp=ref, entropy=ent, n_seqs=2)
     k_half, k_one = math.exp(-0.5) - 0.5, math.e - 2.0
     kl = 0.5 * ((2 * k_half) / 2 + k_one / 1) / 2
     bonus = -0.1 * ((1 + 2) / 2 + 4 / 1) / 2
@@ -534,7 +541,8 @@ def test_entropy_bonus_gradient_is_minus_coeff_times_dH_dz():
     mask = torch.tensor([[1.0, 1.0, 0.0, 1.0, 0.0], [1.0, 1.0, 1.0, 0.0, 0.0]])
     c, n = 0.3, 6.0
     h = L.token_entropy(z)
-    loss, m = L.policy_loss(L.token_logprobs(z, ids), L.token_logprobs(z, ids).detach(), torch.zeros(2, 5), mask, n, L.LossSettings(entropy_coef=c), entropy=h)
+    loss, m = L.policy_loss(L.token_logprobs(z, ids), L.token_logprobs(z, ids).detach(), torch.zeros(2, 5), mask, n,
+                            L.LossSettings(entropy_coef=c), entropy=h)
     assert loss.item() == pytest.approx(-c * (h * mask).sum().item() / n, rel=1e-6)
     assert m["entropy_loss"].item() == pytest.approx(-c * (h * mask).sum().item() / n, rel=1e-6)
     (g,) = torch.autograd.grad(loss, z)
@@ -554,7 +562,8 @@ def test_entropy_bonus_gradient_is_minus_coeff_times_dH_dz():
         else:
             logits = hidden @ weight.T
             lp, ent = L.token_logprobs(logits, flat_ids), L.token_entropy(logits)
-        l, _ = L.policy_loss(lp[None], lp.detach()[None], torch.zeros(1, 10), flat_mask, n, L.LossSettings(entropy_coef=c), entropy=ent[None])
+        l, _ = L.policy_loss(lp[None], lp.detach()[None], torch.zeros(1, 10), flat_mask, n,
+                             L.LossSettings(entropy_coef=c), entropy=ent[None])
         grads.append(torch.autograd.grad(l, (hidden, weight)))
     assert all(torch.allclose(a, b, atol=1e-5) for a, b in zip(*grads))
     # descending the loss raises the entropy of the masked tokens

@@ -81,7 +81,7 @@ def test_the_correction_flags_reach_the_weights():
 
 
 def test_the_old_names_in_loss_still_import():
-    """loss.mismatch_stats, loss.rollout_correction and loss.LOG_RATIO_EDGES (where they lived) are harness/mismatch.py's."""
+    """loss.mismatch_stats, loss.rollout_correction and loss.LOG_RATIO_EDGES (where they lived) are harness/mismatch's."""
     assert (L.mismatch_stats, L.rollout_correction, L.LOG_RATIO_EDGES) == \
         (M.mismatch_stats, M.rollout_correction, M.LOG_RATIO_EDGES)
     with pytest.raises(AttributeError):

@@ -387,7 +387,8 @@ def test_the_watchdog_names_the_rank_that_hangs_and_the_one_that_waits(setup, tm
     """Two ranks; rank 1's python call sleeps 12 s while rank 0 has finished its rollout. With --watchdog_min 0.05
     (3 s) rank 1 says which call it has been running, and rank 0 that it has been waiting for the other ranks; the
     step then goes on (the call ends) and the step line shows the slow rank's share."""
-    spawn(_hang_worker, flags(setup, "hang", steps=1, parallel="ddp", watchdog_min=0.05, python_limits="{timeout_s: 20}",
+    spawn(_hang_worker, flags(setup, "hang", steps=1, parallel="ddp", watchdog_min=0.05,
+                              python_limits="{timeout_s: 20}",
                               max_response_tokens=40, k=2, eval_data=""), str(tmp_path))
     one = (tmp_path / "stderr1.txt").read_text()
     zero = (tmp_path / "stderr0.txt").read_text()

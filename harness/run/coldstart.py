@@ -39,7 +39,7 @@ def build_demonstrations(rows: list[dict], search) -> list[dict]:
     missing = [i for i, r in enumerate(rows) if not r["meta"].get("query")]
     if missing:
         raise cli.UserError(f"cold start from the training data needs a 'query' field in every row (row "
-                               f"{missing[0]} has none): pass --cold_start_kw '{{data: demos.jsonl}}' or --cold_start false")
+                         f"{missing[0]} has none): pass --cold_start_kw '{{data: demos.jsonl}}' or --cold_start false")
     results = search.search([r["meta"]["query"] for r in rows])
     demos = []
     for i, (row, result) in enumerate(zip(rows, results)):

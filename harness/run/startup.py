@@ -137,7 +137,8 @@ def _policy(cfg, base_path: str, demos: list[dict], tokenizer, ckpts: list[Path]
     policy = load_policy(init_path, world, device, cfg.parallel, cfg.bf16, rank, cfg.gradient_checkpointing)
     if need_cold_start:
         amp = (lambda: torch.autocast(device.type, dtype=torch.bfloat16)) if cfg.bf16 else contextlib.nullcontext
-        log(f"cold start: {len(demos)} demonstrations, {settings.cold_start_settings(cfg).steps} steps (cached in {cs_dir})")
+        steps = settings.cold_start_settings(cfg).steps
+        log(f"cold start: {len(demos)} demonstrations, {steps} steps (cached in {cs_dir})")
         coldstart.cold_start(policy, demos, tokenizer, cfg, rank, world, device, amp, log)
         checkpoint.export_model(policy, tokenizer, cs_dir, rank)
         init_path = str(cs_dir)
