@@ -182,7 +182,7 @@ def rewards_of(scores: list[dict], trajectories, cfg) -> torch.Tensor:
     return rewards
 
 
-def keep_varied_groups(rows, trajectories, scores, rewards, tree: dict, n_keep: int):
+def keep_varied_groups(rows, trajectories, scores, rewards, tree_stats: dict, n_keep: int):
     """DAPO's dynamic sampling over the 2·n_keep questions rolled out: the first n_keep groups whose rewards differ
     (then, if too few differ, equal-reward groups, whose advantage is 0) in their rollout order, renumbered 0..n-1;
     the tree statistics of the kept groups (the tool counts stay those of every call that ran)."""
@@ -195,8 +195,9 @@ def keep_varied_groups(rows, trajectories, scores, rewards, tree: dict, n_keep: 
     for i in keep:
         trajectories[i].group_id = new_id[trajectories[i].group_id]
     kept = [trajectories[i] for i in keep]
-    kept_tree = rollout.tree_stats(kept, [tree["m_per_question"][g] for g in order], tree, tree["rounds"])
-    return [rows[g] for g in order], kept, [scores[i] for i in keep], rewards[keep], kept_tree
+    m_kept = [tree_stats["m_per_question"][g] for g in order]
+    kept_stats = rollout.tree_stats(kept, m_kept, tree_stats, tree_stats["rounds"])
+    return [rows[g] for g in order], kept, [scores[i] for i in keep], rewards[keep], kept_stats
 
 
 def outcome_advantages(trajectories, rewards: torch.Tensor, cfg, pad_id: int) -> torch.Tensor:

@@ -48,16 +48,17 @@ class StepBatch:
     m_per_question: list
 
 
-def step_metrics(step: int, batch: StepBatch, tree: dict, adv, entropy, losses: dict, grad_norms: list[float]) -> dict:
-    """This rank's sums and counts -> one all-reduce -> the step's means over all ranks. tree: rollout.tree_stats of
-    the trained batch; adv: (N, W) per-token advantages; entropy: the global [count, ΣH, ΣH²] of the old policy's
+def step_metrics(step: int, batch: StepBatch, tree_stats: dict, adv, entropy, losses: dict,
+                 grad_norms: list[float]) -> dict:
+    """This rank's sums and counts -> one all-reduce -> the step's means over all ranks. tree_stats:
+    rollout.tree_stats of the trained batch; adv: (N, W) per-token advantages; entropy: the global [count, ΣH, ΣH²] of the old policy's
     token entropy (already summed over ranks); losses: loss.policy_loss's metrics summed over the step's calls."""
     import advantage
     scores = batch.scores
-    local = {key: float(tree[key]) for key in ("trajectories", "questions", "tool_calls", "resp_len", "seq_len",
+    local = {key: float(tree_stats[key]) for key in ("trajectories", "questions", "tool_calls", "resp_len", "seq_len",
                                                "gen_len", "truncated", "m", "branches", "branch_top_chain",
                                                "trees_branched", "deadline_hits")}
-    local.update({key: float(v) for key, v in tree.items() if key.startswith("tools/")})
+    local.update({key: float(v) for key, v in tree_stats.items() if key.startswith("tools/")})
     local.update({key: float(v) for key, v in losses.items()})
     local.update({"reward": float(batch.rewards.sum()), "acc": sum(s["em"] for s in scores),
                   "f1": sum(s["f1"] for s in scores), "format_ok": sum(s["format_valid"] for s in scores),
