@@ -86,7 +86,7 @@ class ColdStart:
 def cold_start_settings(cfg) -> ColdStart:
     """--cold_start_kw as a ColdStart; a key that is not one of its fields, or a value of the wrong kind, is a
     UserError."""
-    keys = {f.name: f.type for f in fields(ColdStart)}
+    keys = [f.name for f in fields(ColdStart)]
     for key, value in cfg.cold_start_kw.items():
         if key not in keys:
             raise UserError(f"--cold_start_kw: unknown key {key}; the keys are {', '.join(keys)}")
@@ -96,4 +96,5 @@ def cold_start_settings(cfg) -> ColdStart:
             raise UserError(f"--cold_start_kw: {key} {value!r} must be " +
                             ("a path" if key == "data" else "a whole number >= 1" if key == "batch"
                              else "a number >= 0" if key == "lr" else "a whole number >= 0"))
-    return ColdStart(**cfg.cold_start_kw)
+    whole = ("questions", "steps", "batch")                 # 8.0 from YAML is the whole number 8
+    return ColdStart(**{key: int(v) if key in whole else v for key, v in cfg.cold_start_kw.items()})
