@@ -2,6 +2,7 @@
 for two steps (1 and 2 processes), checkpoint/resume exactness. A tiny random Llama over the real SmolLM2 tokenizer
 stands in for the model; the search is a replay table written by the test (no index needed)."""
 import contextlib
+import datetime
 import json
 import os
 import sys
@@ -192,7 +193,7 @@ def _grad_worker(rank, world, port, parallel, tok_dir, out):
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world),
                       LOCAL_RANK=str(rank))
     torch.set_num_threads(1)
-    torch.distributed.init_process_group("gloo")
+    torch.distributed.init_process_group("gloo", timeout=datetime.timedelta(seconds=90))   # a hang fails, not waits
     try:
         from transformers import AutoTokenizer
         lm = peaked_tiny_model(AutoTokenizer.from_pretrained(tok_dir))
@@ -209,11 +210,16 @@ def _grad_worker(rank, world, port, parallel, tok_dir, out):
         mine = slice(rank * per, (rank + 1) * per)                # whole questions per rank
         seen = []                                                 # gradient bytes before each micro-batch
         policy.register_forward_pre_hook(lambda module, args: seen.append(gradient_bytes(policy)))
+        natural = len(train.split_micro_batches(list(range(per)), [len(t.prompt_ids) + len(t.response_ids)
+                                                                   for t in trajectories[mine]], 3, budget))
         grads, metrics = gradients(policy, trajectories[mine], rewards[mine], cfg, world)
         seen.append(gradient_bytes(policy))
         shard_bytes = sum(local(p).numel() * local(p).element_size() for p in policy.parameters())
+        counts = [None, None]
+        torch.distributed.all_gather_object(counts, natural)
         if rank == 0:
-            torch.save({"grads": grads, "metrics": metrics, "grad_bytes": seen, "shard_bytes": shard_bytes}, out)
+            torch.save({"grads": grads, "metrics": metrics, "grad_bytes": seen, "shard_bytes": shard_bytes,
+                        "natural_counts": counts}, out)
         torch.distributed.barrier()
     finally:
         torch.distributed.destroy_process_group()
@@ -238,8 +244,11 @@ def test_micro_batching_does_not_change_gradient(tokenizer, single_process_gradi
         torch.testing.assert_close(grads[name], g, atol=1e-5, rtol=1e-4, msg=name)
 
 
-@pytest.mark.parametrize("parallel", ["ddp", "fsdp", "ddp-budget"])
+@pytest.mark.parametrize("parallel", ["ddp", "fsdp", "ddp-budget", "fsdp-budget"])
 def test_two_rank_gradient_equals_single_process(parallel, tokenizer, single_process_gradient, tmp_path):
+    """Each rank's half of the questions gives one process's gradient. With a token budget the ranks' own packing
+    gives them different numbers of micro-batches (2 and 1 here); FSDP2 runs collectives in every pass, so the
+    ranks must still run as many passes each (micro_batches evens them out; before, this hung)."""
     tok_dir = tmp_path / "tok"
     tokenizer.save_pretrained(tok_dir)
     out = tmp_path / "grads.pt"
@@ -247,6 +256,8 @@ def test_two_rank_gradient_equals_single_process(parallel, tokenizer, single_pro
                        start_method="spawn")
     saved = torch.load(out)
     grads = saved["grads"]
+    if parallel.endswith("budget"):
+        assert saved["natural_counts"] == [2, 1]                 # the ranks' own packing differs
     if parallel == "fsdp":            # accumulation over 2 micro-batches never holds more than this rank's shard
         assert len(saved["grad_bytes"]) == 2 + 2 + 1 and saved["grad_bytes"][-1] > 0   # 2 old, 2 update passes, end
         assert max(saved["grad_bytes"]) <= 1.1 * saved["shard_bytes"], (saved["grad_bytes"], saved["shard_bytes"])

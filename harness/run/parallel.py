@@ -73,6 +73,17 @@ def all_reduce_sum(t: torch.Tensor) -> torch.Tensor:
     return out.to(t.device)
 
 
+def all_reduce_max(t: torch.Tensor) -> torch.Tensor:
+    """Elementwise maximum over ranks (a copy)."""
+    if not dist.is_initialized():
+        return t
+    on = torch.device("cuda", torch.cuda.current_device()) if dist.get_backend() == "nccl" else t.device
+    out = t.detach().to(on, copy=True)
+    with watchdog.activity("waiting for the other ranks (an all-reduce)"):
+        dist.all_reduce(out, op=dist.ReduceOp.MAX)
+    return out.to(t.device)
+
+
 def reduce_metrics(sums: dict[str, float]) -> dict[str, float]:
     """Sum a dict of floats over ranks (float64). A key only some ranks have (a tool nobody called on a rank has no
     count there) counts 0 on the others: the ranks first agree on the union of their keys, so the one all-reduce has

@@ -146,7 +146,9 @@ class MicroBatch:
     attention_mask: (b, L); mask: (b, L-1), 1 where the *next* token was sampled by the policy, i.e. is scored; adv:
     (b, L-1) the per-token outcome advantage A; reward: (b,) R_j; gen_logp: (b, L-1) the generator's log-probs,
     nan where it has none); the old-policy pass (train.old_policy_pass) adds old_logp, entropy, ref_logp: (b, L-1)
-    the old policy's log-probs and token entropies and the reference's log-probs, and adv_tok: (b, L-1) Ã per token."""
+    the old policy's log-probs and token entropies and the reference's log-probs, and adv_tok: (b, L-1) Ã per token.
+    filler: a 1-row stand-in with no scored token (`filler`), so that every rank runs as many passes as the others;
+    misfit: rows whose generator log-probs had another length than the response (left nan, counted)."""
     input_ids: torch.Tensor
     attention_mask: torch.Tensor
     mask: torch.Tensor
@@ -157,6 +159,13 @@ class MicroBatch:
     entropy: torch.Tensor | None = None
     ref_logp: torch.Tensor | None = None
     adv_tok: torch.Tensor | None = None
+    filler: bool = False
+    misfit: int = 0
+
+    @property
+    def n_seqs(self) -> int:
+        """The trajectories it holds (a filler holds none)."""
+        return 0 if self.filler else len(self.mask)
 
 
 def tensorize(items: list[tuple[list[int], list[int], list[int]]], pad_id: int, device, adv=None,
@@ -169,35 +178,69 @@ def tensorize(items: list[tuple[list[int], list[int], list[int]]], pad_id: int, 
     attn = torch.zeros((len(items), width), dtype=torch.long)
     mask = torch.zeros((len(items), width - 1), dtype=torch.float32)
     gen = torch.full((len(items), width - 1), float("nan"), dtype=torch.float32)
+    misfit = 0
     for i, (p, r, m) in enumerate(items):
         ids[i, :len(p) + len(r)] = torch.tensor(p + r)
         attn[i, :len(p) + len(r)] = 1
         mask[i, len(p) - 1:len(p) - 1 + len(r)] = torch.tensor(m, dtype=torch.float32)
-        if gen_logp is not None and gen_logp[i] is not None and len(gen_logp[i]) == len(r):
-            gen[i, len(p) - 1:len(p) - 1 + len(r)] = torch.tensor(gen_logp[i], dtype=torch.float32)
+        if gen_logp is not None and gen_logp[i] is not None:
+            if len(gen_logp[i]) == len(r):
+                gen[i, len(p) - 1:len(p) - 1 + len(r)] = torch.tensor(gen_logp[i], dtype=torch.float32)
+            else:                                # a generator bug: counted (mismatch/misfit_rows) and warned
+                misfit += 1
     return MicroBatch(ids.to(device), attn.to(device), mask.to(device),
                       adv=None if adv is None else adv[:, :width - 1].to(device),
                       reward=None if reward is None else reward.to(device),
-                      gen_logp=None if gen_logp is None else gen.to(device))
+                      gen_logp=None if gen_logp is None else gen.to(device), misfit=misfit)
+
+
+def filler(pad_id: int, device, gen_logp: bool) -> MicroBatch:
+    """A micro-batch that adds nothing: one row of two pad tokens, attended, with no scored token. Its forward and
+    backward run the collectives FSDP2 runs in every pass (its loss and gradient are exactly 0), so a rank with fewer
+    micro-batches of its own still pairs up with the others."""
+    zeros = torch.zeros((1, 1), dtype=torch.float32, device=device)
+    return MicroBatch(torch.full((1, 2), pad_id, dtype=torch.long, device=device),
+                      torch.ones((1, 2), dtype=torch.long, device=device), zeros, adv=zeros.clone(),
+                      reward=torch.zeros(1, device=device),
+                      gen_logp=torch.full_like(zeros, float("nan")) if gen_logp else None, filler=True)
 
 
 def micro_batches(trajectories, adv: torch.Tensor, rewards: torch.Tensor, n_minibatches: int, cfg, pad_id: int,
                   device):
     """This rank's trajectories (ordered by question) in n_minibatches mini-batches of whole questions, each in
     micro-batches (`split_micro_batches`) with their (N, W) per-token advantages A (outcome_advantages) and (N,)
-    rewards. Returns a list (per mini-batch) of lists of MicroBatch."""
+    rewards. Every rank gets as many micro-batches as the rank with the most, in each mini-batch (`even_out`: a
+    collective, FSDP2 runs collectives in every pass). Returns a list (per mini-batch) of lists of MicroBatch."""
     per_mini = len(trajectories) // n_minibatches
-    out = []
+    splits = []
     for j in range(n_minibatches):
         chunk = list(range(j * per_mini, (j + 1) * per_mini))
         lengths = [len(trajectories[i].prompt_ids) + len(trajectories[i].response_ids) for i in chunk]
+        splits.append(split_micro_batches(chunk, lengths, cfg.micro_batch_size, cfg.max_tokens_per_micro_batch))
+    counts = parallel.all_reduce_max(torch.tensor([len(groups) for groups in splits])).tolist()
+    has_gen = any(t.gen_logp is not None for t in trajectories)
+    out = []
+    for groups, count in zip(splits, counts):
         mbs = []
-        for idx in split_micro_batches(chunk, lengths, cfg.micro_batch_size, cfg.max_tokens_per_micro_batch):
+        for idx in even_out(groups, count):
             items = [(trajectories[i].prompt_ids, trajectories[i].response_ids, trajectories[i].loss_mask) for i in idx]
             mbs.append(tensorize(items, pad_id, device, adv=adv[idx], reward=rewards[idx],
-                                 gen_logp=[trajectories[i].gen_logp for i in idx]))
+                                 gen_logp=[trajectories[i].gen_logp for i in idx]) if idx else
+                       filler(pad_id, device, has_gen))
         out.append(mbs)
     return out
+
+
+def even_out(groups: list[list[int]], count: int) -> list[list[int]]:
+    """`groups` made `count` long: the micro-batch with the most trajectories is halved (its first half keeps the
+    shorter ones, as split_micro_batches sorted them) until there are `count`, then empty groups (fillers) make up the
+    rest. Smaller micro-batches stay within any token budget; N_valid, the loss and the gradient are unchanged."""
+    groups = [list(g) for g in groups]
+    while len(groups) < count and max(map(len, groups), default=0) > 1:
+        at = max(range(len(groups)), key=lambda i: len(groups[i]))
+        half = len(groups[at]) // 2
+        groups[at:at + 1] = [groups[at][:half], groups[at][half:]]
+    return groups + [[] for _ in range(count - len(groups))]
 
 
 def pad_share(batches: list[list]) -> float:
