@@ -256,7 +256,7 @@ def accumulate_gradients(policy, mbs: list, cfg, world: int, amp, where: str) ->
     gradients (DDP syncs them on the last), normalised by the mini-batch's token and sequence counts over all ranks
     (N_valid, N_seq; × world undoes the ranks' gradient average). Returns the loss metrics summed."""
     objective, correction = settings.loss_settings(cfg), settings.correction(cfg)
-    counts = torch.tensor([sum(float(mb.mask.sum()) for mb in mbs), sum(mb.n_seqs for mb in mbs)],
+    counts = torch.tensor([sum(float(mb.mask.sum()) for mb in mbs), sum(len(mb.mask) for mb in mbs)],
                           dtype=torch.float64)
     n_valid, n_seqs = parallel.all_reduce_sum(counts).tolist()
     sums = Counter()

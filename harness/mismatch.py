@@ -142,8 +142,6 @@ class Correction:
         UserError when it is on and no mask-1 token has a generator log-prob (the backend gave none)."""
         if not self.on:
             return None
-        if not mask.any():                       # nothing scored (a filler micro-batch): nothing to weight
-            return torch.ones_like(mask)
         if gen_logp is None or not torch.isfinite(gen_logp[mask.bool()]).any():
             raise UserError("the mismatch correction needs the generator's log-probs, which this generator did not "
                              "give (vLLM gives them at --temperature 1 only)")

@@ -395,6 +395,12 @@ def test_split_micro_batches_by_token_budget():
     assert groups == [[0, 4, 2, 3], [1], [5]]                        # 4 × 120 = 480; then 400; then 900 alone
     assert sorted(i for g in groups for i in g) == indices
     assert all(len(g) * max(lengths[i] for i in g) <= 500 or len(g) == 1 for g in groups)
+    # another rank packed 5: the largest micro-batch is halved until there are 5, nothing lost or repeated
+    five = policy_mod.even_out(groups, 5)
+    assert five == [[0], [4], [2, 3], [1], [5]] and sorted(i for g in five for i in g) == indices
+    assert policy_mod.even_out(groups, 3) == groups
+    with pytest.raises(ValueError, match="6 trajectories cannot fill the 7 micro-batches"):
+        policy_mod.even_out(groups, 7)
 
 
 def test_token_budget_micro_batches_give_the_same_gradient(tokenizer, single_process_gradient):

@@ -147,7 +147,6 @@ class MicroBatch:
     (b, L-1) the per-token outcome advantage A; reward: (b,) R_j; gen_logp: (b, L-1) the generator's log-probs,
     nan where it has none); the old-policy pass (train.old_policy_pass) adds old_logp, entropy, ref_logp: (b, L-1)
     the old policy's log-probs and token entropies and the reference's log-probs, and adv_tok: (b, L-1) Ã per token.
-    filler: a 1-row stand-in with no scored token (`filler`), so that every rank runs as many passes as the others;
     misfit: rows whose generator log-probs had another length than the response (left nan, counted)."""
     input_ids: torch.Tensor
     attention_mask: torch.Tensor
@@ -159,13 +158,7 @@ class MicroBatch:
     entropy: torch.Tensor | None = None
     ref_logp: torch.Tensor | None = None
     adv_tok: torch.Tensor | None = None
-    filler: bool = False
     misfit: int = 0
-
-    @property
-    def n_seqs(self) -> int:
-        """The trajectories it holds (a filler holds none)."""
-        return 0 if self.filler else len(self.mask)
 
 
 def tensorize(items: list[tuple[list[int], list[int], list[int]]], pad_id: int, device, adv=None,
@@ -194,23 +187,13 @@ def tensorize(items: list[tuple[list[int], list[int], list[int]]], pad_id: int, 
                       gen_logp=None if gen_logp is None else gen.to(device), misfit=misfit)
 
 
-def filler(pad_id: int, device, gen_logp: bool) -> MicroBatch:
-    """A micro-batch that adds nothing: one row of two pad tokens, attended, with no scored token. Its forward and
-    backward run the collectives FSDP2 runs in every pass (its loss and gradient are exactly 0), so a rank with fewer
-    micro-batches of its own still pairs up with the others."""
-    zeros = torch.zeros((1, 1), dtype=torch.float32, device=device)
-    return MicroBatch(torch.full((1, 2), pad_id, dtype=torch.long, device=device),
-                      torch.ones((1, 2), dtype=torch.long, device=device), zeros, adv=zeros.clone(),
-                      reward=torch.zeros(1, device=device),
-                      gen_logp=torch.full_like(zeros, float("nan")) if gen_logp else None, filler=True)
-
-
 def micro_batches(trajectories, adv: torch.Tensor, rewards: torch.Tensor, n_minibatches: int, cfg, pad_id: int,
                   device):
     """This rank's trajectories (ordered by question) in n_minibatches mini-batches of whole questions, each in
     micro-batches (`split_micro_batches`) with their (N, W) per-token advantages A (outcome_advantages) and (N,)
-    rewards. Every rank gets as many micro-batches as the rank with the most, in each mini-batch (`even_out`: a
-    collective, FSDP2 runs collectives in every pass). Returns a list (per mini-batch) of lists of MicroBatch."""
+    rewards. Every rank gets as many micro-batches as the rank with the most, in each mini-batch (`even_out`; a
+    collective): FSDP2 runs collectives in every pass, so unequal counts would leave ranks waiting for ever.
+    Returns a list (per mini-batch) of lists of MicroBatch."""
     per_mini = len(trajectories) // n_minibatches
     splits = []
     for j in range(n_minibatches):
@@ -218,29 +201,31 @@ def micro_batches(trajectories, adv: torch.Tensor, rewards: torch.Tensor, n_mini
         lengths = [len(trajectories[i].prompt_ids) + len(trajectories[i].response_ids) for i in chunk]
         splits.append(split_micro_batches(chunk, lengths, cfg.micro_batch_size, cfg.max_tokens_per_micro_batch))
     counts = parallel.all_reduce_max(torch.tensor([len(groups) for groups in splits])).tolist()
-    has_gen = any(t.gen_logp is not None for t in trajectories)
     out = []
     for groups, count in zip(splits, counts):
         mbs = []
         for idx in even_out(groups, count):
             items = [(trajectories[i].prompt_ids, trajectories[i].response_ids, trajectories[i].loss_mask) for i in idx]
             mbs.append(tensorize(items, pad_id, device, adv=adv[idx], reward=rewards[idx],
-                                 gen_logp=[trajectories[i].gen_logp for i in idx]) if idx else
-                       filler(pad_id, device, has_gen))
+                                 gen_logp=[trajectories[i].gen_logp for i in idx]))
         out.append(mbs)
     return out
 
 
 def even_out(groups: list[list[int]], count: int) -> list[list[int]]:
     """`groups` made `count` long: the micro-batch with the most trajectories is halved (its first half keeps the
-    shorter ones, as split_micro_batches sorted them) until there are `count`, then empty groups (fillers) make up the
-    rest. Smaller micro-batches stay within any token budget; N_valid, the loss and the gradient are unchanged."""
+    shorter ones, as split_micro_batches sorted them) until there are `count`. Every rank holds as many trajectories
+    per mini-batch (whole questions of k each), so the count of any rank is reachable. Smaller micro-batches stay
+    within any token budget; N_valid, the loss and the gradient are unchanged."""
     groups = [list(g) for g in groups]
-    while len(groups) < count and max(map(len, groups), default=0) > 1:
+    while len(groups) < count:
         at = max(range(len(groups)), key=lambda i: len(groups[i]))
+        if len(groups[at]) < 2:
+            raise ValueError(f"{sum(map(len, groups))} trajectories cannot fill the {count} micro-batches of another "
+                             f"rank (every rank needs as many trajectories per mini-batch)")
         half = len(groups[at]) // 2
         groups[at:at + 1] = [groups[at][:half], groups[at][half:]]
-    return groups + [[] for _ in range(count - len(groups))]
+    return groups
 
 
 def pad_share(batches: list[list]) -> float:
