@@ -176,7 +176,7 @@ def tensorize(items: list[tuple[list[int], list[int], list[int]]], pad_id: int, 
         ids[i, :len(p) + len(r)] = torch.tensor(p + r)
         attn[i, :len(p) + len(r)] = 1
         mask[i, len(p) - 1:len(p) - 1 + len(r)] = torch.tensor(m, dtype=torch.float32)
-        if gen_logp is not None and gen_logp[i] is not None:
+        if gen_logp is not None and gen_logp[i]:       # None or [] : the generator gave none
             if len(gen_logp[i]) == len(r):
                 gen[i, len(p) - 1:len(p) - 1 + len(r)] = torch.tensor(gen_logp[i], dtype=torch.float32)
             else:                                # a generator bug: counted (mismatch/misfit_rows) and warned
