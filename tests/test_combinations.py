@@ -1,23 +1,26 @@
 """The switches a real run combines, run together on 2 gloo ranks: a covering set of runs over parallel mode ×
-micro-batching × mismatch correction × precision × gradient checkpointing × how unequal the ranks' trajectory lengths
-are (every pair of values appears in some run), each run's step gradient compared with one process's on the same
+micro-batching × mismatch correction × precision × gradient checkpointing × how unequal the ranks' trajectory
+lengths are (every pair of values appears in some run), each run's step gradient compared with one process's on the same
 trajectories. The gradient of one optimiser mini-batch does not depend on how it is cut into micro-batches and ranks
 (the loss divides by its global token count, D18), so every combination must give one process's gradient."""
 import contextlib
 import dataclasses
 import datetime
 import itertools
+import json
 import math
 import os
+import time
+from pathlib import Path
 
+import pytest
 import torch
 
 import rollout
 import train
 from harness import config
 from harness.run import policy as policy_mod
-from tests.conftest import free_port, hand_made_trajectories
-from tests.test_train import peaked_tiny_model
+from tests.conftest import free_port, hand_made_trajectories, peaked_tiny_model
 
 FACTORS = (("parallel", ("ddp", "fsdp")), ("micro_batches", ("fixed", "token budget")),
            ("correction", ("off", "TIS + token mask")), ("precision", ("float32", "bfloat16")),
@@ -189,3 +192,166 @@ def test_every_combination_gives_one_process_gradient(tokenizer, tmp_path):
     covered, total = pairs_covered(RUNS)
     print(f"{len(RUNS)} runs, {covered} of {total} pairs covered; largest difference: " +
           ", ".join(f"{k} {v:.2e}" for k, v in sorted(worst.items())))
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# The repository's configs, run whole at toy size on 2 ranks: only what cannot run here is replaced
+
+
+OFFICIAL = {"aepo_qwen3_14b": "qwen3", "aepo_qwen25_7b": "qwen2"}      # config -> the tiny model's architecture
+ALGORITHMS = sorted(p.stem for p in (Path(__file__).parents[1] / "configs").glob("*.yaml")
+                    if p.stem not in OFFICIAL and p.stem != "embedded")
+
+
+def tiny_model_of(family: str, tokenizer, path: Path) -> Path:
+    """A random 2-layer model of the family's architecture (Qwen3: q/k norms; Qwen2: attention biases; llama: the
+    tests' tiny model), saved with the test tokenizer; its output embeddings 40× larger (peaked_tiny_model: at init
+    every entropy is ~log V with a spread of ~1e-5, which the entropy-aware advantage's z-score turns into noise)."""
+    from transformers import Qwen2Config, Qwen2ForCausalLM, Qwen3Config, Qwen3ForCausalLM
+    if family == "llama":
+        lm = peaked_tiny_model(tokenizer)
+    else:
+        torch.manual_seed(0)
+        config_class, model_class = {"qwen3": (Qwen3Config, Qwen3ForCausalLM),
+                                     "qwen2": (Qwen2Config, Qwen2ForCausalLM)}[family]
+        eos = tokenizer.eos_token_id
+        lm = model_class(config_class(vocab_size=len(tokenizer), hidden_size=32, intermediate_size=64,
+                                      num_hidden_layers=2, num_attention_heads=2, num_key_value_heads=1, head_dim=16,
+                                      max_position_embeddings=4096, tie_word_embeddings=False,
+                                      bos_token_id=tokenizer.bos_token_id, eos_token_id=eos, pad_token_id=eos))
+        with torch.no_grad():
+            lm.lm_head.weight.mul_(40.0)
+    lm.save_pretrained(path)
+    tokenizer.save_pretrained(path)
+    return path
+
+
+def toy_flags(label: str, root: Path, model: Path) -> list[str]:
+    """--config configs/<name>.yaml (label: the name, or name-budget for token-budget micro-batches), then only what
+    cannot run here: the model (a tiny random one), the data (the tests' QA set), the sizes (4 questions × k = 3 in
+    2 mini-batches, 64 tokens, 2 steps, 1 held-out question once), the search (the replay table) and the backend
+    (vLLM runs in the vLLM stage); the config's parallel mode, micro-batches, precision, checkpointing, correction,
+    advantage and loss settings stay. The algorithm overlays start from the defaults, whose supervised cold start
+    (the embedded run's) is off here: they are about RL."""
+    over = dict(model=model, train_data=root / "qa.jsonl", eval_data=root / "qa.jsonl", eval_limit=1, eval_n=1,
+                search="replay", search_kw=json.dumps({"path": str(root / "search.json")}), backend="transformers",
+                k=3, questions_per_step=4, mini_batch_size=2, steps=2, max_response_tokens=64,
+                out_dir=root / "runs", run_name=label, cache_dir=root / "cache")
+    name = label.removesuffix("-budget")
+    if label != name:
+        over["max_tokens_per_micro_batch"] = 700
+    if name not in OFFICIAL:
+        over["cold_start"] = "false"
+    return [f"--config={Path(__file__).parents[1] / 'configs' / name}.yaml"] + [f"--{k}={v}" for k, v in over.items()]
+
+
+def _config_worker(rank, world, port, runs, out):
+    """Each (name, argv) in one process group: train.train at toy size, recording the step-1 inputs of the update
+    (this rank's trajectories and rewards after the rollout) and the gradient of its first mini-batch."""
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world),
+                      LOCAL_RANK=str(rank))
+    torch.set_num_threads(1)
+    torch.distributed.init_process_group("gloo", timeout=datetime.timedelta(seconds=120))   # a hang fails
+    from harness import config as config_mod
+    from tests.fakes import fake_score
+    real_micro_batches, real_accumulate = train.micro_batches, train.accumulate_gradients
+    try:
+        for name, argv in runs:
+            seen = {}
+
+            def micro_batches(trajectories, adv, rewards, n_minibatches, cfg, *args):
+                seen.setdefault("inputs", (trajectories, rewards, n_minibatches))
+                return real_micro_batches(trajectories, adv, rewards, n_minibatches, cfg, *args)
+
+            def accumulate_gradients(policy, mbs, cfg, *args):
+                metrics = real_accumulate(policy, mbs, cfg, *args)
+                if "grads" not in seen:                  # step 1, epoch 0, mini-batch 0 (full tensors: a collective)
+                    seen["cfg"], seen["sharded"] = dataclasses.asdict(cfg), policy_mod.is_sharded(policy)
+                    seen["grads"] = {n: (p.grad.full_tensor() if hasattr(p.grad, "full_tensor") else p.grad).clone()
+                                     for n, p in policy_mod.unwrap(policy).named_parameters()}
+                return metrics
+            train.micro_batches, train.accumulate_gradients = micro_batches, accumulate_gradients
+            started = time.monotonic()
+            result = train.train(config_mod.parse_config(argv), rank, world, torch.device("cpu"), score=fake_score)
+            seen.update(seconds=time.monotonic() - started, steps=result["steps"])
+            torch.save(seen, f"{out}.{name}.{rank}")
+            torch.distributed.barrier()
+    finally:
+        train.micro_batches, train.accumulate_gradients = real_micro_batches, real_accumulate
+        torch.distributed.destroy_process_group()
+
+
+def one_process_gradient(saved: list[dict], model: str) -> dict:
+    """The step-1 gradient of the first mini-batch in one process from the ranks' own trajectories: each rank's
+    mini-batch j is its j-th slice, so one process takes rank 0's slice j and rank 1's for each j in turn (the
+    groups renumbered apart), with the run's own settings."""
+    cfg = config.Config(**{k: v for k, v in saved[0]["cfg"].items()})
+    n_mini = saved[0]["inputs"][2]
+    union, rewards, offset = [], [], 0
+    parts = []
+    for rank, s in enumerate(saved):
+        trajectories, r, _ = s["inputs"]
+        per = len(trajectories) // n_mini
+        groups = 1 + max(t.group_id for t in trajectories)
+        parts.append([(trajectories[j * per:(j + 1) * per], r[j * per:(j + 1) * per], offset) for j in range(n_mini)])
+        offset += groups
+    for j in range(n_mini):
+        for rank_parts in parts:
+            trajectories, r, off = rank_parts[j]
+            union += [dataclasses.replace(t, group_id=t.group_id + off) for t in trajectories]
+            rewards.append(r)
+    rewards = torch.cat(rewards)
+    policy = policy_mod.load_policy(model, 1, torch.device("cpu"), gradient_checkpointing=cfg.gradient_checkpointing)
+    ref = policy_mod.load_policy(model, 1, torch.device("cpu")).requires_grad_(False) if cfg.kl_coef > 0 else None
+    amp = (lambda: torch.autocast("cpu", dtype=torch.bfloat16)) if cfg.bf16 else contextlib.nullcontext
+    adv = train.outcome_advantages(union, rewards, cfg, 0)
+    batches = train.micro_batches(union, adv, rewards, n_mini, cfg, 0, "cpu")
+    train.old_policy_pass(policy, ref, batches, cfg, amp)
+    policy.lm.train()
+    train.accumulate_gradients(policy, batches[0], cfg, 1, amp, "one process")
+    return {n: p.grad.detach().clone() for n, p in policy.named_parameters()}
+
+
+def run_configs(names, tokenizer, setup, tmp_path):
+    import torch.multiprocessing as mp
+    models = {}
+    for family in {"llama", *OFFICIAL.values()}:
+        models[family] = tiny_model_of(family, tokenizer, tmp_path / family)
+    model_of = {name: models[OFFICIAL.get(name.removesuffix("-budget"), "llama")] for name in names}
+    runs = [(name, toy_flags(name, setup, model_of[name])) for name in names]
+    mp.start_processes(_config_worker, args=(2, free_port(), runs, str(tmp_path / "seen")), nprocs=2,
+                       start_method="spawn")
+    print()
+    for name in names:
+        saved = [torch.load(f"{tmp_path / 'seen'}.{name}.{rank}", weights_only=False) for rank in (0, 1)]
+        cfg = saved[0]["cfg"]
+        run_dir = setup / "runs" / name
+        assert saved[0]["steps"] == 2 and (run_dir / "checkpoints" / "step_000002" / "model.safetensors").exists()
+        assert len((run_dir / "metrics.jsonl").read_text().splitlines()) == 2
+        assert (run_dir / "eval" / "after_summary.json").exists()
+        one = one_process_gradient(saved, str(model_of[name]))
+        two = {n.removeprefix("module."): g for n, g in saved[0]["grads"].items()}
+        assert set(two) == set(one)
+        diff = relative_difference(two, one)
+        norm = math.sqrt(sum(float(g.double().pow(2).sum()) for g in one.values()))
+        assert saved[0]["sharded"] == (cfg["parallel"] == "fsdp")
+        print(f"{name}: {cfg['parallel']}, bf16 {cfg['bf16']}, checkpointing {cfg['gradient_checkpointing']}, "
+              f"micro-batch {cfg['micro_batch_size']}/{cfg['max_tokens_per_micro_batch']} tokens: "
+              f"{saved[0]['seconds']:.1f} s, |g| {norm:.3g}, ‖g₂ − g₁‖/‖g₁‖ {diff:.2e}")
+        assert norm > 0
+        assert diff < (2e-2 if cfg["bf16"] else 1e-4), (name, diff)
+    return {name: torch.load(f"{tmp_path / 'seen'}.{name}.0", weights_only=False) for name in names}
+
+
+@pytest.mark.slow
+def test_the_official_configs_run_whole_at_toy_size(tokenizer, setup, tmp_path):
+    """configs/aepo_qwen3_14b.yaml and aepo_qwen25_7b.yaml on 2 ranks with their own FSDP2, bfloat16, gradient
+    checkpointing and micro-batches (and the 14B one again with the token budget bench/README recommends): the run
+    ends with its checkpoint and evaluation, and step 1's gradient is one process's."""
+    run_configs(list(OFFICIAL) + ["aepo_qwen3_14b-budget"], tokenizer, setup, tmp_path)
+
+
+@pytest.mark.slow
+def test_every_algorithm_config_runs_on_two_ranks(tokenizer, setup, tmp_path):
+    """Each baseline overlay of configs/ on 2 ranks: the run ends, and step 1's gradient is one process's."""
+    run_configs(ALGORITHMS, tokenizer, setup, tmp_path)

@@ -18,7 +18,8 @@ from harness import cli
 from harness import config
 from harness.run import policy as policy_mod
 import train
-from tests.conftest import QA, flags, free_port, hand_made_trajectories, make_tiny_model, weights
+from tests.conftest import (QA, flags, free_port, hand_made_trajectories, make_tiny_model, peaked_tiny_model,
+                            weights)
 from tests.fakes import fake_score
 
 # ---------------------------------------------------------------------------------------------------------------------
@@ -144,16 +145,6 @@ def test_policy_logp_matches_full_softmax(tokenizer):
 
 # ---------------------------------------------------------------------------------------------------------------------
 # Gradients: micro-batching and world size never change them
-
-
-def peaked_tiny_model(tokenizer):
-    """The tiny model with 40x larger (tied) embeddings: its next-token distributions range from peaked to flat, so
-    token entropies have a real spread. (At init every entropy is ~log V with a spread of ~1e-5, where the z-score of
-    the entropy-aware advantage turns float32 rounding into visible differences.)"""
-    lm = make_tiny_model(tokenizer)
-    with torch.no_grad():
-        lm.model.embed_tokens.weight.mul_(40.0)
-    return lm
 
 
 def gradients(policy, trajectories, rewards, cfg, world, n_minibatches=1):
