@@ -225,8 +225,9 @@ def old_policy_pass(policy, ref, batches: list[list], cfg, amp) -> tuple[torch.T
     flat = [mb for mbs in batches for mb in mbs]
     stats, sums = torch.zeros(3, dtype=torch.float64), mismatch.MismatchSums.zeros()
     with amp():
-        for mb in flat:
-            mb.old_logp, mb.entropy = policy(mb.input_ids, mb.attention_mask, mb.mask, cfg.temperature)
+        for i, mb in enumerate(flat):
+            with located(f"the old-policy pass, micro-batch {i} of {len(flat)}"):
+                mb.old_logp, mb.entropy = policy(mb.input_ids, mb.attention_mask, mb.mask, cfg.temperature)
             if ref is not None:
                 mb.ref_logp, _ = ref(mb.input_ids, mb.attention_mask, mb.mask, cfg.temperature)
             stats += advantage.entropy_stats(mb.entropy, mb.mask).cpu()

@@ -51,6 +51,7 @@ def peaked_tiny_model(tokenizer):
     """The tiny model with 40x larger (tied) embeddings: its next-token distributions range from peaked to flat, so
     token entropies have a real spread. (At init every entropy is ~log V with a spread of ~1e-5, where the z-score of
     the entropy-aware advantage turns float32 rounding into visible differences.)"""
+    import torch
     lm = make_tiny_model(tokenizer)
     with torch.no_grad():
         lm.model.embed_tokens.weight.mul_(40.0)

@@ -1,6 +1,6 @@
 """The switches a real run combines, run together on 2 gloo ranks: a covering set of runs over parallel mode ×
 micro-batching × mismatch correction × precision × gradient checkpointing × how unequal the ranks' trajectory
-lengths are (every pair of values appears in some run), each run's step gradient compared with one process's on the same
+lengths are × the loss aggregation (token-mean, Dr. GRPO's sequence-normalised one) (every pair of values appears in some run), each run's step gradient compared with one process's on the same
 trajectories. The gradient of one optimiser mini-batch does not depend on how it is cut into micro-batches and ranks
 (the loss divides by its global token count, D18), so every combination must give one process's gradient."""
 import contextlib
@@ -24,11 +24,12 @@ from tests.conftest import free_port, hand_made_trajectories, peaked_tiny_model
 
 FACTORS = (("parallel", ("ddp", "fsdp")), ("micro_batches", ("fixed", "token budget")),
            ("correction", ("off", "TIS + token mask")), ("precision", ("float32", "bfloat16")),
-           ("checkpointing", ("off", "on")), ("lengths", ("equal", "unequal")))
-# A strength-2 covering array of six two-level factors in six runs: factor f is at its second value in the runs of
+           ("checkpointing", ("off", "on")), ("lengths", ("equal", "unequal")),
+           ("loss_agg", ("token-mean", "seq-mean-token-sum-norm")))
+# A strength-2 covering array of seven two-level factors in six runs: factor f is at its second value in the runs of
 # SUBSETS[f], distinct 3-subsets of runs 1..5 (two such subsets share one or two runs and each has one the other
 # lacks; run 0 has every factor at its first value), so every pair of values of every two factors meets in some run.
-SUBSETS = ((1, 2, 3), (1, 4, 5), (2, 4, 5), (3, 4, 5), (1, 2, 4), (2, 3, 5))
+SUBSETS = ((1, 2, 3), (1, 4, 5), (2, 4, 5), (3, 4, 5), (1, 2, 4), (2, 3, 5), (1, 3, 4))
 RUNS = [{name: values[run in SUBSETS[f]] for f, (name, values) in enumerate(FACTORS)} for run in range(6)]
 
 
@@ -40,8 +41,8 @@ def pairs_covered(runs) -> tuple[int, int]:
 
 
 def test_the_runs_cover_every_pair():
-    assert pairs_covered(RUNS) == (60, 60)
-    assert pairs_covered(RUNS[:5])[0] < 60                     # fewer runs would leave pairs out
+    assert pairs_covered(RUNS) == (84, 84)
+    assert pairs_covered(RUNS[:5])[0] < 84                     # fewer runs would leave pairs out
 
 
 def trajectories_of(lengths: str):
@@ -79,7 +80,7 @@ def run_config(run) -> config.Config:
     return config.Config(parallel=run["parallel"], micro_batch_size=3, bf16=run["precision"] == "bfloat16",
                          max_tokens_per_micro_batch=40 if run["micro_batches"] == "token budget" else 0,
                          tis_cap=2.0 if run["correction"] != "off" else 0.0,
-                         mismatch_masks=["token"] if run["correction"] != "off" else [])
+                         mismatch_masks=["token"] if run["correction"] != "off" else [], loss_agg=run["loss_agg"])
 
 
 def step_gradient(policy, trajectories, rewards, cfg, world) -> tuple[dict, list[int]]:
@@ -150,7 +151,7 @@ def relative_difference(a: dict, b: dict) -> float:
 
 
 def test_every_combination_gives_one_process_gradient(tokenizer, tmp_path):
-    """Six 2-rank runs covering every pair of the six settings: each run's gradient is one process's on the same
+    """Six 2-rank runs covering every pair of the seven settings: each run's gradient is one process's on the same
     trajectories and settings (float32 within 1e-5 relative, bfloat16 within 2e-2: the two sides round differently);
     in the unequal runs with a token budget the ranks' own packing differs, and both still run as many micro-batches.
     Prints the table."""
@@ -355,3 +356,50 @@ def test_the_official_configs_run_whole_at_toy_size(tokenizer, setup, tmp_path):
 def test_every_algorithm_config_runs_on_two_ranks(tokenizer, setup, tmp_path):
     """Each baseline overlay of configs/ on 2 ranks: the run ends, and step 1's gradient is one process's."""
     run_configs(ALGORITHMS, tokenizer, setup, tmp_path)
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# A hang is named: the old bug, forced
+
+
+def _hang_worker(rank, world, port, tok_dir, log_dir):
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world),
+                      LOCAL_RANK=str(rank))
+    torch.set_num_threads(1)
+    torch.distributed.init_process_group("gloo", timeout=datetime.timedelta(seconds=25))
+    from transformers import AutoTokenizer
+    from harness.run import watchdog
+    log = open(Path(log_dir) / f"rank{rank}.txt", "w", buffering=1)
+    policy_mod.even_out = lambda groups, count: groups        # the old bug: each rank keeps its own count
+    run = {"parallel": "fsdp", "micro_batches": "token budget", "correction": "off", "precision": "float32",
+           "checkpointing": "off", "lengths": "equal", "loss_agg": "token-mean"}
+    trajectories, rewards = hand_made_trajectories()
+    mine = slice(rank * 4, (rank + 1) * 4)
+    policy = make_policy(AutoTokenizer.from_pretrained(tok_dir), run, world)
+    started = time.monotonic()
+    watchdog.set_current(watchdog.Watchdog(rank, 3.0, out=log))
+    try:
+        step_gradient(policy, trajectories[mine], rewards[mine], run_config(run), world)
+        print(f"finished after {time.monotonic() - started:.1f} s", file=log)
+    except Exception as err:                                      # the collective timeout ends the forced hang
+        print(f"ended after {time.monotonic() - started:.1f} s by {type(err).__name__}: {str(err)[:200]}", file=log)
+    log.close()
+    os._exit(0)                           # the process group is broken: tearing it down would abort the process
+
+
+def test_a_forced_hang_is_named_before_the_collective_timeout(tokenizer, tmp_path):
+    """Ranks made to disagree on the number of micro-batches (even_out switched off: rank 0 packs 2, rank 1 one)
+    under FSDP2: within the 3 s watchdog each rank says where it waits — rank 0 in the old-policy pass's second
+    micro-batch (an FSDP2 all-gather), rank 1 in the all-reduce after its only one — before the 25 s collective
+    timeout ends it."""
+    import torch.multiprocessing as mp
+    tokenizer.save_pretrained(tmp_path / "tok")
+    mp.start_processes(_hang_worker, args=(2, free_port(), str(tmp_path / "tok"), str(tmp_path)), nprocs=2,
+                       start_method="spawn")
+    logs = [(tmp_path / f"rank{rank}.txt").read_text() for rank in (0, 1)]
+    print("\n" + "\n".join(logs))
+    zero = "watchdog: rank 0 has been in the old-policy pass, micro-batch 1 of 2 (under FSDP2 every pass all-gathers"
+    one = "watchdog: rank 1 has been waiting for the other ranks (an all-reduce)"
+    assert zero in logs[0] and one in logs[1], logs
+    for log in logs:                      # named first, then the timeout ended it (it never finished)
+        assert "finished" not in log and log.index("watchdog:") < log.index("ended after")

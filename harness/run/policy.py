@@ -26,7 +26,7 @@ from dataclasses import dataclass
 import torch
 
 import loss
-from harness.run import parallel
+from harness.run import parallel, watchdog
 from harness.cli import UserError
 from harness.models import load_lm
 
@@ -255,10 +255,13 @@ def split_micro_batches(indices: list[int], lengths: list[int], size: int, max_t
 
 @contextlib.contextmanager
 def located(where: str):
-    """A ValueError raised inside (non-finite inputs in loss.py, a bad shape) says where it happened: `where: ...`.
-    A UserError (a user's mistake) goes on as it is, one line (cli.run_cli), not a bug."""
+    """Where the block is, said twice: a ValueError raised inside (non-finite inputs in loss.py, a bad shape) reads
+    `where: ...`, and the watchdog names it if it lasts (a forward and backward whose FSDP2 all-gathers and
+    reduce-scatters wait for a rank that is elsewhere). A UserError (a user's mistake) goes on as it is, one line
+    (cli.run_cli), not a bug."""
     try:
-        yield
+        with watchdog.activity(f"in {where} (under FSDP2 every pass all-gathers the weights with the other ranks)"):
+            yield
     except UserError:
         raise
     except ValueError as err:
@@ -286,8 +289,9 @@ def backward_micro_batches(policy, mbs: list[MicroBatch], world: int, amp, tempe
 
 def optimizer_step(policy, optimizer, grad_clip: float) -> float:
     """Clip the gradient norm (over all ranks' shards), step, zero the gradients; returns the norm before clipping."""
-    grad_norm = torch.nn.utils.clip_grad_norm_([p for p in policy.parameters() if p.grad is not None], grad_clip)
-    grad_norm = grad_norm.full_tensor() if hasattr(grad_norm, "full_tensor") else grad_norm
+    with watchdog.activity("in the optimiser step (the gradient norm's all-reduce over the shards)"):
+        grad_norm = torch.nn.utils.clip_grad_norm_([p for p in policy.parameters() if p.grad is not None], grad_clip)
+        grad_norm = grad_norm.full_tensor() if hasattr(grad_norm, "full_tensor") else grad_norm
     if not torch.isfinite(grad_norm):
         raise FloatingPointError(f"non-finite gradient norm {grad_norm.item()}")
     optimizer.step()
