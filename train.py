@@ -94,7 +94,8 @@ def rl_step(run: Run, step: int, progress=None) -> tuple[dict, runlog.StepBatch]
 
     batch = runlog.StepBatch(rows, trajectories, scores, rewards, tree_stats["m_per_question"])
     metrics = runlog.step_metrics(step + 1, batch, tree_stats, adv, entropy_sums, losses, grad_norms)
-    metrics.update(mismatch.mismatch_metrics(mismatch_sums), lr=cfg.lr, pad_share=pad_share(batches))
+    metrics.update(mismatch.mismatch_metrics(mismatch_sums, settings.correction(cfg)), lr=cfg.lr,
+                   pad_share=pad_share(batches))
     metrics.update(clock.metrics(rollout_seconds, metrics["n_valid_tokens"] * cfg.ppo_epochs))
     return metrics, batch
 
@@ -224,6 +225,7 @@ def old_policy_pass(policy, ref, batches: list[list], cfg, amp) -> tuple[torch.T
     unwrap(policy).eval()
     flat = [mb for mbs in batches for mb in mbs]
     stats, sums = torch.zeros(3, dtype=torch.float64), mismatch.MismatchSums.zeros()
+    correction = settings.correction(cfg)
     with amp():
         for i, mb in enumerate(flat):
             with located(f"the old-policy pass, micro-batch {i} of {len(flat)}"):
@@ -232,7 +234,7 @@ def old_policy_pass(policy, ref, batches: list[list], cfg, amp) -> tuple[torch.T
                 mb.ref_logp, _ = ref(mb.input_ids, mb.attention_mask, mb.mask, cfg.temperature)
             stats += advantage.entropy_stats(mb.entropy, mb.mask).cpu()
             if mb.gen_logp is not None:
-                sums += mismatch.mismatch_stats(mb.old_logp, mb.gen_logp, mb.mask)
+                sums += mismatch.mismatch_stats(mb.old_logp, mb.gen_logp, mb.mask, correction, mb.misfit)
     stats = parallel.all_reduce_sum(stats)
     sums = mismatch.MismatchSums.from_vector(parallel.all_reduce_sum(sums.vector()))
     mean_h, std_h = advantage.mean_std(stats)

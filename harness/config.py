@@ -174,9 +174,9 @@ class Config:
     # the generator-trainer mismatch correction (an extension, not in the paper: algorithm.md §4b; off by default)
     tis_cap: float = arg(0.0, "truncated importance weight min(π_old/π_gen, cap) on each token's objective (0 = off; "
                               "2 is usual)", valid="[0, inf)", group="generator–trainer correction (algorithm.md §4b)")
-    mismatch_masks: list[str] = arg([], "drop what π_old/π_gen puts outside --mismatch_band: token (IcePop), segment "
-                                        "(a policy span between tool results, geometric mean), sequence (geometric "
-                                        "mean over the trajectory); e.g. [token]")
+    mismatch_masks: list[str] = arg([], "drop what π_old/π_gen puts outside --mismatch_band: token (0/1; IcePop with "
+                                        "--tis_cap b), segment (a policy span between tool results, geometric mean), "
+                                        "sequence (geometric mean over the trajectory); e.g. [token]")
     mismatch_band: list[float] = arg([0.5, 2.0], "the band [a, b] of the masks, a <= 1 <= b")
     # distribution and precision
     parallel: str = arg("ddp", "with several processes: ddp (replicated weights) | fsdp (FSDP2, sharded)",

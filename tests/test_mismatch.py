@@ -86,3 +86,54 @@ def test_the_old_names_in_loss_still_import():
         (M.mismatch_stats, M.rollout_correction, M.LOG_RATIO_EDGES)
     with pytest.raises(AttributeError):
         L.no_such_name
+
+
+def test_what_each_mask_dropped_is_counted():
+    """The example above with all three masks on, band [1/2, 2]: the token band drops 2 of the 6 tokens with a
+    generator log-prob (e^1.5, e^1.2), the segment band 1 of the 3 segments (row 0's first, e^0.75), the sequence band
+    none of the 2 trajectories; together they set 3 tokens to 0. Only the masks that are on are logged."""
+    log_rho = torch.tensor([[0.0, 1.5, 0.0, -0.1], [0.2, 0.3, 1.2, float("nan")]])
+    mask = torch.tensor([[1.0, 1.0, 0.0, 1.0], [1.0, 1.0, 1.0, 1.0]])
+    old, gen = torch.zeros(2, 4), -log_rho
+    every = M.Correction(masks=("token", "segment", "sequence"))
+    s = M.mismatch_stats(old, gen, mask, every)
+    assert (s.tokens.item(), s.segments.item(), s.sequences.item()) == (6, 3, 2)
+    assert (s.masked.item(), s.masked_tokens.item(), s.masked_segments.item(), s.masked_sequences.item()) == \
+        (3, 2, 1, 0)
+    _, dropped = M.rollout_correction(old, gen, mask, 0.0, *every.bands)
+    assert dropped.sum().item() == s.masked.item()
+    metrics = M.mismatch_metrics(M.MismatchSums.from_vector(s.vector()), every)
+    assert (metrics["mismatch/masked"], metrics["mismatch/masked_tokens"], metrics["mismatch/masked_segments"],
+            metrics["mismatch/masked_sequences"]) == pytest.approx((0.5, 2 / 6, 1 / 3, 0.0))
+    only_tokens = M.mismatch_metrics(M.mismatch_stats(old, gen, mask, M.Correction(masks=("token",))),
+                                     M.Correction(masks=("token",)))
+    assert {k for k in only_tokens if "masked" in k} == {"mismatch/masked", "mismatch/masked_tokens"}
+    assert not any("masked" in k for k in M.mismatch_metrics(M.mismatch_stats(old, gen, mask)))   # masks off
+
+
+def test_the_token_mask_with_a_cap_at_the_band_is_icepop():
+    """The token mask alone is 0/1; IcePop (verl's) weights the tokens it keeps by ρ and drops the others: that is
+    --mismatch_masks '[token]' with --tis_cap at the band's upper end."""
+    old, mask = torch.zeros(1, 5), torch.ones(1, 5)
+    gen = -torch.tensor([[0.0, 0.6, -0.6, 0.9, -0.9]])                     # ρ = 1, e^±0.6 (in), e^±0.9 (out)
+    rho = torch.exp(old - gen)
+    icepop = torch.where((rho >= 0.5) & (rho <= 2.0), rho, 0.0)
+    plain = M.Correction(masks=("token",)).weights(old, gen, mask)
+    assert plain.tolist() == [[1.0, 1.0, 1.0, 0.0, 0.0]]
+    torch.testing.assert_close(M.Correction(tis_cap=2.0, masks=("token",)).weights(old, gen, mask), icepop)
+
+
+def test_generator_logprobs_of_another_length_are_counted_and_warned():
+    """A trajectory whose generator log-probs do not fit its response (a generator bug) becomes a row without any
+    (nan): it is counted in the step's metrics, and the step's log says so in one line."""
+    from harness.run import policy, runlog
+    batch = policy.tensorize([([5, 6], [7, 8, 9], [1, 1, 1]), ([5], [7, 8], [1, 1])], 0, "cpu",
+                             gen_logp=[[-1.0, -1.0, -1.0], [-1.0]])           # the second is one short
+    assert batch.misfit == 1 and torch.isnan(batch.gen_logp[1]).all()
+    sums = M.mismatch_stats(torch.zeros_like(batch.gen_logp), batch.gen_logp, batch.mask, misfit=batch.misfit)
+    metrics = M.mismatch_metrics(sums)
+    assert metrics["mismatch/misfit_rows"] == 1 and sums.tokens.item() == 3
+    warning = runlog.MismatchWatch().check(4, metrics)
+    assert warning.startswith("warning: step 4: 1 trajectories' generator log-probs had another length")
+    assert "mismatch/misfit_rows" not in M.mismatch_metrics(M.mismatch_stats(torch.zeros(1, 2), torch.zeros(1, 2),
+                                                                             torch.ones(1, 2)))

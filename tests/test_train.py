@@ -409,3 +409,65 @@ def test_token_budget_micro_batches_give_the_same_gradient(tokenizer, single_pro
                                  cfg, 0, "cpu")
     assert len(budget[0]) > 1 and all(mb.input_ids.numel() <= 40 or len(mb.input_ids) == 1 for mb in budget[0])
     assert train.pad_share(budget) < train.pad_share(fixed)
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# Every paper hyperparameter and switch, set on the command line, arrives where it acts
+
+
+def spied_run(setup, monkeypatch, name, **over) -> dict:
+    """One training step on the tiny set-up with `over` on the command line, recording what the functions where the
+    settings act receive: the tree rollout (TreeSettings, Sampling), the dataset filter (max_prompt_tokens), the
+    mini-batch split, the entropy-aware advantage (α), the loss (LossSettings) and the optimiser step (clip, AdamW)."""
+    import advantage
+    from harness import dataset
+    seen = {"alpha": []}
+
+    def spy(module, attr, record):
+        real = getattr(module, attr)
+
+        def wrapper(*args, **kwargs):
+            record(*args, **kwargs)
+            return real(*args, **kwargs)
+        monkeypatch.setattr(module, attr, wrapper)
+    spy(train.rollout, "tree_rollout", lambda prompts, gen, tl, tok, tree, **kw: seen.update(tree=tree,
+                                                                                           sampling=kw["sampling"]))
+    spy(dataset, "load_questions", lambda path, tok, max_prompt, what, *a, **kw: seen.setdefault("max_prompt", max_prompt))
+    spy(train, "micro_batches", lambda trajs, adv, rewards, n_mini, *a: seen.setdefault("n_minibatches", n_mini))
+    spy(advantage, "entropy_weighted_advantages", lambda *a: seen["alpha"].append(a[5]))
+    spy(train.loss, "policy_loss", lambda *a, **kw: seen.setdefault("loss", a[5]))
+    spy(train, "optimizer_step", lambda policy, opt, clip: seen.setdefault("optimizer", (clip, opt.param_groups[0])))
+    train.main(flags(setup, name, steps=1, save_every=0, **over), score=fake_score)
+    return seen
+
+
+def test_every_paper_setting_reaches_where_it_acts(setup, monkeypatch):
+    """Each of the paper's hyperparameters and switches (the README's table, config.py's first group), given a value
+    other than its default on the command line, is the value the code that uses it receives: dropping one from the
+    settings a builder makes (e.g. lam from the rollout's) fails here."""
+    import dataclasses as dc
+    from harness import config as config_mod
+    values = dict(k=3, beta=0.7, gamma=0.35, lam=0.11, tau=0.65, alpha=0.37, eps_low=0.15, eps_high=0.27, clip_c=2.5,
+                  max_tool_calls=4, questions_per_step=4, mini_batch_size=2, max_prompt_tokens=1900,
+                  max_response_tokens=14, lr=3e-4, weight_decay=0.02, grad_clip=0.7, temperature=0.9, top_p=0.95)
+    switches = dict(dynamic_budget="false", entropy_branching="false", entropy_advantage="false", sg_clip="false")
+    fields = [f.name for f in dc.fields(config_mod.Config)]
+    first_group = fields[:fields.index("top_p") + 1]
+    assert sorted(first_group) == sorted({**values, **switches})     # every flag of the paper's group is here
+    defaults = config_mod.Config()
+    assert all(getattr(defaults, key) != value for key, value in values.items())
+    seen = spied_run(setup, monkeypatch, "paper_values", **values)
+    tree, sampling = seen["tree"], seen["sampling"]
+    for key in ("k", "beta", "gamma", "lam", "tau", "max_tool_calls", "max_response_tokens"):
+        assert getattr(tree, key) == values[key], key
+    assert tree.dynamic_budget and tree.entropy_branching
+    assert (sampling.temperature, sampling.top_p) == (0.9, 0.95)
+    assert seen["max_prompt"] == 1900 and seen["n_minibatches"] == 2
+    assert seen["alpha"] and set(seen["alpha"]) == {0.37}
+    objective = seen["loss"]
+    assert (objective.eps_low, objective.eps_high, objective.clip_c, objective.surrogate) == (0.15, 0.27, 2.5, "aepo")
+    clip, group = seen["optimizer"]
+    assert (clip, group["lr"], group["weight_decay"]) == (0.7, 3e-4, 0.02)
+    off = spied_run(setup, monkeypatch, "paper_switches", **switches)
+    assert not off["tree"].dynamic_budget and not off["tree"].entropy_branching
+    assert off["alpha"] == [] and off["loss"].surrogate == "ppo"     # no Ã reweighting; no stop-gradient clip

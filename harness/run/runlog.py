@@ -83,12 +83,17 @@ def step_metrics(step: int, batch: StepBatch, tree_stats: dict, adv, entropy, lo
 
 class MismatchWatch:
     """A one-line warning when the mismatch of a step, the first rollout after a weight sync, is far above its running
-    level (the median of the last 8 steps): a generator sampling with stale or half-loaded weights."""
+    level (the median of the last 8 steps): a generator sampling with stale or half-loaded weights; or when some
+    trajectories' generator log-probs did not fit their responses (a generator bug)."""
 
     def __init__(self, factor: float = 10.0, floor: float = 1e-3):
         self.factor, self.floor, self.history = factor, floor, []
 
     def check(self, step: int, m: dict) -> str:
+        if misfit := m.get("mismatch/misfit_rows"):
+            return (f"warning: step {step}: {misfit:.0f} trajectories' generator log-probs had another length than "
+                    f"their responses (a generator bug): their tokens count as having none (weight 1 in the "
+                    f"correction, left out of the mismatch metrics; mismatch/misfit_rows)")
         k3 = m.get("mismatch/k3")
         if k3 is None:
             return ""
