@@ -196,3 +196,41 @@ def test_engine_log_probs_equal_the_trainers_in_float32(cache):
         old, _ = Policy(lm)(batch.input_ids, batch.attention_mask, batch.mask, 1.0)
     stats = mismatch.mismatch_stats(old, batch.gen_logp, batch.mask)
     assert stats.tokens == batch.mask.sum() and stats.k3 / stats.tokens < 1e-8
+
+
+def test_the_14b_config_with_vllm_on_two_processes(tokenizer, tmp_path):
+    """configs/aepo_qwen3_14b.yaml as a GPU user runs it — FSDP2, the vLLM backend, gradient checkpointing, its
+    micro-batches and, as bench/README recommends, a token budget — at toy size under torchrun on 2 processes: a tiny
+    random Qwen3 (head size 32, what vLLM's CPU attention takes), the tests' QA set and replay search, 2 steps. bf16
+    as the config says where the CPU computes in bfloat16, float32 elsewhere (vLLM's CPU build needs AVX512-BF16 or
+    AMX for it). Exit 0 without a traceback, 2 steps of metrics, the mismatch metric at its precision's level."""
+    from transformers import Qwen3Config, Qwen3ForCausalLM
+    from harness.run import parallel
+    torch.manual_seed(0)
+    eos = tokenizer.eos_token_id
+    model = tmp_path / "qwen3"
+    Qwen3ForCausalLM(Qwen3Config(vocab_size=len(tokenizer), hidden_size=64, intermediate_size=128,
+                                 num_hidden_layers=2, num_attention_heads=2, num_key_value_heads=1, head_dim=32,
+                                 max_position_embeddings=4096, tie_word_embeddings=False,
+                                 bos_token_id=tokenizer.bos_token_id, eos_token_id=eos,
+                                 pad_token_id=eos)).save_pretrained(model)
+    tokenizer.save_pretrained(model)
+    from tests.conftest import QA
+    with open(tmp_path / "qa.jsonl", "w") as f:
+        for q, a in QA:
+            f.write(json.dumps({"question": q, "answer": [a], "query": q.rstrip("?")}) + "\n")
+    (tmp_path / "search.json").write_text(json.dumps({q.rstrip("?"): f"Page 1: {q} The answer is {a}." for q, a in QA}))
+    bf16 = "true" if parallel.resolve_bf16("auto", torch.device("cpu")) else "false"
+    extra = ["--config", "configs/aepo_qwen3_14b.yaml", "--model", str(model),
+             "--train_data", str(tmp_path / "qa.jsonl"), "--eval_data", str(tmp_path / "qa.jsonl"), "--eval_limit", "1", "--eval_n", "1", "--search", "replay",
+             "--search_kw", json.dumps({"path": str(tmp_path / "search.json")}), "--k", "3",
+             "--questions_per_step", "4", "--mini_batch_size", "2", "--steps", "2", "--max_response_tokens", "48",
+             "--max_tokens_per_micro_batch", "700", "--device", "cpu", "--bf16", bf16,
+             "--out_dir", str(tmp_path / "runs"), "--run_name", "qwen3_14b", "--cache_dir", str(tmp_path / "cache")]
+    proc = _run("torchrun --nproc_per_node=2 train.py", extra, {**os.environ, "TOKENIZERS_PARALLELISM": "false"})
+    log = proc.stdout + proc.stderr
+    assert proc.returncode == 0 and "Traceback" not in log, log[-4000:]
+    rows = [json.loads(x) for x in (tmp_path / "runs" / "qwen3_14b" / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in rows] == [1, 2]
+    assert all("mismatch/k3" in r for r in rows) and "warning: step" not in log
+    assert all(r["mismatch/k3"] < (1e-2 if bf16 == "true" else 1e-4) for r in rows), [r["mismatch/k3"] for r in rows]
