@@ -219,7 +219,8 @@ def test_the_14b_config_with_vllm_on_two_processes(tokenizer, tmp_path):
     with open(tmp_path / "qa.jsonl", "w") as f:
         for q, a in QA:
             f.write(json.dumps({"question": q, "answer": [a], "query": q.rstrip("?")}) + "\n")
-    (tmp_path / "search.json").write_text(json.dumps({q.rstrip("?"): f"Page 1: {q} The answer is {a}." for q, a in QA}))
+    pages = {q.rstrip("?"): f"Page 1: {q} The answer is {a}." for q, a in QA}
+    (tmp_path / "search.json").write_text(json.dumps(pages))
     bf16 = "true" if parallel.resolve_bf16("auto", torch.device("cpu")) else "false"
     extra = ["--config", "configs/aepo_qwen3_14b.yaml", "--model", str(model),
              "--train_data", str(tmp_path / "qa.jsonl"), "--eval_data", str(tmp_path / "qa.jsonl"), "--eval_limit", "1", "--eval_n", "1", "--search", "replay",
