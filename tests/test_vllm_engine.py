@@ -223,7 +223,8 @@ def test_the_14b_config_with_vllm_on_two_processes(tokenizer, tmp_path):
     (tmp_path / "search.json").write_text(json.dumps(pages))
     bf16 = "true" if parallel.resolve_bf16("auto", torch.device("cpu")) else "false"
     extra = ["--config", "configs/aepo_qwen3_14b.yaml", "--model", str(model),
-             "--train_data", str(tmp_path / "qa.jsonl"), "--eval_data", str(tmp_path / "qa.jsonl"), "--eval_limit", "1", "--eval_n", "1", "--search", "replay",
+             "--train_data", str(tmp_path / "qa.jsonl"), "--eval_data", str(tmp_path / "qa.jsonl"),
+             "--eval_limit", "1", "--eval_n", "1", "--search", "replay",
              "--search_kw", json.dumps({"path": str(tmp_path / "search.json")}), "--k", "3",
              "--questions_per_step", "4", "--mini_batch_size", "2", "--steps", "2", "--max_response_tokens", "48",
              "--max_tokens_per_micro_batch", "700", "--device", "cpu", "--bf16", bf16,
