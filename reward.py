@@ -2,12 +2,13 @@
 
 Paper: Dong et al., "Agentic Entropy-Balanced Policy Optimization", arXiv:2510.14545, paper §4 setup; algorithm.md
 §5: −1 for a malformed trajectory, otherwise the token F1 (SQuAD normalisation) of the \\boxed{} answer against the
-best gold alias, +0.1 when the answer scores and the trajectory used both search and python. Evaluation also counts
+best gold alias, +0.1 when the answer scores and the text holds both </search> and </python>; the format check and
+the \\boxed reading are the official code's (`validate_format`, `last_boxed_only_string`). Evaluation also counts
 exact match and Pass@k (`pass_at_k`, §6); its other checks (`math_equal`, the LLM judge) are in
 harness/correctness.py. This file copies with tools.py (torch is not needed).
 
 Deviations from the paper / official code (algorithm.md §8): D24 (the text of `<result>` blocks opaque to the format
-check), D25 (the evaluation prediction when the format check fails).
+check and the bonus), D25 (the evaluation prediction when the format check fails).
 """
 from __future__ import annotations
 
@@ -75,19 +76,22 @@ _TAG = re.compile(r"<(/?)(think|search|python|answer|result)>")
 
 
 def extract_boxed(text: str) -> str | None:
-    """Content of the last complete \\boxed{…} (balanced braces; \\{ and \\} are literals), or None."""
-    found = None
-    for m in re.finditer(r"\\boxed\s*\{", text):
-        depth, i = 1, m.end()
-        while i < len(text) and depth:
-            if text[i] == "\\":
-                i += 2
-                continue
-            depth += {"{": 1, "}": -1}.get(text[i], 0)
-            i += 1
+    """The answer in the last \\boxed of text, read as the official `last_boxed_only_string` + `remove_boxed` read it
+    (stripped), or None where they find none or fail:
+    - when "\\boxed " (with a space) occurs anywhere: the text after its last occurrence, up to the first "$";
+    - else the last "\\boxed" must open a brace ("\\boxed{"), and the answer runs to the } that closes it, every {
+      and } counted alike (an escaped \\{ or \\} counts as a brace too); None when it never closes."""
+    if "\\boxed " in text:
+        return text.split("\\boxed ")[-1].split("$")[0].strip()
+    start = text.rfind("\\boxed")
+    if start < 0 or not text.startswith("\\boxed{", start):
+        return None
+    depth = 0
+    for i in range(start + len("\\boxed"), len(text)):
+        depth += {"{": 1, "}": -1}.get(text[i], 0)
         if depth == 0:
-            found = text[m.end():i - 1].strip()
-    return found
+            return text[start + len("\\boxed{"):i].strip()
+    return None
 
 
 def _events(text: str) -> tuple[list[tuple[str, int, int]], str]:
@@ -110,18 +114,38 @@ def _events(text: str) -> tuple[list[tuple[str, int, int]], str]:
 
 
 def _answer_boxed(text: str, events: list[tuple[str, int, int]]) -> str | None:
-    """The last \\boxed{} between <answer> and </answer>, ignoring any <result> block in there."""
+    """The answer in the <answer> block, as the official code reads it, or None where it scores −1: the block's own
+    text (its <result> blocks left out, D24) must hold "\\boxed{" and a "}" (`validate_format`), and `extract_boxed`
+    must read its last \\boxed (`last_boxed_only_string` + `remove_boxed`)."""
     tags = [e[0] for e in events]
-    inside = text[events[tags.index("<answer>")][2]:events[tags.index("</answer>")][1]]
-    return extract_boxed(_events(inside)[1])
+    inside = _events(text[events[tags.index("<answer>")][2]:events[tags.index("</answer>")][1]])[1]
+    if "\\boxed{" not in inside or "}" not in inside:
+        return None
+    return extract_boxed(inside)
+
+
+def _tool_scan(tags: list[str], name: str) -> str | None:
+    """The official `validate_format` scan of one tool's tags → None, or why it fails: from the next <name>, the first
+    </name> after it must come before the first <result> block after it, which must be closed; the scan goes on
+    after that block. Tags it passes over (a second <name> before the block, a stray </name>) are not checked."""
+    j = 0
+    while f"<{name}>" in tags[j:]:
+        after = tags[tags.index(f"<{name}>", j) + 1:]
+        block = next((i for i, tag in enumerate(after) if tag.startswith("result")), None)
+        if f"</{name}>" not in after or block is None or after[block] == "result-unclosed":
+            return f"<{name}>/<result> tags are incomplete"
+        if after.index(f"</{name}>") > block:
+            return f"</{name}> after the <result> block"
+        j = len(tags) - len(after) + block + 1
+    return None
 
 
 def check_format(response_text: str, strict: bool = False) -> tuple[bool, str]:
-    """algorithm.md §5 format check → (valid, reason). As the official `validate_format`: invalid when the <think> and
-    </think> counts differ or are 0, there is not exactly one <answer>…</answer>, a tool tag is not followed in order
-    by its closing tag and a <result> block, or the answer holds no \\boxed{}. strict=True: the <think> blocks
-    must instead be balanced and unnested, in order (and may be absent: this project's rule before it followed the
-    official one). Text inside <result> blocks is opaque (D24)."""
+    """algorithm.md §5 format check → (valid, reason). As the official `validate_format` (and its `\\boxed` reading):
+    invalid when the <think> and </think> counts differ or are 0, there is not exactly one <answer>…</answer>, the scan
+    of a tool's tags fails (`_tool_scan`), or the answer holds no \\boxed{} that reads (`_answer_boxed`).
+    strict=True: the <think> blocks must instead be balanced and unnested, in order (and may be absent: this project's
+    rule before it followed the official one). Text inside <result> blocks is opaque (D24)."""
     events, _ = _events(response_text)
     tags = [e[0] for e in events]
     if strict:
@@ -140,20 +164,11 @@ def check_format(response_text: str, strict: bool = False) -> tuple[bool, str]:
     if tags.count("<answer>") != 1 or tags.count("</answer>") != 1:
         return False, (f"expected exactly one <answer>…</answer>, found {tags.count('<answer>')} "
                        f"<answer> and {tags.count('</answer>')} </answer>")
-    open_at, close_at = tags.index("<answer>"), tags.index("</answer>")
-    if close_at < open_at:
+    for name in TOOLS:
+        if (reason := _tool_scan(tags, name)) is not None:
+            return False, reason
+    if tags.index("</answer>") < tags.index("<answer>"):
         return False, "</answer> before <answer>"
-    for j, tag in enumerate(tags):
-        name = tag.strip("</>")
-        if name not in TOOLS:
-            continue
-        if tag.startswith("</"):
-            if j == 0 or tags[j - 1] != f"<{name}>":
-                return False, f"{tag} without a preceding <{name}>"
-            if j + 1 >= len(tags) or tags[j + 1] != "result":
-                return False, f"{tag} not followed by a <result> block"
-        elif j + 1 >= len(tags) or tags[j + 1] != f"</{name}>":
-            return False, f"<{name}> not followed by </{name}>"
     if _answer_boxed(response_text, events) is None:
         return False, "no \\boxed{} inside <answer>"
     return True, "ok"
@@ -161,7 +176,8 @@ def check_format(response_text: str, strict: bool = False) -> tuple[bool, str]:
 
 def score_response(response_text: str, golds, strict_format: bool = False) -> dict:
     """Everything training and evaluation need about one response: format (`check_format`, strict_format: its strict
-    rule), prediction, EM, F1, tools used, reward."""
+    rule), prediction, EM, F1, the tools called (a closing tag right before a <result> block), reward. The bonus
+    follows the official `compute_score`: both "</search>" and "</python>" in the policy's text (D24), called or not."""
     valid, reason = check_format(response_text, strict_format)
     events, policy_text = _events(response_text)
     tags = [e[0] for e in events]
@@ -169,15 +185,15 @@ def score_response(response_text: str, golds, strict_format: bool = False) -> di
             if tag == f"</{name}>" and tags[j + 1] == "result"}
     prediction = _answer_boxed(response_text, events) if valid else extract_boxed(policy_text)
     f1 = f1_score(prediction, golds)
-    both = f1 > 0 and set(TOOLS) <= used
+    both = f1 > 0 and all(f"</{name}>" in policy_text for name in TOOLS)
     return {"format_valid": valid, "format_reason": reason, "prediction": prediction,
             "em": exact_match(prediction, golds), "f1": f1, "tools_used": sorted(used),
             "reward": (f1 + 0.1 * both) if valid else -1.0}
 
 
 def deep_research_reward(response_text: str, golds, strict_format: bool = False) -> float:
-    """algorithm.md §5: −1 if the format is invalid, else F1(boxed answer, best gold) + 0.1·[F1 > 0 and both
-    search and python were used]. response_text: the policy response only (after the prompt)."""
+    """algorithm.md §5: −1 if the format is invalid, else F1(boxed answer, best gold) + 0.1·[F1 > 0 and the text
+    holds both </search> and </python>]. response_text: the policy response only (after the prompt)."""
     return score_response(response_text, golds, strict_format)["reward"]
 
 
