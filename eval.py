@@ -236,6 +236,8 @@ class EvalConfig:
     judge_model: str = arg("", "the judge's model name (default $AEPO_JUDGE_MODEL)")
     judge_api_key: str = arg("", "the judge's API key (default $AEPO_JUDGE_API_KEY)")
     judge_cache: str = arg("", "JSON file of cached verdicts (default <out_dir>/judge_cache.json)")
+    judge_prompt: str = arg("", "official protocol: a text file, the judge's exact prompt with placeholders {question},"
+                                " {gold}, {prediction} (default: correctness.OFFICIAL_JUDGE_PROMPT, ours, D38)")
     protocol: str = arg("training", "training: n rollouts per question with the training rollout and search; "
                                     "official: the authors' evaluation (algorithm.md §6), the flags below its own",
                         valid="training | official", group="the official protocol (algorithm.md §6)")
@@ -248,12 +250,17 @@ class EvalConfig:
                                  "is continued (official 4: the first and 3 more)", valid="[1, 100]")
     python_limit: int = arg(5, "official protocol: python calls per question (official 5)", valid="[0, 1000]")
     search_limit: int = arg(10, "official protocol: search calls per question (official 10)", valid="[0, 1000]")
-    tool_timeout_s: float = arg(120.0, "official protocol: seconds per tool call (official 120)", valid="(0, inf)")
+    tool_timeout_s: float = arg(120.0, "official protocol: seconds per tool call; for a search, its SERP request and "
+                                       "page fetches, not its summary (official 120)", valid="(0, inf)")
+    summary_timeout_s: float = arg(600.0, "official protocol: seconds per search summary, apart from --tool_timeout_s "
+                                          "(official: the OpenAI client's default 600, D36)", valid="(0, inf)")
     sample_timeout_s: float = arg(1500.0, "official protocol: seconds per question (official 1500)", valid="(0, inf)")
     max_model_len: int = arg(32768, "official protocol: the policy's context; a call that would pass it ends the "
                                     "question (official: vllm serve --max-model-len 32768)", valid="[1, inf)")
     policy_url: str = arg("", "official protocol: an OpenAI-compatible endpoint serving the policy (vllm serve "
                               "CHECKPOINT) instead of sampling --model here, which then names the tokenizer")
+    system_prompt: str = arg("", "official protocol: a text file, the policy's system prompt (default: "
+                                 "tools.SYSTEM_PROMPT; the authors' checkpoints: their code_search prompt, D34)")
     summarizer_url: str = arg("", "official protocol: the summariser's base URL (default $AEPO_SUMMARIZER_URL; API "
                                   "key $AEPO_SUMMARIZER_API_KEY)")
     summarizer_model: str = arg("", "the summariser's model name (default $AEPO_SUMMARIZER_MODEL, else the first "
@@ -326,6 +333,10 @@ def _settings(argv) -> tuple[EvalConfig, str]:
         source = f"the settings of {args['run']} and the flags"
     cfg = EvalConfig(**{k: v for k, v in args.items() if k != "config"})
     config.check_valid(cfg)                      # before anything is read or written
+    for flag in ("system_prompt", "judge_prompt"):
+        if getattr(cfg, flag) and not official:
+            raise UserError(f"--{flag} is read by --protocol official only (the training protocol's prompts are "
+                            f"tools.SYSTEM_PROMPT and correctness.JUDGE_PROMPT)")
     if not cfg.model:
         raise UserError("give --run runs/<name> (a training run) or --model PATH (python eval.py --help)")
     return cfg, source

@@ -3,7 +3,7 @@ the official evaluator's own checks (its EM, accuracy, F1, string math_equal and
 official.
 
 Deviations from the paper / official code (algorithm.md §8): D26 (`math_equal` drops trailing unit words), D27
-("correct" explicit per data set).
+("correct" explicit per data set); the official checks, D38 (the equivalence, the judge's prompt).
 """
 from __future__ import annotations
 
@@ -209,6 +209,7 @@ def official_scores(prediction: str, golds, task: str = "qa") -> dict:
     return out
 
 
+# this project's rewording of the official EVALUATION_PROMPT (D38); eval.py --judge_prompt FILE gives another text
 OFFICIAL_JUDGE_PROMPT = """You are given a Question, its Golden Answer and a Predicted Answer. Decide whether the \
 Predicted Answer is correct: it is correct when it fully agrees with the meaning and the key information of the Golden \
 Answer. Reply "Correct" if it is correct and "Incorrect" if it is not.
@@ -218,6 +219,7 @@ Question: {question}
 Golden Answer: {gold}
 Predicted Answer: {prediction}
 """
+JUDGE_PLACEHOLDERS = ("question", "gold", "prediction")     # what OfficialJudge fills in its prompt
 
 
 def official_verdict(reply: str, prediction: str, golds) -> bool:
@@ -233,31 +235,32 @@ def official_verdict(reply: str, prediction: str, golds) -> bool:
 
 
 class OfficialJudge:
-    """The official evaluation's judge (llm_equal): OFFICIAL_JUDGE_PROMPT as one user message to an OpenAI-compatible
-    chat endpoint with the server's own sampling defaults (the official client sets none), up to `retries` attempts
-    (waiting retry_delay_s, then twice that, …); the verdict by `official_verdict`; after the last failed attempt,
-    the verdict is the equivalence alone. Not cached: the official evaluator asks again for every run."""
+    """The official evaluation's judge (llm_equal): `prompt` (OFFICIAL_JUDGE_PROMPT, or a text with the same
+    placeholders, JUDGE_PLACEHOLDERS) as one user message to an OpenAI-compatible chat endpoint with the server's own
+    sampling defaults (the official client sets none), up to `retries` attempts (waiting retry_delay_s, then twice
+    that, …); the verdict by `official_verdict`; after the last failed attempt, the verdict is the equivalence alone.
+    Not cached: the official evaluator asks again for every run."""
 
-    def __init__(self, url: str, model: str = "", api_key: str = "", timeout_s: float = 300.0, retries: int = 3,
-                 retry_delay_s: float = 1.0):
+    def __init__(self, url: str, model: str = "", api_key: str = "", prompt: str = OFFICIAL_JUDGE_PROMPT,
+                 timeout_s: float = 300.0, retries: int = 3, retry_delay_s: float = 1.0):
         from harness import openai_client
         if not url:
             raise UserError("the official judge needs a URL: --judge_url http://HOST:PORT/v1 (or $AEPO_JUDGE_URL)")
-        self.client, self.url, self.api_key = openai_client, url, api_key
+        self.client, self.url, self.api_key, self.prompt = openai_client, url, api_key, prompt
         self.model = model or openai_client.served_model(url, api_key)
         self.timeout_s, self.retries, self.retry_delay_s = timeout_s, retries, retry_delay_s
         self.requests = 0
 
     @classmethod
-    def from_env(cls, url=None, model=None, api_key=None) -> "OfficialJudge":
+    def from_env(cls, url=None, model=None, api_key=None, prompt: str = OFFICIAL_JUDGE_PROMPT) -> "OfficialJudge":
         return cls(url or os.environ.get("AEPO_JUDGE_URL", ""), model or os.environ.get("AEPO_JUDGE_MODEL", ""),
-                   api_key or os.environ.get("AEPO_JUDGE_API_KEY", ""))
+                   api_key or os.environ.get("AEPO_JUDGE_API_KEY", ""), prompt)
 
     def __call__(self, question: str, prediction: str, golds) -> tuple[bool, str, bool]:
         """(verdict, the judge's reply or "Error", whether the judge failed)."""
         golds = as_list(golds)
-        prompt = OFFICIAL_JUDGE_PROMPT.format(question=question, gold=golds[0] if len(golds) == 1 else str(golds),
-                                              prediction=prediction)
+        prompt = self.prompt.format(question=question, gold=golds[0] if len(golds) == 1 else str(golds),
+                                    prediction=prediction)
         for attempt in range(self.retries):
             self.requests += 1
             try:

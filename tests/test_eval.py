@@ -88,13 +88,18 @@ def test_exact_match_and_f1():
     assert reward.f1_score(None, ["x"]) == 0.0 and reward.f1_score("x", []) == 0.0
 
 
-def test_extract_boxed_balanced_braces():
+def test_extract_boxed_reads_as_the_official_code():
+    """The official last_boxed_only_string + remove_boxed (deep_research.py), stripped."""
     assert reward.extract_boxed(r"so \boxed{\frac{14}{3}} done") == r"\frac{14}{3}"
     assert reward.extract_boxed(r"\boxed{1} then \boxed{ 2 }") == "2"                # the last one
-    assert reward.extract_boxed(r"\boxed{\{1, 2\}}") == r"\{1, 2\}"                  # escaped braces are literal
-    assert reward.extract_boxed(r"\boxed {x}") == "x"
-    assert reward.extract_boxed(r"\boxed{a} \boxed{unclosed") == "a"
-    assert reward.extract_boxed("no box") is None
+    assert reward.extract_boxed(r"\boxed{\{1, 2\}}") == r"\{1, 2\}"                  # \{ and \} count as braces...
+    assert reward.extract_boxed(r"\boxed{\{1, 2}") is None                            # ...so this never closes
+    assert reward.extract_boxed(r"\boxed{a\}} b") == "a\\"                          # and this closes at the \}
+    assert reward.extract_boxed(r"\boxed {x}") == "{x}"                                # "\boxed ": the rest, to a $
+    assert reward.extract_boxed(r"\boxed{y} or \boxed x$ and $z$") == "x"
+    assert reward.extract_boxed(r"\boxed{a} \boxed{unclosed") is None                 # the last \boxed or nothing
+    assert reward.extract_boxed(r"\boxed{a} \boxedx{b}") is None
+    assert reward.extract_boxed(r"\fbox{a}") is None and reward.extract_boxed("no box") is None
 
 
 # --------------------------------------------------------------------------------------------------
@@ -132,14 +137,16 @@ T = "<think> t </think> "                                                       
     (T + r"<answer>\boxed{x}</answer> <answer>\boxed{y}</answer>", "exactly one <answer>"),
     (T + r"<answer>\boxed{x}", "exactly one <answer>"),
     (T + r"</answer> \boxed{x} <answer>", "</answer> before <answer>"),
-    (T + r"<search> q <answer>\boxed{x}</answer>", "<search> not followed by </search>"),
+    (T + r"<search> q <answer>\boxed{x}</answer>", "<search>/<result> tags are incomplete"),
     (T + r"<python> print(1) </search>" + R.format("1") + r"<answer>\boxed{x}</answer>",
-     "<python> not followed by </python>"),
-    (T + r"<search> q </search> <answer>\boxed{x}</answer>", "</search> not followed by a <result> block"),
-    (T + r"<python> print(1) </python> <answer>\boxed{x}</answer>", "</python> not followed by a <result> block"),
-    (T + r"</python>" + R.format("1") + r"<answer>\boxed{x}</answer>", "</python> without a preceding <python>"),
+     "<python>/<result> tags are incomplete"),
+    (T + r"<search> q </search> <answer>\boxed{x}</answer>", "<search>/<result> tags are incomplete"),
+    (T + r"<python> print(1) </python> <answer>\boxed{x}</answer>", "<python>/<result> tags are incomplete"),
+    (T + r"<search> q" + R.format("r") + r"</search> <answer>\boxed{x}</answer>", "</search> after the <result>"),
     (T + r"<answer> x </answer>", "no \\boxed{} inside <answer>"),
     (T + r"\boxed{x} <answer> x </answer>", "no \\boxed{} inside <answer>"),
+    (T + r"<answer> \boxed {x} </answer>", "no \\boxed{} inside <answer>"),
+    (T + r"<answer> \boxed{x} \boxed{y </answer>", "no \\boxed{} inside <answer>"),
 ])
 def test_invalid_format_each_reason(text, reason):
     valid, why = reward.check_format(text)
@@ -161,6 +168,62 @@ def test_think_rule_official_and_strict():
         assert reward.check_format(text, strict=True)[0] is strict, text
         assert reward.deep_research_reward(text, ["Paris"]) == (1.0 if official else -1.0), text
         assert reward.score_response(text, ["Paris"], strict_format=True)["reward"] == (1.0 if strict else -1.0)
+
+
+# Hand-made responses and the reward the official code gives them: compute_score of the authors'
+# AEPO/verl_aepo_entropy/verl/utils/reward_score/deep_research.py, whose -1 comes from validate_format (the tag
+# scans, the "\boxed{" test) or from last_boxed_only_string + remove_boxed failing; the +0.1 from compute_score's
+# test for "</search>" and "</python>" anywhere in the text. Before issue 34 reward.py differed on nine of them.
+S = R.format("Page 1: Paris is the capital of France.")
+OFFICIAL_CASES = [
+    # validate_format's search scan starts at the literal <search> and finds the call's </search> and <result>
+    ("literal <search> in the reasoning before a call",
+     "<think> I will write <search> next. </think> <search> capital of France </search>" + S
+     + r"<think> t </think> <answer> \boxed{Paris} </answer>", 1.0),
+    # the same scan for python
+    ("literal <python> in the reasoning before a call",
+     "<think> a <python> block will do </think> <python> print('Paris') </python>" + R.format("Paris")
+     + r"<answer> \boxed{Paris} </answer>", 1.0),
+    # validate_format looks for opening tags only; compute_score's bonus then counts the stray </python>
+    ("a stray closing tag", "<think> no </python> needed </think> <search> q </search>" + S
+     + r"<answer> \boxed{Paris} </answer>", 1.1),
+    # validate_format: "\boxed{" must occur in the answer
+    (r"\boxed with a space", r"<think> t </think> <answer> \boxed {Paris} </answer>", -1.0),
+    # last_boxed_only_string counts \{ \} as braces: this box closes, remove_boxed gives "\{Paris\}"
+    ("escaped braces that balance", r"<think> t </think> <answer> \boxed{\{Paris\}} </answer>", 1.0),
+    # ...and this one never closes: remove_boxed(None) raises, so -1
+    ("an escaped brace that does not", r"<think> t </think> <answer> \boxed{\{Paris} </answer>", -1.0),
+    # last_boxed_only_string: with a "\boxed " anywhere, the text after the last one, to the first "$"
+    (r"\boxed{} and a later \boxed with a space", r"<think> t </think> <answer> \boxed{Rome} or \boxed Paris$ </answer>",
+     1.0),
+    # last_boxed_only_string reads the last \boxed only, here never closed
+    (r"the last \boxed unclosed", r"<think> t </think> <answer> \boxed{Paris} \boxed{Rome </answer>", -1.0),
+    # the scan passes over tags between a call's <search> and its <result>: a second <search>, one shared result
+    ("a second <search> inside a call", "<think> t </think> <search> a <search> b </search>" + S
+     + r"<answer> \boxed{Paris} </answer>", 1.0),
+    ("two calls before one result", "<think> t </think> <search> q </search> <python> x </python>" + S
+     + r"<answer> \boxed{Paris} </answer>", 1.1),
+    # the search scan: the first </search> after the <search> comes after its <result>
+    ("a closing tag after the result", "<think> t </think> <search> q" + S + r"</search> <answer> \boxed{Paris} </answer>",
+     -1.0),
+    # validate_format: the counts of <think> and </think>
+    ("a closing </think> too many", r"<think> t </think> </think> <answer> \boxed{Paris} </answer>", -1.0),
+]
+
+
+@pytest.mark.parametrize("text, official", [case[1:] for case in OFFICIAL_CASES], ids=[c[0] for c in OFFICIAL_CASES])
+def test_reward_equals_the_official_code_on_hand_made_cases(text, official):
+    assert reward.deep_research_reward(text, ["Paris"]) == pytest.approx(official)
+    assert reward.check_format(text)[0] is (official != -1.0)
+
+
+def test_official_boxed_reading_is_the_prediction():
+    answer = r"<think> t </think> <answer> \boxed{\{Paris\}} </answer>"
+    assert reward.score_response(answer, ["Paris"])["prediction"] == r"\{Paris\}"
+    spaced = r"<think> t </think> <answer> \boxed{Rome} or \boxed Paris$ </answer>"
+    assert reward.score_response(spaced, ["Paris"])["prediction"] == "Paris"
+    stray = OFFICIAL_CASES[2][1]
+    assert reward.score_response(stray, ["Paris"])["tools_used"] == ["search"]     # called: search only
 
 
 def test_f1_yes_no_rule():
@@ -520,15 +583,32 @@ def test_load_model_offline_error(monkeypatch):
 
 def test_a_hub_id_with_the_hub_unreachable_is_one_line_at_once(monkeypatch):
     """Without HF_HUB_OFFLINE the hub client retries for ~76 s and ends in a 92-line traceback; one request to a
-    closed loopback port (the hub here) must give the one-line error instead, in seconds."""
-    import socket
-    import time
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]                                 # closed again: nobody listens
-    monkeypatch.delenv("HF_HUB_OFFLINE", raising=False)
-    monkeypatch.setenv("HF_ENDPOINT", f"http://127.0.0.1:{port}")
-    started = time.time()
-    with pytest.raises(UserError, match=f"the hub \\(http://127.0.0.1:{port}\\) is unreachable"):
-        E.load_model("nobody/x")
-    assert time.time() - started < 30                            # a guard against the retries, not a benchmark
+    loopback hub that hangs up on every connection must give the one-line error instead: the connections it takes
+    are counted (one attempt, no retries), not the seconds."""
+    attempts = []
+    with socket.socket() as hub:
+        hub.bind(("127.0.0.1", 0))
+        hub.listen()
+        hub.settimeout(0.2)
+        port = hub.getsockname()[1]
+        done = threading.Event()
+
+        def hang_up():                                            # accept and close at once: no reply, ever
+            while not done.is_set():
+                try:
+                    connection, _ = hub.accept()
+                except (socket.timeout, OSError):
+                    continue
+                attempts.append(1)
+                connection.close()
+        listener = threading.Thread(target=hang_up, daemon=True)
+        listener.start()
+        monkeypatch.delenv("HF_HUB_OFFLINE", raising=False)
+        monkeypatch.setenv("HF_ENDPOINT", f"http://127.0.0.1:{port}")
+        try:
+            with pytest.raises(UserError, match=f"the hub \\(http://127.0.0.1:{port}\\) is unreachable"):
+                E.load_model("nobody/x")
+        finally:
+            done.set()
+            listener.join()
+    assert len(attempts) == 1                                     # one request: the retries are not reached

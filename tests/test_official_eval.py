@@ -21,7 +21,7 @@ from harness.cli import UserError
 from harness.correctness import OfficialJudge, math_string_equal, official_scores, official_verdict
 from harness.dataset import load_dataset
 from rollout import Sampling, Segment
-from tests.standins import KEY, StandIns
+from tests.standins import KEY, StandIns, default_chat
 
 ROOT = Path(__file__).resolve().parents[1]
 BENCHMARKS = ROOT / ".." / "shared" / "data" / "benchmarks"
@@ -48,18 +48,22 @@ class Script:
 
 
 class Tools:
-    """The protocol's two tools as recorders: python(code, deadline) and browse(query, logs, deadline)."""
+    """The protocol's two tools as recorders: python(code, deadline) and browse(query, logs, deadline, summary_s),
+    each taking python_s / browse_s seconds; `bounds` holds each search's (deadline, summary_s)."""
 
-    def __init__(self, python_s: float = 0.0):
-        self.python_codes, self.searches, self.python_s = [], [], python_s
+    def __init__(self, python_s: float = 0.0, browse_s: float = 0.0):
+        self.python_codes, self.searches, self.bounds = [], [], []
+        self.python_s, self.browse_s = python_s, browse_s
 
     def python(self, code, deadline_s):
         self.python_codes.append(code)
         time.sleep(self.python_s)
         return f"ran {len(self.python_codes)}"
 
-    def browse(self, query, logs, deadline_s):
+    def browse(self, query, logs, deadline_s, summary_s):
         self.searches.append((query, list(logs)))
+        self.bounds.append((deadline_s, summary_s))
+        time.sleep(self.browse_s)
         return f"about {query}", Counter(summaries=1)
 
 
@@ -188,6 +192,21 @@ def test_a_tool_call_past_its_deadline_is_an_error_result(tokenizer):
     sample, counts, _, _ = run(tokenizer, ["<python> 1 </python>", "<answer> \\boxed{x} </answer>"], settings, tool)
     assert counts["python_timeouts"] == 1
     assert sample.logs[1] == "<result>Error: the python call passed its 0.05 s</result>"
+
+
+def test_a_search_waits_for_its_summary_past_the_tool_bound(tokenizer):
+    """The tool bound is the SERP request's and the pages'; the summary has its own (600 s, D36): a search that takes
+    longer than the tool bound and its grace is still its result."""
+    settings = O.OfficialSettings(tool_timeout_s=0.05, tool_grace_s=0.05)
+    tool = Tools(browse_s=0.5)
+    sample, counts, _, _ = run(tokenizer, ["<search> q </search>", "<answer> \\boxed{x} </answer>"], settings, tool)
+    assert counts["search_timeouts"] == 0 and sample.logs[1] == "<result>about q</result>"
+    assert tool.bounds == [(0.05, 600.0)]
+    tool = Tools(browse_s=0.5)                            # past both bounds and the grace: a timeout
+    short = O.OfficialSettings(tool_timeout_s=0.05, summary_timeout_s=0.05, tool_grace_s=0.05)
+    sample, counts, _, _ = run(tokenizer, ["<search> q </search>", "<answer> \\boxed{x} </answer>"], short, tool)
+    assert counts["search_timeouts"] == 1
+    assert sample.logs[1] == "<result>Error: the search call passed its 0.1 s</result>"
 
 
 def test_a_call_past_the_context_ends_the_question(tokenizer):
@@ -507,6 +526,95 @@ def test_eval_official_end_to_end_with_a_tiny_model(setup, tmp_path, monkeypatch
     with pytest.raises(UserError, match="--protocol official fetches the pages of web results"):
         E.main(argv[:-1] + [str(tmp_path / "other")] + ["--search", "bm25"])
     assert E.EvalConfig().top_k == 0 and E.EvalConfig().search == "bm25" and not E.EvalConfig().judge
+
+
+def served(stand, setup, tmp_path, *flags) -> list[str]:
+    """eval.py --protocol official over the first question of setup's QA file, one run, with the policy served by the
+    stand-in (its scripted /v1/completions: a search, then the answer) and every other server the stand-in."""
+    stand.completions += ["<think> look it up </think> <search> capital of France </search>",
+                          "<answer> \\boxed{Paris} </answer>"]
+    stand.pages["good"] = (200, "text/html", "<p>Intro. Paris is the capital of France. More.</p>")
+    stand.serp_results["capital of France"] = results(stand, "good")
+    return ["--protocol", "official", "--model", str(setup / "tiny"), "--data", str(setup / "qa.jsonl"), "--limit",
+            "1", "--runs", "1", "--policy_url", stand.url("/v1"), "--search_kw",
+            json.dumps({"url": stand.url("/request")}), "--summarizer_url", stand.url("/v1"), "--judge_url",
+            stand.url("/v1"), "--page_cache", str(tmp_path / "pages.sqlite"), "--out_dir", str(tmp_path / "out"),
+            *flags]
+
+
+def test_the_system_and_judge_prompts_come_from_files(setup, tmp_path, monkeypatch):
+    """--system_prompt FILE opens the policy's first context; --judge_prompt FILE is, filled in, what the judge gets."""
+    monkeypatch.setenv("BRIGHTDATA_API_KEY", KEY)
+    system = tmp_path / "system.txt"
+    system.write_text("You are the authors' policy. Think in <think>, search in <search>, answer in <answer>.")
+    judge = tmp_path / "judge.txt"
+    judge.write_text("Grade it.\nQuestion = {question}\nGold = {gold}\nPrediction = {prediction}\nCorrect or "
+                     "Incorrect? (a brace: {{)")
+    with StandIns() as stand:
+        summaries = E.main(served(stand, setup, tmp_path, "--system_prompt", str(system), "--judge_prompt", str(judge)))
+    first = stand.posted("/v1/completions")[0]["prompt"]
+    assert system.read_text() in first and tools.SYSTEM_PROMPT not in first
+    asked = [body["messages"][0]["content"] for body in stand.posted("/v1/chat/completions")
+             if body["messages"][0]["content"].startswith("Grade it.")]
+    assert asked == [judge.read_text().format(question="What is the capital of France?", gold="Paris",
+                                              prediction="Paris")]
+    assert summaries[0]["prompts"] == {"system": system.read_text(), "judge": judge.read_text()}
+
+
+@pytest.mark.parametrize("text, message", [
+    ("Q {question} P {prediction}", "the placeholder {gold} is missing (the prompt needs {question}, {gold}, "
+                                    "{prediction})"),
+    ("{question} {gold} {prediction} {answer}", "{answer} is not a placeholder it fills"),
+    ("{question} {gold} {prediction} {", "not a str.format template"),
+    ("  \n", "the file is empty")])
+def test_a_bad_judge_prompt_file_is_one_line_at_start_up(text, message, setup, tmp_path):
+    bad = tmp_path / "judge.txt"
+    bad.write_text(text)
+    argv = ["--protocol", "official", "--model", str(setup / "tiny"), "--data", str(setup / "qa.jsonl"),
+            "--judge_url", "http://127.0.0.1:9/v1", "--out_dir", str(tmp_path / "out"), "--judge_prompt", str(bad)]
+    with pytest.raises(UserError) as err:                    # before any server is asked or any model loaded
+        E.main(argv)
+    assert str(err.value).startswith(f"--judge_prompt {bad}: ") and message in str(err.value)
+    assert "\n" not in str(err.value)
+    with pytest.raises(UserError, match="cannot be read"):
+        O.prompt_file("system_prompt", str(tmp_path / "absent.txt"))
+    with pytest.raises(UserError, match="--system_prompt is read by --protocol official only"):
+        E.main(argv[2:-2] + ["--system_prompt", str(bad)])
+
+
+def slow_summaries(seconds: float):
+    """The stand-in's replies, a summary only after `seconds`."""
+    def chat(prompt):
+        if "**Final Information**" in prompt:
+            time.sleep(seconds)
+        return default_chat(prompt)
+    return chat
+
+
+def test_a_slow_summary_arrives_past_the_tool_bound(setup, tmp_path, monkeypatch, capsys):
+    """A summary that takes longer than --tool_timeout_s (and the 1 s the summariser once had at least) is still the
+    search's result: the summary has its own bound, --summary_timeout_s (D36)."""
+    monkeypatch.setenv("BRIGHTDATA_API_KEY", KEY)
+    with StandIns() as stand:
+        stand.chat = slow_summaries(1.5)
+        summaries = E.main(served(stand, setup, tmp_path, "--tool_timeout_s", "0.3"))
+    record = json.loads((tmp_path / "out" / "qa_output_1.jsonl").read_text())
+    assert record["logs"][1] == "<result>Intro. Paris is the capital of France. More.</result>"
+    counts = summaries[0]["per_run"][0]["counts"]
+    assert counts["browse/summaries"] == 1 and "browse/summary_errors" not in counts
+    assert "search_timeouts" not in counts and "warning:" not in capsys.readouterr().out
+
+
+def test_failed_summaries_end_the_evaluation_with_a_warning(setup, tmp_path, monkeypatch, capsys):
+    monkeypatch.setenv("BRIGHTDATA_API_KEY", KEY)
+    with StandIns() as stand:
+        stand.chat = slow_summaries(1.0)
+        summaries = E.main(served(stand, setup, tmp_path, "--summary_timeout_s", "0.2"))
+    record = json.loads((tmp_path / "out" / "qa_output_1.jsonl").read_text())
+    assert record["logs"][1].startswith("<result>The search tool failed: the summariser gave no reply")
+    assert summaries[0]["per_run"][0]["counts"]["browse/summary_errors"] == 1
+    last = capsys.readouterr().out.strip().splitlines()[-1]
+    assert last.startswith("warning: 1 of 1 search summaries failed") and "--summary_timeout_s" in last
 
 
 @pytest.mark.parametrize("name, count", [("gaia", 103), ("webwalker", 200), ("xbench", 100), ("hle", None)])

@@ -2,16 +2,17 @@
 and summarised by an LLM into the `<result>` the policy reads.
 
 For one query (`BrowseSearch`): the SERP backend's results (harness/search.py `organic`: 10 of them); every page
-fetched once (20 s each, concurrently) and turned into text (HTML by the standard library's parser, 20,000 characters;
-a PDF's first 600 words where a PDF library is importable, else a note saying so); in each page the sentence whose
-word-set F1 with the result's snippet is highest, if above 0.2, with 3,000 characters either side, else the page's
-first 6,000 characters; the pages, the query and the question's previous reasoning steps (the first, the last four,
-and every search step with its result) sent to a summariser LLM behind an OpenAI-compatible endpoint (temperature
-0.6, top-p 0.95, 4,096 tokens); its text after "**Final Information**" is the result. SERP replies and pages are
-kept in an SQLite file (`PageCache`), so a second run reads them from disk and a run can be replayed offline. Every
-failure (the SERP API down, a page that times out or answers 404, a PDF that does not parse, the summariser down)
-becomes the text the policy or the summariser reads, and is counted. algorithm.md §6 describes it beside the
-training search; D29-D33 are where it differs from the authors' code.
+fetched once (20 s each, concurrently, within the call's deadline) and turned into text (HTML by the standard
+library's parser, 20,000 characters; a PDF's first 600 words where a PDF library is importable, else a note saying
+so); in each page the sentence whose word-set F1 with the result's snippet is highest, if above 0.2, with 3,000
+characters either side, else the page's first 6,000 characters; the pages, the query and the question's previous
+reasoning steps (the first, the last four, and every search step with its result) sent to a summariser LLM behind an
+OpenAI-compatible endpoint (temperature 0.6, top-p 0.95, 4,096 tokens) with a deadline of its own (600 s in the
+protocol), not what is left of the call's; its text after "**Final Information**" is the result. SERP replies and
+pages are kept in an SQLite file (`PageCache`), so a second run reads them from disk and a run can be replayed
+offline. Every failure (the SERP API down, a page that times out or answers 404, a PDF that does not parse, the
+summariser down or too slow) becomes the text the policy or the summariser reads, and is counted. algorithm.md §6
+describes it beside the training search; D29-D33 and D36 are where it differs from the authors' code.
 """
 from __future__ import annotations
 
@@ -21,7 +22,6 @@ import re
 import sqlite3
 import string
 import threading
-import time
 from collections import Counter
 from concurrent.futures import ThreadPoolExecutor
 from html.parser import HTMLParser
@@ -315,9 +315,10 @@ def _query_key(query: str) -> str:
 
 
 class BrowseSearch:
-    """The official evaluation's search tool (module docstring): `browse(query, logs, deadline_s)` → (the result
-    text, counts). serp: a backend with `organic(query)` (search.BrightDataSearch, search.WebSearch); summarizer: a
-    callable (prompt, deadline_s) -> reply text; cache: a PageCache."""
+    """The official evaluation's search tool (module docstring): `browse(query, logs, deadline_s, summary_s)` → (the
+    result text, counts): deadline_s bounds the page fetches (each also fetch_timeout_s), summary_s the summary.
+    serp: a backend with `organic(query)` (search.BrightDataSearch, search.WebSearch); summarizer: a callable
+    (prompt, deadline_s) -> reply text; cache: a PageCache."""
 
     def __init__(self, serp, summarizer, cache: PageCache, fetch_timeout_s: float = 20.0, max_workers: int = 10,
                  max_page_bytes: int = 16 << 20, fetch=fetch_page):
@@ -366,8 +367,9 @@ class BrowseSearch:
                 counts["page_" + page["outcome"]] += 1
         return pages
 
-    def __call__(self, query: str, logs: list[str], deadline_s: float = 120.0) -> tuple[str, Counter]:
-        end, counts = time.monotonic() + deadline_s, Counter()
+    def __call__(self, query: str, logs: list[str], deadline_s: float = 120.0,
+                 summary_s: float = 600.0) -> tuple[str, Counter]:
+        counts = Counter()
         results = self._results(query, counts)
         if results is None:
             return f"Search failed for this query: {query}", counts
@@ -385,7 +387,7 @@ class BrowseSearch:
                                        documents=format_documents(results, contexts))
         counts["summaries"] += 1
         try:
-            reply = self.summarizer(prompt, max(1.0, end - time.monotonic()))
+            reply = self.summarizer(prompt, summary_s)
         except openai_client.EndpointError as err:
             counts["summary_errors"] += 1
             return f"The search tool failed: the summariser gave no reply ({err})", counts

@@ -5,17 +5,18 @@ Per question (`infer`): the chat template once, then calls to the policy (a `rol
 an OpenAI-compatible endpoint or a test's script) at temperature 0.6, top-p 0.95, top-k 20, repetition penalty 1.1,
 at most 4,096 tokens a call. A call's text is cut at a `<result>` the policy wrote itself and after its first
 closing tag; a step whose calls hold no closing tag is continued, up to 4 calls in all. A step that ends with
-</python> runs the code (120 s), one with </search> the browsing search (harness/official/browse.py), each as `<result>…
-</result>`; past 5 python or 10 search calls, or for a query the question already searched, the result says so and
-nothing runs. Any other step ends the sample, and so does its 1,500 s deadline. The prediction is the last
-\\boxed{} of the last <answer>; the scores (`score`) are the official evaluator's EM, accuracy, F1, math_equal and,
-with a judge, llm_equal (harness/correctness.py). `evaluate` repeats this for `runs` runs, one output file each, and
-reports the mean over runs and the unbiased Pass@k over them. algorithm.md §6 and D29-D39 say how this differs from
-the authors' pipeline.
+</python> runs the code (120 s), one with </search> the browsing search (harness/official/browse.py: 120 s for its
+SERP request and pages, 600 s more for its summary), each as `<result>…</result>`; past 5 python or 10 search calls,
+or for a query the question already searched, the result says so and nothing runs. Any other step ends the sample,
+and so does its 1,500 s deadline. The prediction is the last \\boxed{} of the last <answer>; the scores (`score`) are
+the official evaluator's EM, accuracy, F1, math_equal and, with a judge, llm_equal (harness/correctness.py).
+`evaluate` repeats this for `runs` runs, one output file each, and reports the mean over runs and the unbiased Pass@k
+over them. algorithm.md §6 and D29-D39 say how this differs from the authors' pipeline.
 """
 from __future__ import annotations
 
 import json
+import string
 import time
 from collections import Counter
 from concurrent.futures import ThreadPoolExecutor, TimeoutError as FutureTimeout
@@ -38,7 +39,8 @@ class OfficialSettings:
     calls_per_step: int = 4          # generate calls per step: the first and its continuations
     python_limit: int = 5            # python calls per question
     search_limit: int = 10           # search calls per question
-    tool_timeout_s: float = 120.0    # per tool call
+    tool_timeout_s: float = 120.0    # per tool call; the search's SERP request and page fetches, not its summary
+    summary_timeout_s: float = 600.0  # per summary (officially none set: the OpenAI client's default, 600 s)
     sample_timeout_s: float = 1500.0  # per question
     max_model_len: int = 32768       # the policy server's context (prompt + call_tokens)
     batch_size: int = 50             # questions in flight together (their 50 concurrent requests)
@@ -83,7 +85,7 @@ def _step(s: Sample, settings: OfficialSettings, python, browse) -> tuple | None
             return None
         s.python_calls += 1
         code = print_last_expression(tag_content(step, "python"))
-        return "python", lambda deadline: python(code, deadline)
+        return "python", lambda deadline, summary_s: python(code, deadline)
     if "</search>" in step:
         query = tag_content(step, "search")
         if s.search_calls >= settings.search_limit:
@@ -97,7 +99,7 @@ def _step(s: Sample, settings: OfficialSettings, python, browse) -> tuple | None
         s.search_calls += 1
         s.queries.append(query)
         logs = list(s.logs)
-        return "search", lambda deadline: browse(query, logs, deadline)
+        return "search", lambda deadline, summary_s: browse(query, logs, deadline, summary_s)
     s.finish = "answer" if "</answer>" in step else "no_tool"
     return None
 
@@ -111,7 +113,9 @@ def _result(s: Sample, text: str) -> None:
 def infer(rows: list[dict], generator, tokenizer, python, browse, settings: OfficialSettings = OfficialSettings(),
           system_prompt: str = "", seed: int = 0, clock=time.monotonic, progress=None) -> tuple[list[Sample], Counter]:
     """Run the protocol once over `rows` ({"question", ...}). python(code, deadline_s) -> text and browse(query,
-    logs, deadline_s) -> (text, counts) are the tools. Returns the samples in row order and the run's counts."""
+    logs, deadline_s, summary_s) -> (text, counts) are the tools: deadline_s bounds a call (for the search, its SERP
+    request and page fetches) and summary_s the search's summary, each at most what is left of the question's time.
+    Returns the samples in row order and the run's counts."""
     todo = [Sample(i, row["question"], tokenizer.apply_chat_template(
         [{"role": "system", "content": system_prompt}, {"role": "user", "content": row["question"]}],
         tokenize=False, add_generation_prompt=True)) for i, row in enumerate(rows)]
@@ -150,12 +154,13 @@ def infer(rows: list[dict], generator, tokenizer, python, browse, settings: Offi
                     continue
                 s.counts["steps_without_tag"] += not any(tag in s.pending for tag in TAGS)
                 job = _step(s, settings, python, browse)
-                if job is not None:             # its deadline: its own, or what is left of the question's
+                if job is not None:             # its deadlines: their own, or what is left of the question's
                     left = settings.sample_timeout_s - (clock() - s.started)
                     deadline = max(0.01, min(settings.tool_timeout_s, left))
-                    jobs.append((s, job[0], pool.submit(job[1], deadline), deadline))
-            for s, tool, future, deadline in jobs:
-                _finish_job(s, tool, future, deadline, settings, clock)
+                    summary_s = max(0.01, min(settings.summary_timeout_s, left)) if job[0] == "search" else 0.0
+                    jobs.append((s, job[0], pool.submit(job[1], deadline, summary_s), deadline + summary_s))
+            for s, tool, future, bound in jobs:
+                _finish_job(s, tool, future, bound, settings, clock)
             for s in [s for s in active if s.finish]:
                 if s.finish == "timeout":
                     s.output += f"\n[Timeout: the question passed its {settings.sample_timeout_s:g} s]"
@@ -172,15 +177,15 @@ def infer(rows: list[dict], generator, tokenizer, python, browse, settings: Offi
     return sorted(done, key=lambda s: s.index), counts
 
 
-def _finish_job(s: Sample, tool: str, future, deadline: float, settings: OfficialSettings, clock) -> None:
-    """Wait for one tool call (its deadline, and tool_grace_s for the tool to report its own timeout) and append its
-    result."""
+def _finish_job(s: Sample, tool: str, future, bound: float, settings: OfficialSettings, clock) -> None:
+    """Wait for one tool call (its bound: the call's deadline, and the summary's for a search; then tool_grace_s for
+    the tool to report its own timeout) and append its result."""
     started = clock()
     try:
-        value = future.result(timeout=deadline + settings.tool_grace_s)
+        value = future.result(timeout=bound + settings.tool_grace_s)
     except FutureTimeout:
         s.counts[f"{tool}_timeouts"] += 1
-        value = f"Error: the {tool} call passed its {deadline:g} s"
+        value = f"Error: the {tool} call passed its {bound:g} s"
     except Exception as err:  # noqa: BLE001 -- a failing tool is its result text, never a crashed run
         s.counts[f"{tool}_errors"] += 1
         value = f"Error: the {tool} tool failed: {type(err).__name__}: {err}"
@@ -220,7 +225,8 @@ def evaluate(generator, tokenizer, rows: list[dict], python, browse, settings: O
                 f.writelines(json.dumps(rec, ensure_ascii=False) + "\n" for rec in records)
     summary = aggregate(all_runs, name)
     summary.update(criterion="llm_equal" if judge is not None else "em / math_equal", per_run=per_run,
-                   wall_s=round(time.time() - started, 1), settings=asdict(settings), config=config)
+                   wall_s=round(time.time() - started, 1), settings=asdict(settings), config=config,
+                   prompts={"system": system_prompt, "judge": getattr(judge, "prompt", None)})
     if out_dir is not None:
         (Path(out_dir) / f"{name}_summary.json").write_text(json.dumps(summary, indent=2, ensure_ascii=False))
         (Path(out_dir) / f"{name}_summary.md").write_text(markdown_table([summary]))
@@ -251,24 +257,72 @@ def markdown_table(summaries: list[dict]) -> str:
     return "\n".join(lines) + "\n"
 
 
+def prompt_file(flag: str, path: str, placeholders: tuple = ()) -> str:
+    """The text of the prompt file given to --flag, checked at start-up: a readable UTF-8 file, not empty, and, where
+    `placeholders` are named (a prompt filled by str.format), holding each as {name} and no other field (a literal
+    brace is written {{ or }}). Anything else is a one-line UserError naming the file."""
+    from harness.cli import UserError
+    try:
+        text = Path(path).read_text(encoding="utf-8")
+    except (OSError, UnicodeDecodeError) as err:
+        raise UserError(f"--{flag} {path}: cannot be read as UTF-8 text ({type(err).__name__}: {err})") from None
+    if not text.strip():
+        raise UserError(f"--{flag} {path}: the file is empty")
+    if not placeholders:
+        return text
+    names = ", ".join("{" + name + "}" for name in placeholders)
+    try:
+        fields = [name for _, name, _, _ in string.Formatter().parse(text) if name is not None]
+    except ValueError as err:
+        raise UserError(f"--{flag} {path}: not a str.format template ({err}; write a literal brace as {{{{ or "
+                        f"}}}})") from None
+    for name in placeholders:
+        if name not in fields:
+            raise UserError(f"--{flag} {path}: the placeholder {{{name}}} is missing (the prompt needs {names})")
+    for name in fields:
+        if name not in placeholders:
+            raise UserError(f"--{flag} {path}: {{{name}}} is not a placeholder it fills (only {names}; write a "
+                            f"literal brace as {{{{ or }}}})")
+    return text
+
+
+def summary_warning(summaries: list[dict]) -> str:
+    """One warning line when any search summary failed in any run of any data set ("" when none did): each such
+    search gave the policy an error text where the official run would have had a summary."""
+    runs = [r["counts"] for s in summaries for r in s["per_run"]]
+    failed, asked = (sum(c.get(f"browse/{key}", 0) for c in runs) for key in ("summary_errors", "summaries"))
+    if not failed:
+        return ""
+    return (f"warning: {failed} of {asked} search summaries failed (no reply from the summariser within "
+            f"--summary_timeout_s, or an error), so those searches returned an error text to the policy; "
+            f"browse/summary_errors in each <name>_summary.json counts them per run")
+
+
 def main(cfg, datasets: list, out: Path) -> list[dict]:
-    """eval.py --protocol official, from its EvalConfig: the policy (the endpoint at cfg.policy_url, else cfg.model
-    sampled by transformers), the browsing search over cfg.search's results, the python tool, the judge; then
-    `evaluate` on every data set, and summary.{md,json} over them."""
+    """eval.py --protocol official, from its EvalConfig: the prompts (cfg.system_prompt, cfg.judge_prompt: files,
+    checked first), the policy (the endpoint at cfg.policy_url, else cfg.model sampled by transformers), the browsing
+    search over cfg.search's results, the python tool, the judge; then `evaluate` on every data set, summary.{md,json}
+    over them, and a warning line when summaries failed."""
     import tools
     from harness import config, models, openai_client, search as search_mod
     from harness.official.browse import BrowseSearch, PageCache, Summarizer
     from harness.cli import UserError
-    from harness.correctness import OfficialJudge
+    from harness.correctness import JUDGE_PLACEHOLDERS, OFFICIAL_JUDGE_PROMPT, OfficialJudge
     from harness.settings import python_isolation, python_limits
     if cfg.search not in ("brightdata", "web"):
         raise UserError(f"--protocol official fetches the pages of web results: --search brightdata (the official "
                         f"SERP API) or web, not {cfg.search}")
-    judge = OfficialJudge.from_env(cfg.judge_url, cfg.judge_model, cfg.judge_api_key) if cfg.judge else None
+    system_prompt = prompt_file("system_prompt", cfg.system_prompt) if cfg.system_prompt else tools.SYSTEM_PROMPT
+    judge_prompt = prompt_file("judge_prompt", cfg.judge_prompt, JUDGE_PLACEHOLDERS) if cfg.judge_prompt else \
+        OFFICIAL_JUDGE_PROMPT
+    judge = OfficialJudge.from_env(cfg.judge_url, cfg.judge_model, cfg.judge_api_key, judge_prompt) \
+        if cfg.judge else None
     cache = PageCache(cfg.page_cache or config.cache_dir() / "browse" / "pages.sqlite")
     browse = BrowseSearch(search_mod.make_search(cfg.search, **{"timeout_s": cfg.tool_timeout_s, **cfg.search_kw}),
                           Summarizer(cfg.summarizer_url, cfg.summarizer_model), cache, cfg.fetch_timeout_s)
-    print(f"browsing search: {browse!r}; judge: {getattr(judge, 'model', None)}", flush=True)
+    print(f"browsing search: {browse!r}; judge: {getattr(judge, 'model', None)}; system prompt: "
+          f"{cfg.system_prompt or 'tools.SYSTEM_PROMPT'}; judge prompt: {cfg.judge_prompt or 'OFFICIAL_JUDGE_PROMPT'}",
+          flush=True)
     print(python_isolation(cfg.python_isolation), flush=True)
     python_kw = {key: value for key, value in python_limits(cfg.python_limits).items() if key != "timeout_s"}
 
@@ -283,18 +337,23 @@ def main(cfg, datasets: list, out: Path) -> list[dict]:
         model, tokenizer = models.load_model(cfg.model, cfg.device, cfg.dtype)
         generator = TransformersGenerator(model, tokenizer, batch_size=cfg.batch_size)
     settings = OfficialSettings(Sampling(cfg.temperature, cfg.top_p, cfg.top_k, cfg.repetition_penalty),
-                                cfg.max_response_tokens, cfg.calls_per_step, cfg.python_limit, cfg.search_limit,
-                                cfg.tool_timeout_s, cfg.sample_timeout_s, cfg.max_model_len, cfg.batch_size, cfg.seed)
+                                call_tokens=cfg.max_response_tokens, calls_per_step=cfg.calls_per_step,
+                                python_limit=cfg.python_limit, search_limit=cfg.search_limit,
+                                tool_timeout_s=cfg.tool_timeout_s, summary_timeout_s=cfg.summary_timeout_s,
+                                sample_timeout_s=cfg.sample_timeout_s, max_model_len=cfg.max_model_len,
+                                batch_size=cfg.batch_size, seed=cfg.seed)
     out.mkdir(parents=True, exist_ok=True)
     (out / "config.json").write_text(json.dumps(asdict(cfg), indent=2))
     summaries = []
     for path, rows in datasets:
         summaries.append(evaluate(generator, tokenizer, rows[:cfg.limit] if cfg.limit else rows, python, browse,
                                   settings, cfg.runs, judge=judge, name=Path(path).stem, out_dir=out,
-                                  system_prompt=tools.SYSTEM_PROMPT, config=asdict(cfg)))
+                                  system_prompt=system_prompt, config=asdict(cfg)))
     table = markdown_table(summaries)
     (out / "summary.md").write_text(table)
     (out / "summary.json").write_text(json.dumps(summaries, indent=2, ensure_ascii=False))
     print(table + f"results in {out}")
+    if warning := summary_warning(summaries):
+        print(warning, flush=True)
     cache.close()
     return summaries
