@@ -387,6 +387,7 @@ def _hang_worker(rank, world, port, tok_dir, log_dir):
     os._exit(0)                           # the process group is broken: tearing it down would abort the process
 
 
+@pytest.mark.slow
 def test_a_forced_hang_is_named_before_the_collective_timeout(tokenizer, tmp_path):
     """Ranks made to disagree on the number of micro-batches (even_out switched off: rank 0 packs 2, rank 1 one)
     under FSDP2: within the 3 s watchdog each rank says where it waits — rank 0 in the old-policy pass's second

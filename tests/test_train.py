@@ -235,7 +235,7 @@ def test_micro_batching_does_not_change_gradient(tokenizer, single_process_gradi
         torch.testing.assert_close(grads[name], g, atol=1e-5, rtol=1e-4, msg=name)
 
 
-@pytest.mark.parametrize("parallel", ["ddp", "fsdp", "ddp-budget", "fsdp-budget"])
+@pytest.mark.parametrize("parallel", ["fsdp", "fsdp-budget"])   # DDP: tests/test_combinations.py
 def test_two_rank_gradient_equals_single_process(parallel, tokenizer, single_process_gradient, tmp_path):
     """Each rank's half of the questions gives one process's gradient. With a token budget the ranks' own packing
     gives them different numbers of micro-batches (2 and 1 here); FSDP2 runs collectives in every pass, so the
