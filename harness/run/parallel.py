@@ -64,23 +64,19 @@ def barrier() -> None:
 
 def all_reduce_sum(t: torch.Tensor) -> torch.Tensor:
     """Sum over ranks (a copy; nccl reduces on the GPU, the result comes back on t's device)."""
-    if not dist.is_initialized():
-        return t
-    on = torch.device("cuda", torch.cuda.current_device()) if dist.get_backend() == "nccl" else t.device
-    out = t.detach().to(on, copy=True)
-    with watchdog.activity("waiting for the other ranks (an all-reduce)"):
-        dist.all_reduce(out)
-    return out.to(t.device)
+    return _all_reduce(t, dist.ReduceOp.SUM) if dist.is_initialized() else t
 
 
 def all_reduce_max(t: torch.Tensor) -> torch.Tensor:
     """Elementwise maximum over ranks (a copy)."""
-    if not dist.is_initialized():
-        return t
+    return _all_reduce(t, dist.ReduceOp.MAX) if dist.is_initialized() else t
+
+
+def _all_reduce(t: torch.Tensor, op) -> torch.Tensor:
     on = torch.device("cuda", torch.cuda.current_device()) if dist.get_backend() == "nccl" else t.device
     out = t.detach().to(on, copy=True)
     with watchdog.activity("waiting for the other ranks (an all-reduce)"):
-        dist.all_reduce(out, op=dist.ReduceOp.MAX)
+        dist.all_reduce(out, op=op)
     return out.to(t.device)
 
 
