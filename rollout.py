@@ -103,6 +103,7 @@ class Generator(Protocol):
     """What the rollout and the trainer need of a generation backend; both backends implement all of it, and where a
     call means nothing for a backend it is a no-op."""
     vocab_size: int
+    takes_adapter: bool               # LoRA: update_weights takes the adapters' tensors (else the merged weights)
 
     def generate(self, contexts: list[list[int]], max_new_tokens: list[int], seed: int, sampling: Sampling,
                  on_step: Callable[[int], None] | None = None) -> list[Segment]:

@@ -90,7 +90,7 @@ def rl_step(run: Run, step: int, progress=None) -> tuple[dict, runlog.StepBatch]
 
     # ---- the new weights to the generator (a collective under FSDP2)
     with clock("sync"):
-        run.generator.update_weights(full_named_parameters(run.policy))
+        run.generator.update_weights(run.generator_weights())
 
     batch = runlog.StepBatch(rows, trajectories, scores, rewards, tree_stats["m_per_question"])
     metrics = runlog.step_metrics(step + 1, batch, tree_stats, adv, entropy_sums, losses, grad_norms)

@@ -191,6 +191,16 @@ class Config:
                                     "collective says so on stderr, naming it (0 = off)", valid="[0, inf)")
     dist_timeout_min: int = arg(120, "collective timeout, minutes (ranks wait for each other's rollouts)",
                                 valid="[1, inf)")
+    # LoRA (an extension, not in the paper: algorithm.md §9)
+    lora_rank: int = arg(0, "train LoRA adapters of this rank instead of every weight (0 = off: full fine-tuning); "
+                            "the KL reference is the base model with the adapters off, vLLM receives the adapter",
+                         valid="[0, 512]", group="LoRA (an extension, not in the paper: algorithm.md §9)")
+    lora_alpha: float = arg(16.0, "LoRA scale: W + (lora_alpha / lora_rank)·B·A", valid="(0, inf)")
+    lora_dropout: float = arg(0.0, "dropout on the adapters' input in the update (> 0: the update's forward differs "
+                                   "from the old-policy pass's, so r ≠ 1 before any step)", valid="[0, 1)")
+    lora_target_modules: list[str] = arg(["all-linear"], "layers that get adapters: names or name endings of linear "
+                                                         "layers, e.g. [q_proj, v_proj]; all-linear = every linear "
+                                                         "layer but the LM head (the attention and MLP projections)")
     # run, logging, checkpoints
     out_dir: str = arg("runs", "parent directory of run directories", group="run, logs and checkpoints")
     run_name: str = arg("", "run directory name ('' = <model>-<date-time>; with --resume, '' = latest run)")

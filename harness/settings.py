@@ -11,7 +11,7 @@ from dataclasses import dataclass, fields
 import loss
 import rollout
 import tools
-from harness import mismatch
+from harness import lora, mismatch
 from harness.cli import UserError
 
 
@@ -36,6 +36,13 @@ def tree_settings(cfg) -> rollout.TreeSettings:
                                 dynamic_budget=cfg.dynamic_budget, entropy_branching=cfg.entropy_branching,
                                 max_tool_calls=cfg.max_tool_calls, max_response_tokens=cfg.max_response_tokens,
                                 tool_limit_ends=cfg.tool_limit_ends, deadline_s=cfg.trajectory_deadline_s)
+
+
+def lora_settings(cfg) -> lora.LoraSettings | None:
+    """The LoRA adapters of a training Config (--lora_*), or None for full fine-tuning (--lora_rank 0)."""
+    if not cfg.lora_rank:
+        return None
+    return lora.LoraSettings(cfg.lora_rank, cfg.lora_alpha, cfg.lora_dropout, tuple(cfg.lora_target_modules))
 
 
 PYTHON_LIMITS = {name: p.default for name, p in inspect.signature(tools.run_python).parameters.items()

@@ -58,6 +58,21 @@ def peaked_tiny_model(tokenizer):
     return lm
 
 
+def with_adapters(lm, rank: int = 4, alpha: float = 8.0, b_scale: float = 0.0, seed: int = 0):
+    """lm with LoRA adapters of `rank` on every linear layer (harness/lora.py); B drawn at b_scale (0: zero, peft's
+    start) so that A has a gradient too."""
+    import torch
+    from harness import lora
+    lm = lora.add_adapters(lm, lora.LoraSettings(rank=rank, alpha=alpha), seed=seed)
+    if b_scale:
+        g = torch.Generator().manual_seed(7)
+        with torch.no_grad():
+            for name, p in lm.named_parameters():
+                if ".lora_B." in name:
+                    p.copy_(torch.randn(p.shape, generator=g) * b_scale)
+    return lm
+
+
 @pytest.fixture
 def tiny_model(tokenizer):
     return make_tiny_model(tokenizer)

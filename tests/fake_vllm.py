@@ -36,6 +36,7 @@ build (tests/test_vllm_engine.py); this stand-in also plays a GPU and runs in th
 import os
 import random
 import sys
+import typing
 from dataclasses import dataclass, field
 from types import ModuleType, SimpleNamespace
 
@@ -45,7 +46,7 @@ import torch
 ENGINE_ARGS = {"enable_sleep_mode", "enable_prefix_caching", "max_model_len", "distributed_executor_backend",
                "max_num_seqs", "max_num_batched_tokens", "logprobs_mode", "data_parallel_size", "enforce_eager",
                "tensor_parallel_size", "dtype", "seed", "gpu_memory_utilization", "kv_cache_memory_bytes",
-               "enable_chunked_prefill"}
+               "enable_chunked_prefill", "enable_lora", "max_loras", "max_lora_rank"}
 INT64 = (-2**63, 2**63 - 1)
 
 
@@ -63,6 +64,30 @@ class _Platform:
 platforms = ModuleType(__name__ + ".platforms")     # importable as <this module>.platforms, like vllm.platforms
 platforms.current_platform = _Platform("cuda")
 sys.modules[platforms.__name__] = platforms
+
+
+def _submodule(name: str, **attributes) -> ModuleType:
+    """<this module>.<name>, importable like the vllm submodule of that name."""
+    module = ModuleType(f"{__name__}.{name}")
+    module.__dict__.update(attributes)
+    sys.modules[module.__name__] = module
+    return module
+
+
+@dataclass
+class LoRARequest:
+    lora_name: str
+    lora_int_id: int
+    lora_path: str = ""
+    load_inplace: bool = False
+
+
+# vllm.lora.request, vllm.config.lora (the ranks max_lora_rank may take), vllm.model_executor.models (the registry:
+# an architecture listed with supports_lora False cannot take an adapter; the tests' models are not listed)
+_submodule("lora.request", LoRARequest=LoRARequest)
+_submodule("config.lora", MaxLoRARanks=typing.Literal[1, 8, 16, 32, 64, 128, 256, 320, 512])
+models = _submodule("model_executor.models", ModelRegistry=SimpleNamespace(models={}),
+                    supports_lora=lambda cls: getattr(cls, "supports_lora", False))
 
 
 def use_platform(kind: str) -> None:
@@ -190,7 +215,9 @@ class LLM:
         self.stats = {"logprob_positions": 0}
         vocab = self.model.config.vocab_size
         self.llm_engine = SimpleNamespace(model_config=SimpleNamespace(get_vocab_size=lambda: vocab),
-                                          engine_core=SimpleNamespace(shutdown=self._shutdown))
+                                          engine_core=SimpleNamespace(shutdown=self._shutdown),
+                                          add_lora=self._add_lora)
+        self.adapted, self.lora_id = None, None
         self.shut_down = False
         if not multiprocess:
             worker = _Worker(self)
@@ -243,24 +270,54 @@ class LLM:
         return not self.asleep
 
     @torch.no_grad()
-    def generate(self, prompts, params, use_tqdm=True):
+    def _add_lora(self, request):
+        """llm_engine.add_lora: peft's adapter files read (lora/worker_manager.py:_load_adapter; a rank above
+        max_lora_rank is refused, peft_helper.py:validate_legal) into the engine's adapted model, W + (α/r)·B·A.
+        With the weights asleep it fails: a level-1 sleep unmaps the LoRA buffers (verl#7434)."""
+        import copy
+        import json
+        from safetensors.torch import load_file
+        if not self.kwargs.get("enable_lora"):
+            raise ValueError("LoRA is not enabled")
+        if "weights" in self.asleep:
+            raise RuntimeError("add_lora while the weights sleep: the LoRA buffers are unmapped (verl#7434)")
+        self.events.append("add_lora")
+        cfg = json.loads(open(os.path.join(request.lora_path, "adapter_config.json")).read())
+        if cfg["r"] > self.kwargs["max_lora_rank"]:
+            raise ValueError(f"LoRA rank {cfg['r']} is greater than max_lora_rank {self.kwargs['max_lora_rank']}.")
+        tensors = load_file(os.path.join(request.lora_path, "adapter_model.safetensors"))
+        self.adapted = copy.deepcopy(self.model)
+        params = dict(self.adapted.named_parameters())
+        for key, a in tensors.items():
+            if ".lora_A." in key:
+                layer = key.removeprefix("base_model.model.").split(".lora_A.")[0]
+                b = tensors[key.replace(".lora_A.", ".lora_B.")]
+                params[f"{layer}.weight"] += cfg["lora_alpha"] / cfg["r"] * (b.float() @ a.float())
+        self.lora_id = request.lora_int_id
+        return True
+
+    @torch.no_grad()
+    def generate(self, prompts, params, use_tqdm=True, lora_request=None):
         if self.asleep:
             raise RuntimeError(f"generate while {sorted(self.asleep)} sleep: vLLM 0.32 would wait forever")
+        if lora_request is not None and lora_request.lora_int_id != self.lora_id:
+            raise ValueError(f"adapter {lora_request.lora_int_id} was not added")
         params = params if isinstance(params, list) else [params] * len(prompts)
         for sp in params:
             if sp.seed is not None and not INT64[0] <= sp.seed <= INT64[1]:
                 raise OverflowError("Python int too large to convert to C long")   # numpy int64 seed array
         self.events.append(f"generate:{len(prompts)}:T={params[0].temperature:g}")
-        return [self._one(p["prompt_token_ids"], sp) for p, sp in zip(prompts, params)]
+        model = self.model if lora_request is None else self.adapted
+        return [self._one(p["prompt_token_ids"], sp, model) for p, sp in zip(prompts, params)]
 
-    def _logits(self, ctx, past):
+    def _logits(self, ctx, past, model):
         if self.packed_head is None:
-            res = self.model(input_ids=ctx, use_cache=True, **{self._cache_arg: past})
+            res = model(input_ids=ctx, use_cache=True, **{self._cache_arg: past})
             return res.logits[0, -1].float(), getattr(res, self._cache_arg)
-        res = self.model.model(input_ids=ctx, use_cache=True, **{self._cache_arg: past})
+        res = model.model(input_ids=ctx, use_cache=True, **{self._cache_arg: past})
         return (res.last_hidden_state[0, -1] @ self.packed_head.T).float(), getattr(res, self._cache_arg)
 
-    def _one(self, ids, sp):
+    def _one(self, ids, sp, model):
         gen = torch.Generator().manual_seed(sp.seed % 2**63 if sp.seed is not None else 0)
         eos = self.model.generation_config.eos_token_id
         eos = set(eos if isinstance(eos, (list, tuple)) else [eos])
@@ -269,7 +326,7 @@ class LLM:
         ctx = torch.tensor([ids])
         past = None
         for _ in range(sp.max_tokens):
-            logits, past = self._logits(ctx, past)
+            logits, past = self._logits(ctx, past, model)
             lp = torch.log_softmax(logits, -1)                 # raw log-probs (logprobs_mode="raw_logprobs")
             if sp.repetition_penalty != 1.0:
                 seen = torch.tensor(sorted(set(ids) | set(out_ids)))

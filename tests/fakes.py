@@ -85,6 +85,7 @@ class WrappedGenerator:
 
     def __init__(self, inner, tokenizer):
         self.inner, self.tokenizer, self.vocab_size = inner, tokenizer, inner.vocab_size
+        self.takes_adapter = inner.takes_adapter
 
     @classmethod
     def factory(cls):

@@ -1,7 +1,7 @@
 """The switches a real run combines, run together on 2 gloo ranks: a covering set of runs over parallel mode ×
 micro-batching × mismatch correction × precision × gradient checkpointing × how unequal the ranks' trajectory
-lengths are × the loss aggregation (token-mean, Dr. GRPO's sequence-normalised one) (every pair of values appears in some run), each run's step gradient compared with one process's on the same
-trajectories. The gradient of one optimiser mini-batch does not depend on how it is cut into micro-batches and ranks
+lengths are × the loss aggregation (token-mean, Dr. GRPO's sequence-normalised one) × LoRA (every pair of values
+appears in some run), each run's step gradient compared with one process's on the same trajectories. The gradient of one optimiser mini-batch does not depend on how it is cut into micro-batches and ranks
 (the loss divides by its global token count, D18), so every combination must give one process's gradient."""
 import contextlib
 import dataclasses
@@ -18,18 +18,19 @@ import torch
 
 import rollout
 import train
-from harness import config
+from harness import config, settings
+from harness.lora import AdaptersOff
 from harness.run import policy as policy_mod
-from tests.conftest import free_port, hand_made_trajectories, peaked_tiny_model
+from tests.conftest import free_port, hand_made_trajectories, peaked_tiny_model, with_adapters
 
 FACTORS = (("parallel", ("ddp", "fsdp")), ("micro_batches", ("fixed", "token budget")),
            ("correction", ("off", "TIS + token mask")), ("precision", ("float32", "bfloat16")),
            ("checkpointing", ("off", "on")), ("lengths", ("equal", "unequal")),
-           ("loss_agg", ("token-mean", "seq-mean-token-sum-norm")))
-# A strength-2 covering array of seven two-level factors in six runs: factor f is at its second value in the runs of
+           ("loss_agg", ("token-mean", "seq-mean-token-sum-norm")), ("lora", ("off", "rank 4")))
+# A strength-2 covering array of eight two-level factors in six runs: factor f is at its second value in the runs of
 # SUBSETS[f], distinct 3-subsets of runs 1..5 (two such subsets share one or two runs and each has one the other
 # lacks; run 0 has every factor at its first value), so every pair of values of every two factors meets in some run.
-SUBSETS = ((1, 2, 3), (1, 4, 5), (2, 4, 5), (3, 4, 5), (1, 2, 4), (2, 3, 5), (1, 3, 4))
+SUBSETS = ((1, 2, 3), (1, 4, 5), (2, 4, 5), (3, 4, 5), (1, 2, 4), (2, 3, 5), (1, 3, 4), (2, 3, 4))
 RUNS = [{name: values[run in SUBSETS[f]] for f, (name, values) in enumerate(FACTORS)} for run in range(6)]
 
 
@@ -41,8 +42,8 @@ def pairs_covered(runs) -> tuple[int, int]:
 
 
 def test_the_runs_cover_every_pair():
-    assert pairs_covered(RUNS) == (84, 84)
-    assert pairs_covered(RUNS[:5])[0] < 84                     # fewer runs would leave pairs out
+    assert pairs_covered(RUNS) == (112, 112)
+    assert pairs_covered(RUNS[:5])[0] < 112                    # fewer runs would leave pairs out
 
 
 def trajectories_of(lengths: str):
@@ -97,6 +98,8 @@ def step_gradient(policy, trajectories, rewards, cfg, world) -> tuple[dict, list
     train.accumulate_gradients(policy, batches[0], cfg, world, amp, "test")
     grads = {}
     for name, p in policy_mod.unwrap(policy).named_parameters():
+        if not p.requires_grad:                  # LoRA: the base weights are frozen
+            continue
         grad = p.grad.full_tensor() if hasattr(p.grad, "full_tensor") else p.grad
         grads[name.removeprefix("module.")] = grad.detach().clone()
     return grads, [len(mb.mask) for mb in batches[0]]
@@ -106,7 +109,7 @@ def make_policy(tokenizer, run, world):
     lm = peaked_tiny_model(tokenizer)
     if run["checkpointing"] == "on":
         policy_mod.enable_gradient_checkpointing(lm)
-    policy = policy_mod.Policy(lm)
+    policy = policy_mod.Policy(with_adapters(lm, b_scale=0.05) if run["lora"] != "off" else lm)
     if world == 1:
         return policy
     if run["parallel"] == "fsdp":
@@ -238,12 +241,14 @@ def toy_flags(label: str, root: Path, model: Path) -> list[str]:
                 search="replay", search_kw=json.dumps({"path": str(root / "search.json")}), backend="transformers",
                 k=3, questions_per_step=4, mini_batch_size=2, steps=2, max_response_tokens=64,
                 out_dir=root / "runs", run_name=label, cache_dir=root / "cache")
-    name = label.removesuffix("-budget")
-    if label != name:
+    name, _, variant = label.partition("-")
+    configs = [name] + (["lora"] if variant == "lora" else [])
+    if variant == "budget":
         over["max_tokens_per_micro_batch"] = 700
     if name not in OFFICIAL:                     # about the update: no cold start, no held-out evaluation
         over.update(cold_start="false", eval_data="")
-    return [f"--config={Path(__file__).parents[1] / 'configs' / name}.yaml"] + [f"--{k}={v}" for k, v in over.items()]
+    return [f"--config={Path(__file__).parents[1] / 'configs' / c}.yaml" for c in configs] + \
+        [f"--{k}={v}" for k, v in over.items()]
 
 
 def _config_worker(rank, world, port, runs, out):
@@ -269,7 +274,7 @@ def _config_worker(rank, world, port, runs, out):
                 if "grads" not in seen:                  # step 1, epoch 0, mini-batch 0 (full tensors: a collective)
                     seen["cfg"], seen["sharded"] = dataclasses.asdict(cfg), policy_mod.is_sharded(policy)
                     seen["grads"] = {n: (p.grad.full_tensor() if hasattr(p.grad, "full_tensor") else p.grad).clone()
-                                     for n, p in policy_mod.unwrap(policy).named_parameters()}
+                                     for n, p in policy_mod.unwrap(policy).named_parameters() if p.requires_grad}
                 return metrics
             train.micro_batches, train.accumulate_gradients = micro_batches, accumulate_gradients
             started = time.monotonic()
@@ -302,15 +307,19 @@ def one_process_gradient(saved: list[dict], model: str) -> dict:
             union += [dataclasses.replace(t, group_id=t.group_id + off) for t in trajectories]
             rewards.append(r)
     rewards = torch.cat(rewards)
-    policy = policy_mod.load_policy(model, 1, torch.device("cpu"), gradient_checkpointing=cfg.gradient_checkpointing)
-    ref = policy_mod.load_policy(model, 1, torch.device("cpu")).requires_grad_(False) if cfg.kl_coef > 0 else None
+    lora = settings.lora_settings(cfg)
+    policy = policy_mod.load_policy(model, 1, torch.device("cpu"), gradient_checkpointing=cfg.gradient_checkpointing,
+                                    lora=lora, seed=cfg.seed)
+    ref = None
+    if cfg.kl_coef > 0:
+        ref = AdaptersOff(policy) if lora else policy_mod.load_policy(model, 1, torch.device("cpu")).requires_grad_(False)
     amp = (lambda: torch.autocast("cpu", dtype=torch.bfloat16)) if cfg.bf16 else contextlib.nullcontext
     adv = train.outcome_advantages(union, rewards, cfg, 0)
     batches = train.micro_batches(union, adv, rewards, n_mini, cfg, 0, "cpu")
     train.old_policy_pass(policy, ref, batches, cfg, amp)
     policy.lm.train()
     train.accumulate_gradients(policy, batches[0], cfg, 1, amp, "one process")
-    return {n: p.grad.detach().clone() for n, p in policy.named_parameters()}
+    return {n: p.grad.detach().clone() for n, p in policy.named_parameters() if p.requires_grad}
 
 
 def run_configs(names, tokenizer, setup, tmp_path):
@@ -318,7 +327,7 @@ def run_configs(names, tokenizer, setup, tmp_path):
     models = {}
     for family in {"llama", *OFFICIAL.values()}:
         models[family] = tiny_model_of(family, tokenizer, tmp_path / family)
-    model_of = {name: models[OFFICIAL.get(name.removesuffix("-budget"), "llama")] for name in names}
+    model_of = {name: models[OFFICIAL.get(name.partition("-")[0], "llama")] for name in names}
     runs = [(name, toy_flags(name, setup, model_of[name])) for name in names]
     mp.start_processes(_config_worker, args=(2, free_port(), runs, str(tmp_path / "seen")), nprocs=2,
                        start_method="spawn")
@@ -329,7 +338,8 @@ def run_configs(names, tokenizer, setup, tmp_path):
         run_dir = setup / "runs" / name
         assert saved[0]["steps"] == 2 and (run_dir / "checkpoints" / "step_000002" / "model.safetensors").exists()
         assert len((run_dir / "metrics.jsonl").read_text().splitlines()) == 2
-        assert (run_dir / "eval" / "after_summary.json").exists() == (name.removesuffix("-budget") in OFFICIAL)
+        assert (run_dir / "eval" / "after_summary.json").exists() == (name.partition("-")[0] in OFFICIAL)
+        assert (run_dir / "checkpoints" / "step_000002" / "adapter").exists() == bool(cfg.get("lora_rank"))
         one = one_process_gradient(saved, str(model_of[name]))
         two = {n.removeprefix("module."): g for n, g in saved[0]["grads"].items()}
         assert set(two) == set(one)
@@ -337,6 +347,7 @@ def run_configs(names, tokenizer, setup, tmp_path):
         norm = math.sqrt(sum(float(g.double().pow(2).sum()) for g in one.values()))
         assert saved[0]["sharded"] == (cfg["parallel"] == "fsdp")
         print(f"{name}: {cfg['parallel']}, bf16 {cfg['bf16']}, checkpointing {cfg['gradient_checkpointing']}, "
+              f"LoRA rank {cfg['lora_rank']}, "
               f"micro-batch {cfg['micro_batch_size']}/{cfg['max_tokens_per_micro_batch']} tokens: "
               f"{saved[0]['seconds']:.1f} s, |g| {norm:.3g}, ‖g₂ − g₁‖/‖g₁‖ {diff:.2e}")
         assert norm > 0
@@ -347,9 +358,9 @@ def run_configs(names, tokenizer, setup, tmp_path):
 @pytest.mark.slow
 def test_the_official_configs_run_whole_at_toy_size(tokenizer, setup, tmp_path):
     """configs/aepo_qwen3_14b.yaml and aepo_qwen25_7b.yaml on 2 ranks with their own FSDP2, bfloat16, gradient
-    checkpointing and micro-batches (and the 14B one again with the token budget bench/README recommends): the run
-    ends with its checkpoint and evaluation, and step 1's gradient is one process's."""
-    run_configs(list(OFFICIAL) + ["aepo_qwen3_14b-budget"], tokenizer, setup, tmp_path)
+    checkpointing and micro-batches (and the 14B one again with the token budget bench/README recommends, and with
+    configs/lora.yaml): the run ends with its checkpoint and evaluation, and step 1's gradient is one process's."""
+    run_configs(list(OFFICIAL) + ["aepo_qwen3_14b-budget", "aepo_qwen3_14b-lora"], tokenizer, setup, tmp_path)
 
 
 @pytest.mark.slow

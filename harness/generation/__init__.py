@@ -20,15 +20,22 @@ from rollout import Sampling, Segment, segment_entropy
 
 
 def make_generator(cfg, init_path: str, policy, tokenizer, rank: int, device):
-    """The run's generator: vLLM (one engine per rank, built from the checkpoint at init_path), or transformers
-    sampling from the policy's own LM (one process, DDP) or from an unsharded copy of it (FSDP2: D41)."""
+    """The run's generator: vLLM (one engine per rank, built from the checkpoint at init_path; with LoRA the base
+    model, and the adapter at each sync), or transformers sampling from the policy's own LM (one process, DDP; with
+    LoRA its adapters are in it) or from an unsharded copy of it (FSDP2: D41; with LoRA it takes the merged weights)."""
+    from harness import lora
+    from harness.run.policy import is_sharded, unwrap
+    lm = unwrap(policy).lm
     if cfg.backend == "vllm":
         from harness.generation.vllm import VLLMGenerator
         return VLLMGenerator(init_path, gpu_memory_utilization=cfg.vllm_gpu_memory_utilization, seed=cfg.seed + rank,
-                             max_model_len=cfg.max_prompt_tokens + cfg.max_response_tokens)
+                             max_model_len=cfg.max_prompt_tokens + cfg.max_response_tokens,
+                             lora=lm.peft_config[lora.ADAPTER] if lora.is_lora(lm) else None)
     from harness.models import load_lm
-    from harness.run.policy import is_sharded, unwrap
-    lm = load_lm(init_path, device) if is_sharded(policy) else unwrap(policy).lm
+    if is_sharded(policy):
+        lm = load_lm(init_path, device)
+    elif lora.is_lora(lm):
+        lm = lm.get_base_model()                 # the transformers model with the adapters' layers in it
     return TransformersGenerator(lm, tokenizer, batch_size=cfg.gen_batch_size)
 
 
@@ -94,11 +101,13 @@ class TransformersGenerator:
             else tokenizer.eos_token_id
         self.eos_ids = set(eos if isinstance(eos, (list, tuple)) else [eos])
         self.pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else min(self.eos_ids)
+        self.takes_adapter = any(".lora_A." in name for name, _ in model.named_parameters())   # LoRA layers in it
 
     @torch.no_grad()
     def update_weights(self, named_tensors) -> None:
-        """Copy new weights, (name, full tensor) pairs, into the model this generator samples from; a tensor that is
-        already the model's own parameter (the policy's LM itself) is skipped."""
+        """Copy new weights, (name, full tensor) pairs named as in the model this generator samples from (its
+        adapters' tensors when it has LoRA layers), into that model; a tensor that is already the model's own
+        parameter (the policy's LM itself) is skipped."""
         params = dict(self.model.named_parameters())
         for name, tensor in named_tensors:
             if params[name].data_ptr() != tensor.data_ptr():

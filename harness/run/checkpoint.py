@@ -30,9 +30,29 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from harness import lora
 from harness.run import parallel
 from harness.run import policy as policy_mod
 from harness.cli import RunFailure, UserError, stop_requested
+
+
+def _trained_only():
+    """The state-dict options of the trainer state: the parameters the optimiser updates (every one; with LoRA the
+    adapters', whose base model is loaded from where RL started); loading one leaves the frozen ones as they are
+    (every trained key is there: the checkpoint read fails on a missing one)."""
+    from torch.distributed.checkpoint.state_dict import StateDictOptions
+    return StateDictOptions(ignore_frozen_params=True, strict=False)
+
+
+def _trained_state(policy, optimizer) -> tuple[dict, dict]:
+    """This rank's shards of the trained parameters and of the optimiser state (views, no copies). A frozen weight
+    tied to another (an LM head tied to a frozen embedding) is left out too: ignore_frozen_params sees only the
+    first name of a shared parameter."""
+    from torch.distributed.checkpoint.state_dict import get_state_dict
+    model_sd, optim_sd = get_state_dict(policy, optimizer, options=_trained_only())
+    frozen = {name.removeprefix("module.") for name, p in policy.named_parameters(remove_duplicate=False)
+              if not p.requires_grad}
+    return {key: value for key, value in model_sd.items() if key not in frozen}, optim_sd
 
 
 def checkpoint_dirs(run_dir: Path) -> list[Path]:
@@ -66,13 +86,19 @@ def _rng_state() -> dict:
 
 def _write_export(policy, tokenizer, out: Path, rank: int, dtype) -> None:
     """save_pretrained of the full model at `out`: parameters gathered one at a time, only rank 0 keeps them (on the
-    CPU, in `dtype`). A collective under FSDP2: every rank calls it."""
+    CPU, in `dtype`); with LoRA the merged model, and the adapter in peft's files under `out/adapter`. A collective
+    under FSDP2: every rank calls it."""
+    lm = policy_mod.unwrap(policy).lm
     state = {}
-    for name, full in policy_mod.full_named_parameters(policy, dtype):
+    for name, full in policy_mod.generator_weights(policy, merged=True):
         if rank == 0:
-            state[name] = full.to("cpu", copy=True)
+            state[name] = full.to("cpu", dtype=dtype, copy=True)
+    if lora.is_lora(lm):
+        adapter = [(name, full.to("cpu", copy=True)) for name, full in policy_mod.generator_weights(policy)]
+        if rank == 0:
+            lora.write_adapter(out / "adapter", adapter, lm.peft_config[lora.ADAPTER])
+        lm = lm.get_base_model()
     if rank == 0:
-        lm = policy_mod.unwrap(policy).lm
         lm.save_pretrained(out, state_dict=state)
         config = copy.deepcopy(lm.config)        # save_pretrained writes the float32 master model's dtype
         config.dtype = dtype
@@ -141,17 +167,17 @@ def save(run_dir: Path, step: int, policy, optimizer, tokenizer, *, rank: int, k
 def _write(tmp, step, policy, optimizer, tokenizer, rank, config_yaml, info, export_dtype, trainer_state) -> None:
     """Everything of a checkpoint, into the temporary directory `tmp` (every rank its own shard)."""
     from torch.distributed.checkpoint import save as dcp_save
-    from torch.distributed.checkpoint.state_dict import get_state_dict
     rngs = parallel.gather(_rng_state())
     parallel.on_rank0(lambda: shutil.rmtree(tmp, ignore_errors=True) or tmp.mkdir(parents=True))   # errors: all ranks
-    if trainer_state:
-        model_sd, optim_sd = get_state_dict(policy, optimizer)          # this rank's shards (views, no copies)
+    adapters = lora.is_lora(policy_mod.unwrap(policy).lm)          # LoRA: the trained weights are the adapters'
+    if trainer_state or adapters:
+        model_sd, optim_sd = _trained_state(policy, optimizer)
         with one_process_quietly():                                      # raises on every rank if one fails
-            dcp_save({"model": model_sd, "optim": optim_sd}, checkpoint_id=str(tmp / "trainer"),
-                     no_dist=not torch.distributed.is_initialized())
+            dcp_save({"model": model_sd, **({"optim": optim_sd} if trainer_state else {})},
+                     checkpoint_id=str(tmp / "trainer"), no_dist=not torch.distributed.is_initialized())
     _write_export(policy, tokenizer, tmp, rank, export_dtype)         # collectives first, then rank 0 writes
     if rank == 0:
-        torch.save({"step": step, "rng": rngs, "trainer_state": trainer_state},
+        torch.save({"step": step, "rng": rngs, "trainer_state": trainer_state, "adapters": adapters},
                    tmp / "trainer_state.pt")
         (tmp / "config.yaml").write_text(config_yaml)
         (tmp / "run_info.json").write_text(json.dumps(info, indent=2))
@@ -167,7 +193,8 @@ def _bytes_needed(run_dir: Path, policy, export_dtype, trainer_state: bool) -> i
     if previous:
         return sum(p.stat().st_size for p in previous[-1].rglob("*") if p.is_file())
     n = sum(p.numel() for p in policy_mod.unwrap(policy).lm.parameters())
-    return n * ((12 if trainer_state else 0) + torch.empty((), dtype=export_dtype).element_size())
+    trained = sum(p.numel() for p in policy_mod.trainable_parameters(policy))
+    return trained * (12 if trainer_state else 0) + n * torch.empty((), dtype=export_dtype).element_size()
 
 
 def _size(n: int) -> str:
@@ -179,17 +206,25 @@ def load(ckpt: Path, policy, optimizer, rank: int) -> int:
     own shards) and this rank's RNG states; returns the step. A checkpoint saved without trainer state leaves the
     weights as loaded from its export and the optimiser fresh (with a warning)."""
     from torch.distributed.checkpoint import load as dcp_load
-    from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+    from torch.distributed.checkpoint.state_dict import set_model_state_dict, set_state_dict
     state = torch.load(Path(ckpt) / "trainer_state.pt", map_location="cpu", weights_only=False)
-    if state.get("trainer_state", True):
-        model_sd, optim_sd = get_state_dict(policy, optimizer)
-        shards = {"model": model_sd, "optim": optim_sd}
+    with_optim, adapters = state.get("trainer_state", True), state.get("adapters", False)
+    if adapters != lora.is_lora(policy_mod.unwrap(policy).lm):
+        raise UserError(f"--resume: {ckpt} was saved {'with' if adapters else 'without'} LoRA adapters, and this "
+                        f"run has {'none' if adapters else 'them'}: --lora_rank must be the run's")
+    if with_optim or adapters:
+        model_sd, optim_sd = _trained_state(policy, optimizer)
+        shards = {"model": model_sd, **({"optim": optim_sd} if with_optim else {})}
         with one_process_quietly():
             dcp_load(shards, checkpoint_id=str(Path(ckpt) / "trainer"), no_dist=not torch.distributed.is_initialized())
-        set_state_dict(policy, optimizer, model_state_dict=shards["model"], optim_state_dict=shards["optim"])
-    elif rank == 0:
-        print(f"warning: {ckpt} was saved with --save_trainer_state false: the weights come from its export and the "
-              "AdamW moments restart from zero", file=sys.stderr)
+        if with_optim:
+            set_state_dict(policy, optimizer, model_state_dict=shards["model"], optim_state_dict=shards["optim"],
+                           options=_trained_only())
+        else:
+            set_model_state_dict(policy, shards["model"], options=_trained_only())
+    if not with_optim and rank == 0:
+        print(f"warning: {ckpt} was saved with --save_trainer_state false: the weights come from its "
+              f"{'adapters' if adapters else 'export'} and the AdamW moments restart from zero", file=sys.stderr)
     rngs = state["rng"]
     rng = rngs[rank] if rank < len(rngs) else rngs[0]
     random.setstate(rng["python"])

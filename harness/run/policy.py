@@ -28,6 +28,7 @@ import torch
 import loss
 from harness.run import parallel, watchdog
 from harness.cli import UserError
+from harness.lora import ADAPTER, LoraSettings, adapter_weights, add_adapters, is_lora, merged_weights
 from harness.models import load_lm
 
 
@@ -98,16 +99,18 @@ def shard(policy: Policy, bf16: bool) -> Policy:
 
 
 def load_policy(path: str, world: int, device, parallel: str = "ddp", bf16: bool = False, rank: int = 0,
-                gradient_checkpointing: bool = False):
+                gradient_checkpointing: bool = False, lora: LoraSettings | None = None, seed: int = 0):
     """The Policy around the model at `path`, float32 parameters, placed for `world` processes: no process group ->
     plain; ddp -> DistributedDataParallel (each rank loads the whole model; plain with one process); fsdp with a
     process group (also of one process: `torchrun --nproc_per_node=1`) -> FSDP2-sharded, built on the meta device and
     filled from rank 0's copy (read in the checkpoint's dtype), so only rank 0 ever reads the weights file. A
-    collective under FSDP2: every rank calls it. gradient_checkpointing: recompute activations in backward."""
+    collective under FSDP2: every rank calls it. gradient_checkpointing: recompute activations in backward. lora:
+    adapters on the model (harness/lora.py; A drawn with `seed`), the model's own weights frozen."""
     if parallel == "ddp" or not torch.distributed.is_initialized():
-        policy = Policy(load_lm(path, device))
+        lm = load_lm(path, device)
         if gradient_checkpointing:
-            enable_gradient_checkpointing(policy.lm)
+            enable_gradient_checkpointing(lm)
+        policy = Policy(add_adapters(lm, lora, seed) if lora else lm)
         if world == 1:
             return policy
         return torch.nn.parallel.DistributedDataParallel(policy, device_ids=[device.index] if device.type == "cuda"
@@ -126,6 +129,9 @@ def load_policy(path: str, world: int, device, parallel: str = "ddp", bf16: bool
         pass                                     # the model has none: keep the derived one
     if gradient_checkpointing:
         enable_gradient_checkpointing(lm)
+    if lora:
+        with params_on_meta():
+            lm = add_adapters(lm, lora, seed)
     buffers = {name: b.clone() for name, b in lm.named_buffers()}
     policy = shard(Policy(lm), bf16)
     policy.to_empty(device=device)               # this rank's shards; buffers need their values again
@@ -134,7 +140,8 @@ def load_policy(path: str, world: int, device, parallel: str = "ddp", bf16: bool
             b.copy_(buffers[name])
     full = {}
     if rank == 0:                                 # the checkpoint's own dtype: bf16 for most released models
-        full = {f"lm.{k}": v for k, v in AutoModelForCausalLM.from_pretrained(path, dtype="auto").state_dict().items()}
+        full_lm = AutoModelForCausalLM.from_pretrained(path, dtype="auto")
+        full = {f"lm.{k}": v for k, v in (add_adapters(full_lm, lora, seed) if lora else full_lm).state_dict().items()}
     set_model_state_dict(policy, full, options=StateDictOptions(full_state_dict=True, broadcast_from_rank0=True))
     del full
     return policy.eval()
@@ -313,9 +320,30 @@ def no_grad_sync(policy, last: bool):
     return contextlib.nullcontext()
 
 
-def full_named_parameters(policy, dtype=None):
-    """(name, full tensor) of the LM's parameters one at a time, gathering FSDP2 shards (a collective: every rank
-    iterates to the end), cast to `dtype` if given. Peak extra memory: one full parameter."""
+def full_named_parameters(policy, dtype=None, trainable: bool = False):
+    """(name, full tensor) of the LM's parameters (trainable: only those the optimiser updates) one at a time,
+    gathering FSDP2 shards (a collective: every rank iterates to the end), cast to `dtype` if given. Peak extra
+    memory: one full parameter."""
     for name, p in unwrap(policy).lm.named_parameters():
+        if trainable and not p.requires_grad:
+            continue
         full = (p.full_tensor() if hasattr(p, "full_tensor") else p).detach()
         yield name, full if dtype is None else full.to(dtype)
+
+
+def generator_weights(policy, merged: bool = False):
+    """What a generator takes after an optimiser step, one full tensor at a time (a collective under FSDP2): every
+    parameter (full fine-tuning); with LoRA the adapters' tensors, or (merged) W + (α/r)·B·A in the base model's
+    names, for a generator that cannot take an adapter (harness/lora.py)."""
+    lm = unwrap(policy).lm
+    if not is_lora(lm):
+        return full_named_parameters(policy)
+    if merged:
+        config = lm.peft_config[ADAPTER]
+        return merged_weights(full_named_parameters(policy), config.lora_alpha / config.r)
+    return adapter_weights(full_named_parameters(policy, trainable=True))
+
+
+def trainable_parameters(policy) -> list:
+    """The parameters the optimiser updates: all of them, or with LoRA the adapters'."""
+    return [p for p in policy.parameters() if p.requires_grad]

@@ -18,7 +18,8 @@ import torch
 import rollout
 from harness import cli, config, dataset, models, search as search_mod, settings
 from harness.run import checkpoint, coldstart, parallel, rundir, watchdog
-from harness.run.policy import load_policy, unwrap
+from harness.lora import AdaptersOff
+from harness.run.policy import generator_weights, load_policy, trainable_parameters, unwrap
 
 
 @dataclass
@@ -38,7 +39,8 @@ class Run:
     steps: int                               # the run's last step
     start_step: int                          # 0, or the step of the checkpoint a resume starts from
     policy: torch.nn.Module                  # harness.run.policy.Policy, placed for `world` processes
-    ref: torch.nn.Module | None              # the frozen reference (kl_coef > 0)
+    ref: Callable | None                     # the KL reference (kl_coef > 0): a frozen copy, or the LoRA policy with
+                                             # its adapters off (lora.AdaptersOff)
     optimizer: torch.optim.Optimizer
     generator: rollout.Generator             # the backend's, the watchdog told about each call
     tree_settings: rollout.TreeSettings      # the rollout's settings (algorithm.md §2)
@@ -54,6 +56,11 @@ class Run:
     def questions_here(self) -> int:
         """Questions per step on this rank."""
         return self.cfg.questions_per_step // self.world
+
+    def generator_weights(self):
+        """The policy's weights as the generator takes them after a step (policy.generator_weights): all, or with
+        LoRA the adapter's tensors (the merged weights for a generator that cannot take an adapter)."""
+        return generator_weights(self.policy, merged=not self.generator.takes_adapter)
 
     def amp(self):
         """bfloat16 autocast when --bf16 resolved to on (parallel.resolve_bf16), else nothing."""
@@ -100,11 +107,14 @@ def set_up(cfg: config.Config, rank: int, world: int, device: torch.device, stat
         f"{steps} steps of {cfg.questions_per_step} questions × k={cfg.k}; {world} process(es) on {device}")
 
     policy, init_path, ref_path = _policy(cfg, base_path, demos, tokenizer, ckpts, rank, world, device, log)
+    lora = settings.lora_settings(cfg)
     ref = None
-    if cfg.kl_coef > 0:                          # frozen reference: the policy RL starts from (also on --resume)
+    if cfg.kl_coef > 0 and lora:                 # the base model RL starts from: the policy with its adapters off
+        ref = AdaptersOff(policy)
+    elif cfg.kl_coef > 0:                        # frozen reference: the policy RL starts from (also on --resume)
         ref = unwrap(load_policy(ref_path, world, device, cfg.parallel, cfg.bf16, rank)).requires_grad_(False)
-    optimizer = torch.optim.AdamW(policy.parameters(), lr=cfg.lr, weight_decay=cfg.weight_decay)
-    generator = make_generator(cfg, init_path, policy, tokenizer, rank, device)
+    optimizer = torch.optim.AdamW(trainable_parameters(policy), lr=cfg.lr, weight_decay=cfg.weight_decay)
+    generator = watchdog.WatchedGenerator(make_generator(cfg, init_path, policy, tokenizer, rank, device))
     parallel.on_close(generator.close)           # a vLLM engine shuts down before the process group is left
     watch = watchdog.Watchdog(rank, cfg.watchdog_min * 60)    # says what a rank that takes too long is doing
     watchdog.set_current(watch)
@@ -116,9 +126,12 @@ def set_up(cfg: config.Config, rank: int, world: int, device: torch.device, stat
         log(f"resumed {run_dir} from {ckpts[-1].name} (step {start_step})")
         if rank == 0:
             rundir.trim_logs(run_dir, start_step)
+    if lora:                                     # the generator holds the base model: the adapters as they are now
+        generator.update_weights(generator_weights(policy, merged=not generator.takes_adapter))
+        log(lora_line(policy, lora, cfg.backend, generator.takes_adapter))
     state.first_step = state.steps_done = start_step
     return Run(cfg, rank, world, device, run_dir, info, tokenizer, search, watchdog.WatchedTools(tool_runner),
-               train_rows, eval_rows, steps, start_step, policy, ref, optimizer, watchdog.WatchedGenerator(generator),
+               train_rows, eval_rows, steps, start_step, policy, ref, optimizer, generator,
                settings.tree_settings(cfg), rollout.Sampling(cfg.temperature, cfg.top_p),
                functools.partial(score, strict_format=cfg.strict_format), log)
 
@@ -126,15 +139,22 @@ def set_up(cfg: config.Config, rank: int, world: int, device: torch.device, stat
 def _policy(cfg, base_path: str, demos: list[dict], tokenizer, ckpts: list[Path], rank: int, world: int, device,
             log) -> tuple[torch.nn.Module, str, str]:
     """(the policy, the model directory it was loaded from, the reference's): the latest checkpoint (--resume), a
-    cached cold start, or the base model, cold-started first (D40) when demonstrations are given and none is cached."""
+    cached cold start, or the base model, cold-started first (D40) when demonstrations are given and none is cached.
+    With LoRA the model is always the one RL starts from, with adapters (a resume's come from its checkpoint)."""
     cs_dir = config.cache_dir(cfg.cache_dir) / "cold_start" / coldstart.cold_start_key(base_path, demos, cfg, world) \
         if demos else None
     need_cold_start = bool(demos) and not (cs_dir / "config.json").exists() and not cfg.resume
     start_path = str(cs_dir) if demos else base_path                  # where RL starts (the reference)
+    lora = settings.lora_settings(cfg)
     if cfg.resume:                               # a checkpoint damaged by hand or a full disk: one line, not a traceback
         models.check_model_dir(ckpts[-1], "--resume")
-    init_path = str(ckpts[-1]) if cfg.resume else (base_path if need_cold_start else start_path)
-    policy = load_policy(init_path, world, device, cfg.parallel, cfg.bf16, rank, cfg.gradient_checkpointing)
+        if lora and demos and not (cs_dir / "config.json").exists():
+            raise cli.UserError(f"--resume: this LoRA run's base model, the cold start cached in {cs_dir}, is gone "
+                                f"(its checkpoints hold the adapters only); {ckpts[-1]} holds the merged model")
+    init_path = str(ckpts[-1]) if cfg.resume and not lora else (base_path if need_cold_start else start_path)
+    load = functools.partial(load_policy, world=world, device=device, parallel=cfg.parallel, bf16=cfg.bf16, rank=rank,
+                             gradient_checkpointing=cfg.gradient_checkpointing, seed=cfg.seed)
+    policy = load(init_path, lora=None if need_cold_start else lora)
     if need_cold_start:
         amp = (lambda: torch.autocast(device.type, dtype=torch.bfloat16)) if cfg.bf16 else contextlib.nullcontext
         steps = settings.cold_start_settings(cfg).steps
@@ -142,4 +162,19 @@ def _policy(cfg, base_path: str, demos: list[dict], tokenizer, ckpts: list[Path]
         coldstart.cold_start(policy, demos, tokenizer, cfg, rank, world, device, amp, log)
         checkpoint.export_model(policy, tokenizer, cs_dir, rank)
         init_path = str(cs_dir)
+        if lora:                                 # the adapters go on the cold-started model
+            del policy
+            policy = load(init_path, lora=lora)
     return policy, init_path, start_path
+
+
+def lora_line(policy, lora, backend: str, takes_adapter: bool) -> str:
+    """The start-up line of a LoRA run: the adapters' size and what the generator receives at each sync."""
+    lm = unwrap(policy).lm
+    trainable = sum(p.numel() for p in trainable_parameters(policy))
+    total = sum(p.numel() for p in lm.parameters())
+    layers = len({n.split(".lora_A.")[0] for n, _ in lm.named_parameters() if ".lora_A." in n})
+    sent = "the adapter's tensors" if takes_adapter else "the merged weights W + (α/r)·B·A (it cannot take an adapter)"
+    return (f"LoRA: rank {lora.rank}, alpha {lora.alpha:g} on {layers} layers: {trainable:,} trainable parameters "
+            f"({100 * trainable / total:.2f}% of {total:,}); the KL reference is the model with the adapters off; "
+            f"the generator ({backend}) receives {sent} after each step")

@@ -75,6 +75,7 @@ class WatchedGenerator:
 
     def __init__(self, inner):
         self.inner, self.vocab_size = inner, inner.vocab_size
+        self.takes_adapter = getattr(inner, "takes_adapter", False)     # a generator without LoRA layers: no
 
     def generate(self, contexts, max_new_tokens, seed, sampling=None, on_step=None):
         with activity(f"generating ({len(contexts)} contexts, up to {max(max_new_tokens, default=0)} tokens)"):
