@@ -308,8 +308,8 @@ def one_process_gradient(saved: list[dict], model: str) -> dict:
             rewards.append(r)
     rewards = torch.cat(rewards)
     lora = settings.lora_settings(cfg)
-    policy = policy_mod.load_policy(model, 1, torch.device("cpu"), gradient_checkpointing=cfg.gradient_checkpointing,
-                                    lora=lora, seed=cfg.seed)
+    policy = policy_mod.load_policy(model, 1, torch.device("cpu"), bf16=cfg.bf16,
+                                    gradient_checkpointing=cfg.gradient_checkpointing, lora=lora, seed=cfg.seed)
     ref = None
     if cfg.kl_coef > 0:
         ref = AdaptersOff(policy) if lora else policy_mod.load_policy(model, 1, torch.device("cpu")).requires_grad_(False)

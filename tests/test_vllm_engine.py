@@ -9,6 +9,9 @@ In the project's own environment vllm is not importable and every test here is s
   parameter out is an error.
 - `train.py --backend vllm --device cpu`: 2 steps with tool calls and branches, in 1 process and in 2 under torchrun,
   exit 0 without a traceback, metrics written (the commands the README gives, in a quick form).
+- LoRA: the engine holds the base model and takes only the adapter; after every step its log-probs are the adapted
+  trainer's (the mismatch metric at float32 rounding, the stale-weight watch silent), a skipped sync trips the watch;
+  `train.py --backend vllm --config configs/lora.yaml` runs, and the export's merged model and adapter load in vLLM.
 """
 import importlib.util
 import json
@@ -236,3 +239,114 @@ def test_the_14b_config_with_vllm_on_two_processes(tokenizer, tmp_path):
     assert [r["step"] for r in rows] == [1, 2]
     assert all("mismatch/k3" in r for r in rows) and "warning: step" not in log
     assert all(r["mismatch/k3"] < (1e-2 if bf16 == "true" else 1e-4) for r in rows), [r["mismatch/k3"] for r in rows]
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# LoRA: the adapter alone to the engine
+
+
+def test_lora_adapter_sync_keeps_the_engine_on_the_trainers_policy(tokenizer, tmp_path):
+    """A float32 engine built on the base model with LoRA on takes only the adapter (peft's files, loaded in place).
+    Over 5 AdamW steps on the adapters, each step's sampled tokens (T = 1) carry the engine's log-probs, and they equal
+    the trainer's teacher-forced ones for the adapted model: mismatch/k3 at float32 rounding and the stale-weight watch
+    silent, except after step 3, whose sync is skipped on purpose: step 4 samples with the old adapter, its k3 jumps
+    and the watch warns; the next sync brings the engine back."""
+    from harness import lora, mismatch
+    from harness.run import policy as policy_mod
+    from harness.run.runlog import MismatchWatch
+    from tests.conftest import as_ids, chat_prompt, make_tiny_model
+    lm = make_tiny_model(tokenizer, seed=3, tie=True, hidden_size=64)
+    lm.save_pretrained(tmp_path / "tiny")
+    tokenizer.save_pretrained(tmp_path / "tiny")
+    policy = policy_mod.Policy(lora.add_adapters(lm, lora.LoraSettings(rank=8, alpha=16.0)))
+    vgen = VLLMGenerator(str(tmp_path / "tiny"), dtype="float32", lora=policy.lm.peft_config["default"])
+    assert vgen.takes_adapter and vgen.llm.llm_engine.vllm_config.lora_config.max_lora_rank == 8
+    optimizer = torch.optim.AdamW(policy_mod.trainable_parameters(policy), lr=0.05)
+    contexts = [as_ids(chat_prompt(tokenizer, q)) for q in ("What is the capital of France?", "Who wrote Hamlet?",
+                                                               "What is the largest planet?")]
+    watch, rows = MismatchWatch(), []
+    try:
+        for step in range(1, 7):
+            segments = vgen.generate(contexts, [24] * len(contexts), seed=step, sampling=Sampling(temperature=1.0))
+            batch = policy_mod.tensorize([(c, s.token_ids, [1] * len(s.token_ids)) for c, s in zip(contexts, segments)],
+                                         tokenizer.pad_token_id, "cpu", gen_logp=[s.logprobs for s in segments])
+            with torch.no_grad():
+                old, _ = policy(batch.input_ids, batch.attention_mask, batch.mask)
+            k3 = mismatch.mismatch_metrics(mismatch.mismatch_stats(old, batch.gen_logp, batch.mask))["mismatch/k3"]
+            rows.append((step, k3, watch.check(step, {"mismatch/k3": k3})))
+            logp, _ = policy(batch.input_ids, batch.attention_mask, batch.mask)
+            (-(logp * batch.mask).sum() / batch.mask.sum()).backward()
+            optimizer.step()
+            optimizer.zero_grad()
+            if step != 3:                                                  # step 3's sync skipped on purpose
+                vgen.update_weights(policy_mod.generator_weights(policy))
+    finally:
+        vgen.close()
+    print("\nstep | mismatch/k3 | watch")
+    for step, k3, warning in rows:
+        print(f"{step} | {k3:.2e} | {warning or '-'}")
+    synced = [k3 for step, k3, _ in rows if step != 4]
+    assert max(synced) < 1e-8 and not any(w for step, _, w in rows if step != 4)
+    assert rows[3][1] > 1e-3 and "stale or half-loaded weights" in rows[3][2]
+
+
+def test_train_with_lora_on_vllm_and_the_export_loads_in_vllm(tokenizer, tmp_path):
+    """`python train.py --backend vllm --device cpu --config configs/lora.yaml` at toy size (a tiny Llama, the tests'
+    QA set, replay search, 2 steps; a random model's reward is always −1, so an entropy bonus and lr 1e-2 move the
+    adapters): exit 0 without a traceback or a stale-weight
+    warning, the start-up line says the engine receives the adapter, the mismatch metric at the engine's bfloat16
+    level; then vLLM loads the checkpoint's merged model, and its base model with the checkpoint's adapter, and both
+    give the first-position log-probs of the trained policy."""
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM
+    from harness.run import parallel
+    from tests.conftest import QA, as_ids, chat_prompt, make_tiny_model
+    model = tmp_path / "tiny"
+    make_tiny_model(tokenizer, seed=3, hidden_size=64).save_pretrained(model)
+    tokenizer.save_pretrained(model)
+    with open(tmp_path / "qa.jsonl", "w") as f:
+        for q, a in QA:
+            f.write(json.dumps({"question": q, "answer": [a], "query": q.rstrip("?")}) + "\n")
+    (tmp_path / "search.json").write_text(json.dumps({q.rstrip("?"): f"Page 1: {q} The answer is {a}." for q, a in QA}))
+    bf16 = "true" if parallel.resolve_bf16("auto", torch.device("cpu")) else "false"
+    extra = ["--config", "configs/lora.yaml", "--model", str(model), "--train_data", str(tmp_path / "qa.jsonl"),
+             "--eval_data", "", "--cold_start", "false", "--search", "replay",
+             "--search_kw", json.dumps({"path": str(tmp_path / "search.json")}), "--k", "3", "--steps", "2",
+             "--max_response_tokens", "32", "--lr", "1e-2", "--entropy_coef", "0.1", "--bf16", bf16, "--out_dir", str(tmp_path / "runs"),
+             "--run_name", "lora", "--cache_dir", str(tmp_path / "cache")]
+    proc = _run("python train.py --backend vllm --device cpu", extra, {**os.environ, "TOKENIZERS_PARALLELISM": "false"})
+    log = proc.stdout + proc.stderr
+    assert proc.returncode == 0 and "Traceback" not in log, log[-4000:]
+    assert "LoRA: rank 64, alpha 32" in log and "the generator (vllm) receives the adapter's tensors" in log
+    rows = [json.loads(x) for x in (tmp_path / "runs" / "lora" / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in rows] == [1, 2] and "warning: step" not in log
+    assert all(r["mismatch/k3"] < 1e-2 for r in rows), [r["mismatch/k3"] for r in rows]
+    ckpt = tmp_path / "runs" / "lora" / "checkpoints" / "step_000002"
+    context = as_ids(chat_prompt(tokenizer, "What is the capital of France?"))
+    def first_logprobs(lm):
+        with torch.no_grad():
+            return torch.log_softmax(lm.eval()(torch.tensor([context])).logits[0, -1].float(), -1)
+    base = AutoModelForCausalLM.from_pretrained(model, dtype=torch.float32)
+    before = first_logprobs(base)
+    adapted = first_logprobs(PeftModel.from_pretrained(base, ckpt / "adapter"))
+    merged = first_logprobs(AutoModelForCausalLM.from_pretrained(ckpt, dtype=torch.float32))   # bf16 with --bf16
+    assert (adapted - before).abs().max() > 1e-3                           # the adapters moved the policy
+    assert (merged - adapted).abs().max() < (2e-2 if bf16 == "true" else 1e-4)
+    for path, adapter, want in ((ckpt, None, merged), (model, ckpt / "adapter", adapted)):
+        peft_config = None
+        if adapter is not None:
+            from peft import LoraConfig
+            peft_config = LoraConfig.from_pretrained(str(adapter))
+        vgen = VLLMGenerator(str(path), dtype="float32", lora=peft_config)
+        try:
+            kwargs = {}
+            if adapter is not None:
+                request = importlib.import_module("vllm.lora.request").LoRARequest("trained", 1, str(adapter))
+                kwargs["lora_request"] = request
+            out = vgen.llm.generate([vgen.vllm.inputs.TokensPrompt(prompt_token_ids=context)],
+                                    vgen.vllm.SamplingParams(temperature=0, max_tokens=1, logprobs=10),
+                                    use_tqdm=False, **kwargs)
+        finally:
+            vgen.close()
+        got = {tok: lp.logprob for tok, lp in out[0].outputs[0].logprobs[0].items() if lp.rank <= 10}
+        assert max(abs(got[t] - float(want[t])) for t in got) < 1e-4, path

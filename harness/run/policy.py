@@ -105,9 +105,11 @@ def load_policy(path: str, world: int, device, parallel: str = "ddp", bf16: bool
     process group (also of one process: `torchrun --nproc_per_node=1`) -> FSDP2-sharded, built on the meta device and
     filled from rank 0's copy (read in the checkpoint's dtype), so only rank 0 ever reads the weights file. A
     collective under FSDP2: every rank calls it. gradient_checkpointing: recompute activations in backward. lora:
-    adapters on the model (harness/lora.py; A drawn with `seed`), the model's own weights frozen."""
+    adapters on the model (harness/lora.py; A drawn with `seed`) in float32, the model's own weights frozen, and in
+    bfloat16 with bf16 (nothing updates them: they need no float32 master copy)."""
+    base_dtype = torch.bfloat16 if lora and bf16 else torch.float32
     if parallel == "ddp" or not torch.distributed.is_initialized():
-        lm = load_lm(path, device)
+        lm = load_lm(path, device, base_dtype)
         if gradient_checkpointing:
             enable_gradient_checkpointing(lm)
         policy = Policy(add_adapters(lm, lora, seed) if lora else lm)
@@ -122,7 +124,7 @@ def load_policy(path: str, world: int, device, parallel: str = "ddp", bf16: bool
     except OSError as err:
         raise UserError(f"could not load the model {path}: {' '.join(str(err).split())[:200]}") from None
     with params_on_meta():
-        lm = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+        lm = AutoModelForCausalLM.from_config(config, dtype=base_dtype)
     try:                                         # from_config derives one from config.json (Qwen3: 1 EOS id of 2)
         lm.generation_config = GenerationConfig.from_pretrained(path)
     except OSError:
