@@ -49,8 +49,9 @@ from torch.distributed.tensor._sharding_prop import ShardingPropagator
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 import loss  # noqa: E402
-from harness import config as config_mod  # noqa: E402
-from harness.run.policy import MicroBatch, Policy, enable_gradient_checkpointing, full_named_parameters, shard  # noqa: E402
+from harness import config as config_mod, lora as lora_mod  # noqa: E402
+from harness.run.policy import (MicroBatch, Policy, enable_gradient_checkpointing, generator_weights,  # noqa: E402
+                                shard, trainable_parameters)
 
 # huggingface.co/Qwen/Qwen3-14B and /Qwen/Qwen2.5-7B-Instruct, config.json (14.77B and 7.62B parameters)
 ARCHS = {
@@ -63,6 +64,9 @@ ARCHS = {
 }
 CONFIGS = ["configs/aepo_qwen3_14b.yaml", "configs/aepo_qwen25_7b.yaml"]
 GPUS = {"80 GB": 81559 * 2**20, "141 GB": 143771 * 2**20}      # total memory nvidia-smi reports: H100 80GB, H200
+SMALL_GPUS = {"24 GB": 24564 * 2**20, "48 GB": 49140 * 2**20}   # ... RTX 4090, RTX A6000
+LORA_GPUS = {"Qwen/Qwen3-14B": ["80 GB", "141 GB"], "Qwen/Qwen2.5-7B-Instruct": ["24 GB", "48 GB", "80 GB", "141 GB"]}
+LORA_CONFIG = "configs/lora.yaml"        # the LoRA rows: that overlay on each official config, one GPU
 NON_TORCH_GIB = 2.0       # CUDA context, NCCL, a sleeping vLLM's CUDA graphs, fragmentation: an allowance
 ATTENTION = "memsim_fa2_allocations"     # a name with "flash" in it makes transformers look for a kernel
 GIB = 2**30
@@ -80,6 +84,7 @@ class Setting:
     trajectories: int                  # this rank's trajectories in the step (their MicroBatch tensors are held)
     micro_batches: int = 2             # micro-batches of the mini-batch simulated
     chunk: int = 1024                  # the LM head's chunk (harness/run/policy.Policy)
+    lora: lora_mod.LoraSettings | None = None   # adapters on a frozen bfloat16 base (harness/lora.py)
 
 
 # ---------------------------------------------------------------------------------------------------------------------
@@ -168,14 +173,18 @@ def _marked_propagate(self, op_schema):
 # One rank's step
 
 
-def build_policy(family: str, arch: dict, attention: str) -> StaticSelectPolicy:
-    """The LM on the meta device (float32), gradient checkpointing on, sharded by harness.run.policy.shard (bf16)."""
+def build_policy(family: str, arch: dict, attention: str, lora=None) -> StaticSelectPolicy:
+    """The LM on the meta device (float32; with LoRA a bfloat16 base and float32 adapters, as load_policy builds it),
+    gradient checkpointing on, sharded by harness.run.policy.shard (bf16)."""
     from transformers import AttentionInterface, AutoModelForCausalLM, Qwen2Config, Qwen3Config
     AttentionInterface.register(ATTENTION, flash_allocations_attention)
     config = {"qwen3": Qwen3Config, "qwen2": Qwen2Config}[family](**arch, attn_implementation=attention)
     with torch.device("meta"):
-        lm = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+        lm = AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16 if lora else torch.float32)
     enable_gradient_checkpointing(lm)
+    if lora:
+        with torch.device("meta"):
+            lm = lora_mod.add_adapters(lm, lora)
     return shard(StaticSelectPolicy(lm), bf16=True)
 
 
@@ -209,7 +218,7 @@ def run_step(policy, optimizer, batches, setting: Setting, phase) -> dict:
     """The steady-state step's trainer phases; phase(name, peaks) records the phase's peak bytes and yields a callback
     for between micro-batches. Returns {name: peak} and "resident" (what the trainer holds while vLLM generates)."""
     device = batches[0][0].input_ids.device
-    for p in policy.parameters():                      # AdamW's state exists from the first step on
+    for p in trainable_parameters(policy):             # AdamW's state exists from the first step on
         p.grad = torch.zeros_like(p)
     optimizer.step()
     optimizer.zero_grad(set_to_none=True)
@@ -232,8 +241,9 @@ def run_step(policy, optimizer, batches, setting: Setting, phase) -> dict:
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
     peaks["resident"] = peaks.pop("update:current")
-    with phase("weight sync", peaks):
-        for _, full in full_named_parameters(policy, torch.bfloat16):
+    with phase("weight sync", peaks):                  # every parameter in bf16 (vLLM's dtype), or the adapters
+        for _, full in generator_weights(policy):
+            full = full.to(torch.bfloat16)
             del full
     return {key: value for key, value in peaks.items() if not key.endswith(":current")}
 
@@ -279,14 +289,16 @@ def simulate(family: str, arch: dict, setting: Setting, device: str = "fake") ->
     dist.init_process_group({"fake": "fake", "cpu": "gloo", "cuda": "nccl"}[device], rank=0, world_size=setting.world,
                             store=FakeStore() if fake else dist.HashStore())
     try:
-        policy = build_policy(family, arch, ATTENTION if fake else "sdpa")
+        policy = build_policy(family, arch, ATTENTION if fake else "sdpa", setting.lora)
         with FakeTensorMode(allow_non_fake_inputs=True) if fake else contextlib.nullcontext():
             policy.to_empty(device="cpu" if fake else device)
-            optimizer = torch.optim.AdamW(policy.parameters(), lr=1e-6, weight_decay=0.01, foreach=True)  # CUDA's
+            optimizer = torch.optim.AdamW(trainable_parameters(policy), lr=1e-6, weight_decay=0.01,
+                                          foreach=True)  # CUDA's
             batches = step_inputs(setting, "cpu" if fake else device)
             phase = cuda_phase if device == "cuda" else tracker_phase(policy, optimizer, batches)
             peaks = run_step(policy, optimizer, batches, setting, phase)
             peaks["params"] = sum(p.numel() for p in policy.parameters())
+            peaks["trained"] = sum(p.numel() for p in trainable_parameters(policy))
         return peaks
     finally:
         dist.destroy_process_group()
@@ -347,6 +359,49 @@ def report(cfg, arch, results: list[tuple[Setting, dict]]) -> tuple[list, list, 
     return fits, settings, breakdown
 
 
+def lora_settings(config_path: str, micro_batches: int):
+    """(cfg, [Setting]) of configs/lora.yaml over an official config on one GPU: every trajectory of the step on it,
+    micro-batches of 1 row, the config's and verl's."""
+    cfg = config_mod.parse_config(["--config", str(ROOT / config_path), "--config", str(ROOT / LORA_CONFIG)])
+    lora = lora_mod.LoraSettings(cfg.lora_rank, cfg.lora_alpha, cfg.lora_dropout, tuple(cfg.lora_target_modules))
+    per_gpu, mini = cfg.questions_per_step * cfg.k, cfg.mini_batch_size * cfg.k
+    return cfg, [Setting(1, b, cfg.max_prompt_tokens, cfg.max_response_tokens, per_gpu,
+                         min(micro_batches, math.ceil(mini / b)), 1024, lora)
+                 for b in sorted({1, cfg.micro_batch_size, VERL_ROWS})]
+
+
+def lora_report(cfg, arch, results: list[tuple[Setting, dict]]) -> list[list[str]]:
+    """Rows of the LoRA table: per GPU of LORA_GPUS and micro-batch, the trainer's phases, whether it fits without
+    vLLM (the transformers backend: its generation's KV cache is not simulated) and the
+    --vllm_gpu_memory_utilization range that fits with vLLM colocated (its bf16 base weights and KV cache in its
+    share while it generates; asleep at level 1, weights offloaded to the CPU, while the trainer updates; its weights
+    back for the adapter's sync)."""
+    name = cfg.model.split("/")[-1]
+    length = results[0][0].prompt + results[0][0].response
+    head_dim = arch.get("head_dim") or arch["hidden_size"] // arch["num_attention_heads"]
+    kv_token = 2 * arch["num_hidden_layers"] * arch["num_key_value_heads"] * head_dim * 2      # K and V, bf16
+    allowance, gpus = NON_TORCH_GIB * GIB, {**SMALL_GPUS, **GPUS}
+    rows = []
+    for label in LORA_GPUS[cfg.model]:
+        g = gpus[label]
+        for setting, peaks in results:
+            weights = 2 * (peaks["params"] - peaks["trained"])                  # vLLM's copy of the base, bf16
+            training = max(peaks["old-policy pass"], peaks["update"])
+            alone = max(training, peaks["weight sync"], peaks["resident"]) + allowance
+            u_min = (weights + kv_token * length) / g
+            u_max = (g - peaks["resident"] - allowance) / g
+            ok = training + allowance <= g and peaks["weight sync"] + weights + allowance <= g and u_min <= u_max
+            kv = u_max * g - weights
+            rows.append([name, label, f"{setting.batch} x {length:,}",
+                         " / ".join(f"{peaks[k] / GIB:.1f}" for k in ("resident", "old-policy pass", "update",
+                                                                       "weight sync")),
+                         f"{alone / GIB:.1f}: " + ("fits" if alone <= g else "**does not fit**"),
+                         f"{math.ceil(u_min * 100) / 100:.2f}–{math.floor(u_max * 100) / 100:.2f} (KV cache up to "
+                         f"{kv / GIB:.1f} GiB = {kv / kv_token / length:.1f} trajectories)" if ok
+                         else "**does not fit**"])
+    return rows
+
+
 def markdown(header: list[str], rows: list[list[str]]) -> str:
     return "\n".join(["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
                      + ["| " + " | ".join(r) + " |" for r in rows])
@@ -368,6 +423,7 @@ def main() -> None:
     parser.add_argument("--check", choices=["cpu", "cuda"], help="simulated vs measured peaks on a small model")
     parser.add_argument("--arch", help="--check: the Qwen3 shape as JSON (bench/gpu_check.py passes its model's)")
     parser.add_argument("--quick", action="store_true", help="--check: short sequences and a small vocabulary")
+    parser.add_argument("--only", choices=["paper", "lora"], help="only the paper's setting (8 GPUs) or the LoRA rows")
     args = parser.parse_args()
     if args.check:
         if not args.arch:
@@ -376,6 +432,34 @@ def main() -> None:
         print(json.dumps(check(args.check, arch, args.quick)))
         return
     t0, tables = time.time(), ([], [], [])
+    if args.only != "lora":
+        paper_tables(args, tables, t0)
+    if args.only != "paper":
+        lora_table(args, t0)
+    print(f"\n{time.time() - t0:.0f} s")
+
+
+def lora_table(args, t0) -> None:
+    """configs/lora.yaml over each official config on one GPU, printed."""
+    rows = []
+    for path in CONFIGS:
+        cfg, runs = lora_settings(path, args.micro_batches)
+        family, arch = ARCHS[cfg.model]
+        results = []
+        for setting in runs:
+            results.append((setting, simulate(family, arch, setting)))
+            print(f"[memory_sim] LoRA {cfg.model}, {setting.batch} x {setting.prompt + setting.response}: "
+                  f"{time.time() - t0:.0f} s", flush=True)
+        rows += lora_report(cfg, arch, results)
+    print(f"\nLoRA (configs/lora.yaml: rank {cfg.lora_rank} on {', '.join(cfg.lora_target_modules)}; a bfloat16 base)"
+          f" on one GPU at the official token budgets; totals add {NON_TORCH_GIB} GiB; 24 GB = "
+          f"{SMALL_GPUS['24 GB'] / GIB:.1f} GiB, 48 GB = {SMALL_GPUS['48 GB'] / GIB:.1f} GiB:\n")
+    print(markdown(["model", "GPU", "micro-batch", "trainer GiB: rollout / old-policy pass / update / sync",
+                    "without vLLM: peak GiB", "with vLLM: --vllm_gpu_memory_utilization that fits"], rows))
+
+
+def paper_tables(args, tables, t0) -> None:
+    """The paper's setting: each official config over 8 GPUs (FSDP2), printed."""
     for path in CONFIGS:
         cfg, runs = paper_settings(path, WORLD, args.micro_batches)
         family, arch = ARCHS[cfg.model]
@@ -392,7 +476,7 @@ def main() -> None:
           f"{GPUS['80 GB'] / GIB:.1f} GiB, 141 GB = {GPUS['141 GB'] / GIB:.1f} GiB.\n")
     print(markdown(["model", "GPU", "largest simulated micro-batch that fits",
                     "--vllm_gpu_memory_utilization that fits", "vLLM's KV cache at the config's (at most)"], tables[1]))
-    print("\n" + "\n".join(tables[2]) + f"\n\n{time.time() - t0:.0f} s")
+    print("\n" + "\n".join(tables[2]))
 
 
 if __name__ == "__main__":

@@ -171,6 +171,31 @@ def test_memory_sim_holds_rank_zeros_fsdp2_shards():
     assert peaks["params"] == sum(p.numel() for p in lm.parameters())
 
 
+def test_memory_sim_lora_holds_a_bfloat16_base_and_float32_adapters():
+    """With LoRA on one rank: 2 B per base element (frozen, bfloat16: no gradient, no AdamW state), 4 B per adapter
+    element and 4 B of its gradient at the update's peak, 12 B per adapter element after the step (the adapters and
+    their two moments; the gradient freed) beside the base, whose root-module part (embeddings, head, final norm) FSDP2
+    leaves gathered (a frozen parameter has no post-backward hook to reshard it); the sync sends the adapters
+    alone."""
+    import memory_sim
+    from harness import lora
+    from transformers import AutoModelForCausalLM, Qwen3Config
+    with torch.device("meta"):
+        lm = lora.add_adapters(AutoModelForCausalLM.from_config(Qwen3Config(**MEMSIM_ARCH)), lora.LoraSettings(8))
+    base = sum(p.numel() for p in lm.parameters() if not p.requires_grad)
+    adapters = sum(p.numel() for p in lm.parameters() if p.requires_grad)
+    largest_adapter = max(p.numel() for p in lm.parameters() if p.requires_grad)
+    setting = memory_sim.Setting(world=1, batch=2, prompt=32, response=96, trajectories=4, chunk=32,
+                                 lora=lora.LoraSettings(8))
+    peaks = memory_sim.simulate("qwen3", MEMSIM_ARCH, setting)
+    at_peak = peaks["update:categories"]
+    assert (peaks["params"], peaks["trained"]) == (base + adapters, adapters)
+    assert at_peak["Sharded Param"] == 2 * base + 4 * adapters and at_peak["Sharded Grad"] == 4 * adapters
+    root = sum(p.numel() for n, p in lm.named_parameters() if ".layers." not in n)
+    assert peaks["resident"] - at_peak["Inputs"] == pytest.approx(2 * base + 12 * adapters + 2 * root, rel=1e-3)
+    assert peaks["weight sync"] - peaks["resident"] <= 6 * largest_adapter
+
+
 def test_memory_sim_attention_has_no_score_matrix():
     """Every tensor of a step is linear in the sequence length L (FlashAttention-2's allocations), so 4x the tokens
     cost at most 4x the peak; with a (B, H, L, L) score matrix (transformers' eager attention: 8.2x and 5.9x) not."""
