@@ -358,7 +358,7 @@ def main(argv=None) -> list[dict]:
     for path, rows in datasets:
         if not rows:
             raise UserError(f"--data {path}: no questions in it")
-    config.check_writable(str(out), "out_dir")
+    rundir.check_writable(str(out), "out_dir")
     if official:
         return protocol.main(cfg, datasets, out)
     judge = Judge.from_env(cfg.judge_url, cfg.judge_model, cfg.judge_api_key,

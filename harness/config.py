@@ -1,9 +1,8 @@
 """The run's configuration: one dataclass of every setting, filled from YAML files and flags, checked before compute.
 
-The defaults (paper §4; algorithm.md §6)
-are the paper's and the official launch scripts' values, except the ones marked [embedded], which size the
-no-argument run for 2 CPU cores (configs/aepo_qwen3_14b.yaml and configs/aepo_qwen25_7b.yaml restore the official
-ones). The four ablation switches of algorithm.md §6 (dynamic_budget, entropy_branching, sg_clip, entropy_advantage) and
+The defaults (paper §4; algorithm.md §6) are the paper's and the official launch scripts' values, except the ones
+marked [embedded], which size the no-argument run for 2 CPU cores (configs/aepo_qwen3_14b.yaml and
+configs/aepo_qwen25_7b.yaml restore the official ones). The four ablation switches of algorithm.md §6 (dynamic_budget, entropy_branching, sg_clip, entropy_advantage) and
 the baselines' switches of §7 are plain settings, each read in one place.
 
     python train.py --help                                 # every flag with its meaning
@@ -192,15 +191,13 @@ class Config:
     dist_timeout_min: int = arg(120, "collective timeout, minutes (ranks wait for each other's rollouts)",
                                 valid="[1, inf)")
     # LoRA (an extension, not in the paper: algorithm.md §9)
-    lora_rank: int = arg(0, "train LoRA adapters of this rank instead of every weight (0 = off: full fine-tuning); "
-                            "the KL reference is the base model with the adapters off, vLLM receives the adapter",
+    lora_rank: int = arg(0, "train LoRA adapters of this rank instead of every weight (0 = full fine-tuning)",
                          valid="[0, 512]", group="LoRA (an extension, not in the paper: algorithm.md §9)")
     lora_alpha: float = arg(16.0, "LoRA scale: W + (lora_alpha / lora_rank)·B·A", valid="(0, inf)")
-    lora_dropout: float = arg(0.0, "dropout on the adapters' input in the update (> 0: the update's forward differs "
-                                   "from the old-policy pass's, so r ≠ 1 before any step)", valid="[0, 1)")
-    lora_target_modules: list[str] = arg(["all-linear"], "layers that get adapters: names or name endings of linear "
-                                                         "layers, e.g. [q_proj, v_proj]; all-linear = every linear "
-                                                         "layer but the LM head (the attention and MLP projections)")
+    lora_dropout: float = arg(0.0, "dropout on the adapters' input in the update (> 0: r ≠ 1 before any step)",
+                              valid="[0, 1)")
+    lora_target_modules: list[str] = arg(["all-linear"], "layers given adapters, by name ending, e.g. [q_proj, "
+                                                         "v_proj]; all-linear: every linear layer but the LM head")
     # run, logging, checkpoints
     out_dir: str = arg("runs", "parent directory of run directories", group="run, logs and checkpoints")
     run_name: str = arg("", "run directory name ('' = <model>-<date-time>; with --resume, '' = latest run)")
@@ -262,16 +259,9 @@ def build_parser(cls=None, prog: str = "train.py", description: str = "AEPO trai
 def check_renamed(argv, renamed: dict) -> None:
     """A flag of `renamed` (an old one) on the command line or in a --config file is a UserError naming what
     replaced it."""
-    import yaml
     argv = list(argv)
     keys = [item[2:].split("=", 1)[0] for item in argv if item.startswith("--")]
-    for i, item in enumerate(argv):
-        path = item.split("=", 1)[1] if item.startswith("--config=") else \
-            argv[i + 1] if item == "--config" and i + 1 < len(argv) else None
-        try:
-            loaded = yaml.safe_load(Path(path).read_text(encoding="utf-8-sig")) if path else None
-        except (OSError, ValueError, yaml.YAMLError):
-            loaded = None                        # the parser reports what is wrong with it
+    for _, _, loaded in _config_files(argv):
         keys += list(loaded) if isinstance(loaded, dict) else []
     for key in keys:
         if key in renamed:
@@ -294,23 +284,31 @@ def parse_args(parser, argv, prog: str) -> dict:
 def _without_empty_configs(argv):
     """argv (None: sys.argv[1:]) without the `--config FILE` / `--config=FILE` pairs whose YAML is empty."""
     import sys
-
-    import yaml
     argv = list(sys.argv[1:] if argv is None else argv)
+    empty = {i: n for i, n, loaded in _config_files(argv) if loaded is None}
     out, i = [], 0
     while i < len(argv):
-        item = argv[i]
+        if i not in empty:
+            out.append(argv[i])
+        i += empty.get(i, 1)
+    return out
+
+
+def _config_files(argv: list[str]) -> list[tuple[int, int, object]]:
+    """Each `--config FILE` (2 items) or `--config=FILE` (1) of argv as (its index, its items, the YAML it holds:
+    None when empty, the string "unreadable" when it cannot be read, which the parser then reports)."""
+    import yaml
+    out = []
+    for i, item in enumerate(argv):
         path = item.split("=", 1)[1] if item.startswith("--config=") else \
             argv[i + 1] if item == "--config" and i + 1 < len(argv) else None
-        step = 1 if item.startswith("--config=") or path is None else 2
+        if path is None:
+            continue
         try:
-            empty = path is not None and Path(path).is_file() and \
-                yaml.safe_load(Path(path).read_text(encoding="utf-8-sig")) is None
+            loaded = yaml.safe_load(Path(path).read_text(encoding="utf-8-sig"))
         except (OSError, ValueError, yaml.YAMLError):
-            empty = False                        # the parser reports what is wrong with it
-        if not empty:
-            out += argv[i:i + step]
-        i += step
+            loaded = "unreadable"
+        out.append((i, 1 if item.startswith("--config=") else 2, loaded))
     return out
 
 
@@ -378,29 +376,3 @@ def cache_dir(path: str | os.PathLike | None = None) -> Path:
     """The on-disk cache of converted models, cold starts, the corpus and the BM25 index: `path` (--cache_dir), else
     $AEPO_CACHE, else ~/.cache/aepo."""
     return Path(path or os.environ.get("AEPO_CACHE") or Path.home() / ".cache" / "aepo")
-
-
-def check_files(cfg: Config) -> None:
-    """The data files exist (their rows are checked when they are read, still before the run folder exists) and
-    --out_dir can be written."""
-    files = {"--train_data": cfg.train_data, "--eval_data": cfg.eval_data,
-             "--cold_start_kw data": cfg.cold_start_kw.get("data", "")}
-    for what, path in files.items():
-        if path and not Path(path).is_file():
-            raise UserError(f"{what} {path}: file not found")
-    check_writable(cfg.out_dir, "out_dir")
-
-
-def check_writable(directory: str, flag: str) -> None:
-    """`directory` can be created and written, creating nothing: its nearest existing ancestor must be a directory
-    that takes a file (a probe file, removed at once)."""
-    import tempfile
-    path = Path(directory).expanduser().absolute()
-    existing = next(p for p in (path, *path.parents) if p.exists())
-    if not existing.is_dir():
-        raise UserError(f"--{flag} {directory}: {existing} is a file, not a directory")
-    try:
-        with tempfile.TemporaryFile(dir=existing):
-            pass
-    except OSError as err:
-        raise UserError(f"--{flag} {directory}: cannot write in {existing} ({err.strerror or err})") from None

@@ -86,13 +86,11 @@ def add_adapters(lm, lora: LoraSettings, seed: int = 0):
     with _quiet():
         model = peft.get_peft_model(lm, config)
     generator = torch.Generator().manual_seed(seed)
-    with torch.no_grad():
+    with torch.no_grad():                        # A anew from `seed` (peft drew it from the global RNG); B is peft's 0
         for name, module in model.named_modules():
             if name.endswith(f"lora_A.{ADAPTER}") and module.weight.device.type != "meta":
                 bound = 1 / math.sqrt(module.weight.shape[1])
                 module.weight.copy_(torch.empty(module.weight.shape).uniform_(-bound, bound, generator=generator))
-            elif name.endswith(f"lora_B.{ADAPTER}") and module.weight.device.type != "meta":
-                module.weight.zero_()
     return model
 
 

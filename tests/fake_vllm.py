@@ -217,7 +217,7 @@ class LLM:
         self.llm_engine = SimpleNamespace(model_config=SimpleNamespace(get_vocab_size=lambda: vocab),
                                           engine_core=SimpleNamespace(shutdown=self._shutdown),
                                           add_lora=self._add_lora)
-        self.adapted, self.lora_id = None, None
+        self.adapted, self.lora_id, self.adapters_used = None, None, []      # the adapter of each generate call
         self.shut_down = False
         if not multiprocess:
             worker = _Worker(self)
@@ -307,6 +307,7 @@ class LLM:
             if sp.seed is not None and not INT64[0] <= sp.seed <= INT64[1]:
                 raise OverflowError("Python int too large to convert to C long")   # numpy int64 seed array
         self.events.append(f"generate:{len(prompts)}:T={params[0].temperature:g}")
+        self.adapters_used.append(None if lora_request is None else lora_request.lora_int_id)
         model = self.model if lora_request is None else self.adapted
         return [self._one(p["prompt_token_ids"], sp, model) for p, sp in zip(prompts, params)]
 

@@ -171,6 +171,30 @@ def test_a_lora_run_trains_the_adapters_and_exports_a_model_and_an_adapter_that_
     assert "LoRA: rank 4, alpha 16 on 14 layers" in out and "receives the adapter's tensors" in out
 
 
+def test_a_lora_runs_optimiser_holds_the_adapters_and_its_reference_is_the_base(setup, tokenizer):
+    """The run as set up (harness/run/startup.py): AdamW holds the adapters and nothing else; the KL reference is the
+    base model (setup's tiny model) however far the adapters have moved; the policy is not."""
+    from harness import generation
+    from harness.models import load_lm
+    from harness.run import rundir, startup
+    cfg = config.parse_config(flags(setup, "lora_setup", **LORA))
+    run = startup.set_up(cfg, 0, 1, torch.device("cpu"), rundir.RunState(), fake_score, generation.make_generator)
+    held = [p for group in run.optimizer.param_groups for p in group["params"]]
+    names = {id(p): n for n, p in run.policy.named_parameters()}
+    assert held and all(".lora_A." in names[id(p)] or ".lora_B." in names[id(p)] for p in held)
+    assert len(held) == sum(1 for n in names.values() if ".lora_" in n)
+    with torch.no_grad():
+        for p in held:
+            p.add_(0.05 * torch.randn(p.shape, generator=torch.Generator().manual_seed(p.numel())))
+        batch = batch_of(tokenizer)
+        ref, _ = run.ref(batch.input_ids, batch.attention_mask, batch.mask)
+        now, _ = run.policy(batch.input_ids, batch.attention_mask, batch.mask)
+        base, _ = policy_mod.Policy(load_lm(str(setup / "tiny"), "cpu"))(batch.input_ids, batch.attention_mask,
+                                                                          batch.mask)
+    torch.testing.assert_close(ref, base, atol=1e-5, rtol=0)
+    assert (now - base).abs().max() > 1e-3
+
+
 def test_a_lora_run_resumes_exactly(setup):
     """3 steps straight against 2 + a resume for the third: the same metrics and merged weights, and the third step's
     update used the restored AdamW moments (a fresh optimiser's first step moves every weight by ±lr)."""
@@ -210,6 +234,7 @@ def test_the_vllm_cycle_with_lora_sleeps_at_level_1(setup, monkeypatch):
     step = ["generate", "sleep1", "wake_up:weights", "add_lora", "wake_up:kv_cache", "reset_prefix_cache"]
     assert kinds == ["add_lora", "reset_prefix_cache"] + step + step + ["shutdown"]
     assert "reload_weights" not in llm.events                          # the base weights never travel
+    assert llm.adapters_used and set(llm.adapters_used) == {1}          # every rollout sampled with the adapter
     exported = weights(run / "checkpoints" / "step_000002")
     for name, p in llm.adapted.named_parameters():                     # the engine's adapted model = the export's
         torch.testing.assert_close(p.detach(), exported[name].float(), atol=1e-6, rtol=0, msg=name)

@@ -1,5 +1,6 @@
-"""A run's folder and its settings: where a run lives, what it records about itself when it starts (its settings,
-git commit and versions), what a --resume may change, and the line an interrupted run prints about what it kept.
+"""A run's folder and its settings: where a run lives (its inputs and output folder checked first), what it records
+about itself when it starts (its settings, git commit and versions), what a --resume may change, and the line an
+interrupted run prints about what it kept.
 """
 from __future__ import annotations
 
@@ -53,6 +54,32 @@ def plan_run(cfg) -> tuple[Path, list[Path]]:
             raise cli.UserError(f"--resume: settings differ from {run_dir}'s: " + "; ".join(changes) +
                                    " (use the run's values, or add --allow_config_change to resume with these)")
     return run_dir, ckpts
+
+
+def check_files(cfg) -> None:
+    """The data files exist (their rows are checked when they are read, still before the run folder exists) and
+    --out_dir can be written."""
+    files = {"--train_data": cfg.train_data, "--eval_data": cfg.eval_data,
+             "--cold_start_kw data": cfg.cold_start_kw.get("data", "")}
+    for what, path in files.items():
+        if path and not Path(path).is_file():
+            raise cli.UserError(f"{what} {path}: file not found")
+    check_writable(cfg.out_dir, "out_dir")
+
+
+def check_writable(directory: str, flag: str) -> None:
+    """`directory` can be created and written, creating nothing: its nearest existing ancestor must be a directory
+    that takes a file (a probe file, removed at once)."""
+    import tempfile
+    path = Path(directory).expanduser().absolute()
+    existing = next(p for p in (path, *path.parents) if p.exists())
+    if not existing.is_dir():
+        raise cli.UserError(f"--{flag} {directory}: {existing} is a file, not a directory")
+    try:
+        with tempfile.TemporaryFile(dir=existing):
+            pass
+    except OSError as err:
+        raise cli.UserError(f"--{flag} {directory}: cannot write in {existing} ({err.strerror or err})") from None
 
 
 def saved_config(run_dir: Path) -> dict:
@@ -162,7 +189,7 @@ def run_info(world: int) -> dict:
     except (OSError, subprocess.SubprocessError):
         commit = None
     versions = {}
-    for name in ("torch", "transformers", "numpy", "vllm", "bm25s", "jsonargparse"):
+    for name in ("torch", "transformers", "numpy", "vllm", "peft", "bm25s", "jsonargparse"):
         try:
             versions[name] = importlib.metadata.version(name)
         except importlib.metadata.PackageNotFoundError:

@@ -84,7 +84,7 @@ def set_up(cfg: config.Config, rank: int, world: int, device: torch.device, stat
     cfg, note = config.fit_world(cfg, world)
     if note:
         log(note)
-    config.check_files(cfg)
+    rundir.check_files(cfg)
     run_dir, ckpts = rundir.plan_run(cfg)
     search_kw = {"cache": cfg.cache_dir, **cfg.search_kw} if cfg.search == "bm25" and cfg.cache_dir else cfg.search_kw
     search = search_mod.make_search(cfg.search, **search_kw)
@@ -128,7 +128,7 @@ def set_up(cfg: config.Config, rank: int, world: int, device: torch.device, stat
             rundir.trim_logs(run_dir, start_step)
     if lora:                                     # the generator holds the base model: the adapters as they are now
         generator.update_weights(generator_weights(policy, merged=not generator.takes_adapter))
-        log(lora_line(policy, lora, cfg.backend, generator.takes_adapter))
+        log(lora_line(policy, lora, cfg, generator.takes_adapter))
     state.first_step = state.steps_done = start_step
     return Run(cfg, rank, world, device, run_dir, info, tokenizer, search, watchdog.WatchedTools(tool_runner),
                train_rows, eval_rows, steps, start_step, policy, ref, optimizer, generator,
@@ -168,13 +168,14 @@ def _policy(cfg, base_path: str, demos: list[dict], tokenizer, ckpts: list[Path]
     return policy, init_path, start_path
 
 
-def lora_line(policy, lora, backend: str, takes_adapter: bool) -> str:
-    """The start-up line of a LoRA run: the adapters' size and what the generator receives at each sync."""
+def lora_line(policy, lora, cfg, takes_adapter: bool) -> str:
+    """The start-up line of a LoRA run: the adapters' size, the reference, what the generator receives at each sync."""
     lm = unwrap(policy).lm
     trainable = sum(p.numel() for p in trainable_parameters(policy))
     total = sum(p.numel() for p in lm.parameters())
     layers = len({n.split(".lora_A.")[0] for n, _ in lm.named_parameters() if ".lora_A." in n})
     sent = "the adapter's tensors" if takes_adapter else "the merged weights W + (α/r)·B·A (it cannot take an adapter)"
+    reference = "; the KL reference is the model with its adapters off" if cfg.kl_coef > 0 else ""
     return (f"LoRA: rank {lora.rank}, alpha {lora.alpha:g} on {layers} layers: {trainable:,} trainable parameters "
-            f"({100 * trainable / total:.2f}% of {total:,}); the KL reference is the model with the adapters off; "
-            f"the generator ({backend}) receives {sent} after each step")
+            f"({100 * trainable / total:.2f}% of {total:,}){reference}; the generator ({cfg.backend}) receives {sent} "
+            "after each step")
