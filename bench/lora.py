@@ -152,8 +152,8 @@ def main(argv=None) -> list[dict]:
     full = next((r for r in results if r["rank"] == 0), results[0])
     print(f"{shape[0]} trajectories of {shape[1]} + {shape[2]} tokens, bf16 {full['bf16']}, median of {args.repeats}; "
           f"sync {full['sync_where']}")
-    print("| setting | trainable parameters | old-policy pass s | update s | step (pass + update) vs full | peak RSS MB "
-          "| AdamW state MB | sent per sync | sync s |")
+    print("| setting | trainable parameters | old-policy pass s | update s | step (pass + update) vs full "
+          "| peak RSS MB | AdamW state MB | sent per sync | sync s |")
     print("|---|---|---|---|---|---|---|---|---|")
     for r in results:
         name = "full fine-tuning" if r["rank"] == 0 else f"LoRA rank {r['rank']}"

@@ -2,8 +2,8 @@
 tests/test_architecture.py checks this map against the tree.
 
 Modules: `cli` (how a command ends), `config` (the flags), `settings` (the settings objects the flags build, one builder
-each), `mismatch` (the generator–trainer mismatch and its correction, algorithm.md §4b), `models` (the embedded model, a
-directory or a hub id), `dataset`, `search` (BM25, replay, retrieval server, web), `correctness` (math_equal, the LLM
+each), `mismatch` (the generator–trainer mismatch and its correction, algorithm.md §4b), `lora` (LoRA adapters, algorithm.md
+§9), `models` (the embedded model, a directory or a hub id), `dataset`, `search` (BM25, replay, retrieval server, web), `correctness` (math_equal, the LLM
 judge), `trees` (tree records, diversity, drawings), `http_client` (bounded HTTP requests), `openai_client`
 (OpenAI-compatible endpoints). `run/`: `run/startup` (a training run's set-up), `run/parallel` and `run/watchdog` (the
 process group), `run/policy` (the model on 1..N processes, micro-batches), `run/checkpoint`, `run/rundir` (the run

@@ -2,8 +2,9 @@
 
 The defaults (paper §4; algorithm.md §6) are the paper's and the official launch scripts' values, except the ones
 marked [embedded], which size the no-argument run for 2 CPU cores (configs/aepo_qwen3_14b.yaml and
-configs/aepo_qwen25_7b.yaml restore the official ones). The four ablation switches of algorithm.md §6 (dynamic_budget, entropy_branching, sg_clip, entropy_advantage) and
-the baselines' switches of §7 are plain settings, each read in one place.
+configs/aepo_qwen25_7b.yaml restore the official ones). The four ablation switches of algorithm.md §6
+(dynamic_budget, entropy_branching, sg_clip, entropy_advantage) and the baselines' switches of §7 are plain settings,
+each read in one place.
 
     python train.py --help                                 # every flag with its meaning
     python train.py --config configs/aepo_qwen3_14b.yaml --config configs/grpo.yaml --k 8   # later ones win

@@ -195,6 +195,13 @@ def load_lm(path: str, device, dtype=torch.float32):
     return lm.to(device).eval()
 
 
+def skeleton(path: str):
+    """The causal LM of `path` built on the meta device from its config alone: its modules, no weights read."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+    with torch.device("meta"):
+        return AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(path))
+
+
 def load_model(path_or_id: str, device: str = "cpu", dtype: str = "auto"):
     """(model, tokenizer) from a local directory or a hub id (models.model_source: a clear one-line error when
     neither is there), on `device` (cpu when CUDA is unavailable)."""

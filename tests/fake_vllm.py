@@ -26,6 +26,12 @@ build (tests/test_vllm_engine.py); this stand-in also plays a GPU and runs in th
   both reset the prefix cache (v1/engine/core.py:EngineCore.sleep). `wake_up(tags)` wakes "weights" and/or
   "kv_cache"; writing weights while they sleep, and generating before both are awake, fail here (vLLM would crash
   or wait forever).
+- LoRA: `enable_lora`, `max_loras`, `max_lora_rank` are engine arguments; `llm_engine.add_lora(request)` reads peft's
+  adapter files into an adapted copy of the model (W + (α/r)·B·A), refuses a rank above `max_lora_rank`
+  (lora/peft_helper.py:validate_legal) and fails while the weights sleep (a level-1 sleep unmaps the LoRA buffers,
+  verl#7434); `generate(..., lora_request=...)` samples with it, and `adapters_used` records each call's adapter.
+  `model_executor.models.ModelRegistry.models` lists no architecture (the registry's lookup falls through), and
+  `config.lora.MaxLoRARanks` is vLLM's list of ranks.
 - Sampling: token-id prompts, per-request `SamplingParams` (temperature 0 = greedy, top-p, `max_tokens`,
   `logprobs=N` = the top-N log-probs of the raw logits plus the sampled token with its true rank, `flat_logprobs`,
   stop strings kept with `include_stop_str_in_output=True`, a per-request seed that must fit an int64:

@@ -1,8 +1,9 @@
 """The switches a real run combines, run together on 2 gloo ranks: a covering set of runs over parallel mode ×
 micro-batching × mismatch correction × precision × gradient checkpointing × how unequal the ranks' trajectory
 lengths are × the loss aggregation (token-mean, Dr. GRPO's sequence-normalised one) × LoRA (every pair of values
-appears in some run), each run's step gradient compared with one process's on the same trajectories. The gradient of one optimiser mini-batch does not depend on how it is cut into micro-batches and ranks
-(the loss divides by its global token count, D18), so every combination must give one process's gradient."""
+appears in some run), each run's step gradient compared with one process's on the same trajectories. The gradient
+of one optimiser mini-batch does not depend on how it is cut into micro-batches and ranks (the loss divides by its
+global token count, D18), so every combination must give one process's gradient."""
 import contextlib
 import dataclasses
 import datetime
@@ -312,7 +313,8 @@ def one_process_gradient(saved: list[dict], model: str) -> dict:
                                     gradient_checkpointing=cfg.gradient_checkpointing, lora=lora, seed=cfg.seed)
     ref = None
     if cfg.kl_coef > 0:
-        ref = AdaptersOff(policy) if lora else policy_mod.load_policy(model, 1, torch.device("cpu")).requires_grad_(False)
+        ref = AdaptersOff(policy) if lora else \
+            policy_mod.load_policy(model, 1, torch.device("cpu")).requires_grad_(False)
     amp = (lambda: torch.autocast("cpu", dtype=torch.bfloat16)) if cfg.bf16 else contextlib.nullcontext
     adv = train.outcome_advantages(union, rewards, cfg, 0)
     batches = train.micro_batches(union, adv, rewards, n_mini, cfg, 0, "cpu")

@@ -3,7 +3,8 @@ gradients of A and B are the chain rule of W' = W + (α/r)·B·A through the ful
 are peft's merge; the KL reference is the base model with the adapters off; a LoRA run trains, checkpoints (adapters
 and their AdamW state only), exports a merged model and a peft adapter that load, resumes exactly, and its bad inputs
 are one line. 2-rank gradients: tests/test_combinations.py (its lora factor); the real vLLM engine:
-tests/test_vllm_engine.py; the GPU's sleep order: test_the_vllm_cycle_with_lora_sleeps_at_level_1 (tests/fake_vllm.py)."""
+tests/test_vllm_engine.py; the GPU's sleep order: test_the_vllm_cycle_with_lora_sleeps_at_level_1
+(tests/fake_vllm.py)."""
 import json
 import sys
 from pathlib import Path
@@ -121,6 +122,15 @@ def test_a_target_the_model_cannot_adapt_is_one_line(targets, message, tokenizer
         lora.check_targets(make_tiny_model(tokenizer), targets)
 
 
+def test_a_bad_target_stops_the_run_before_any_work(setup, capsys):
+    """The targets are checked on the model's skeleton before the run folder, the cold start or the model's weights."""
+    with pytest.raises(cli.UserError, match="has no module 'qkv_proj'"):
+        train.main(flags(setup, "lora_bad", lora_rank=4, lora_target_modules="[qkv_proj]", cold_start="true"),
+                   score=fake_score)
+    assert not (setup / "runs" / "lora_bad").exists()
+    assert "cold start" not in capsys.readouterr().out
+
+
 def test_lora_settings_out_of_range_are_one_line():
     for flag, value, message in [("lora_rank", "-1", "--lora_rank -1 is out of range: it must be in \\[0, 512\\]"),
                                  ("lora_rank", "1024", "--lora_rank 1024 is out of range"),
@@ -141,15 +151,25 @@ def rows_of(run: Path) -> list[dict]:
     return [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
 
 
-def test_a_lora_run_trains_the_adapters_and_exports_a_model_and_an_adapter_that_load(setup, tokenizer, capsys):
+@pytest.fixture(scope="module")
+def lora_runs(setup):
+    """A LoRA run of 3 steps, and the same run cut after 2 and resumed for the third (real gradients: the tests' reward
+    varies, lr 5e-2, a KL to the base; 2 optimiser steps per rollout)."""
+    common = dict(eval_data=str(setup / "qa.jsonl"), eval_limit=1, **LORA)
+    train.main(flags(setup, "lora_cut", steps=2, **common), score=fake_score)
+    train.main(flags(setup, "lora_cut", steps=3, resume="true", **common), score=fake_score)
+    train.main(flags(setup, "lora_straight", steps=3, **common), score=fake_score)
+    return setup / "runs" / "lora_cut", setup / "runs" / "lora_straight"
+
+
+def test_a_lora_run_trains_the_adapters_and_exports_a_model_and_an_adapter_that_load(setup, lora_runs, tokenizer):
     from peft import PeftModel
     from transformers import AutoModelForCausalLM
-    run = Path(train.main(flags(setup, "lora", steps=2, **LORA), score=fake_score)["run_dir"])
-    out = capsys.readouterr().out + capsys.readouterr().err
+    run = lora_runs[1]
     rows = rows_of(run)
-    assert [r["step"] for r in rows] == [1, 2] and all(r["grad_norm"] > 0 for r in rows)
+    assert [r["step"] for r in rows] == [1, 2, 3] and all(r["grad_norm"] > 0 for r in rows)
     assert rows[1]["kl_ref"] > 0                                       # the adapters moved the policy off its base
-    ckpt = run / "checkpoints" / "step_000002"
+    ckpt = run / "checkpoints" / "step_000003"
     base = weights(setup / "tiny")
     merged = weights(ckpt)
     assert set(merged) == set(base)
@@ -168,12 +188,12 @@ def test_a_lora_run_trains_the_adapters_and_exports_a_model_and_an_adapter_that_
         a = plain(input_ids=batch.input_ids).logits
         b = via_peft.eval()(input_ids=batch.input_ids).logits
     torch.testing.assert_close(a, b, atol=1e-4, rtol=1e-4)
-    assert "LoRA: rank 4, alpha 16 on 14 layers" in out and "receives the adapter's tensors" in out
 
 
-def test_a_lora_runs_optimiser_holds_the_adapters_and_its_reference_is_the_base(setup, tokenizer):
+def test_a_lora_runs_optimiser_holds_the_adapters_and_its_reference_is_the_base(setup, tokenizer, capsys):
     """The run as set up (harness/run/startup.py): AdamW holds the adapters and nothing else; the KL reference is the
-    base model (setup's tiny model) however far the adapters have moved; the policy is not."""
+    base model (setup's tiny model) however far the adapters have moved; the policy is not; the start-up line says
+    so."""
     from harness import generation
     from harness.models import load_lm
     from harness.run import rundir, startup
@@ -193,15 +213,15 @@ def test_a_lora_runs_optimiser_holds_the_adapters_and_its_reference_is_the_base(
                                                                           batch.mask)
     torch.testing.assert_close(ref, base, atol=1e-5, rtol=0)
     assert (now - base).abs().max() > 1e-3
+    out = capsys.readouterr().out
+    assert "LoRA: rank 4, alpha 16 on 14 layers" in out and "the KL reference is the model with its adapters off" in out
+    assert "the generator (transformers) receives the adapter's tensors" in out
 
 
-def test_a_lora_run_resumes_exactly(setup):
-    """3 steps straight against 2 + a resume for the third: the same metrics and merged weights, and the third step's
-    update used the restored AdamW moments (a fresh optimiser's first step moves every weight by ±lr)."""
-    common = dict(eval_data=str(setup / "qa.jsonl"), eval_limit=1, **LORA)
-    train.main(flags(setup, "lora_cut", steps=2, **common), score=fake_score)
-    train.main(flags(setup, "lora_cut", steps=3, resume="true", **common), score=fake_score)
-    train.main(flags(setup, "lora_straight", steps=3, **common), score=fake_score)
+def test_a_lora_run_resumes_exactly(setup, lora_runs):
+    """3 steps straight against 2 + a resume for the third: the same metrics and merged weights (the third step's
+    update needs the restored AdamW moments: a fresh optimiser gives another pg_loss already in its second
+    mini-batch); a resume with another rank is refused."""
     a, b = rows_of(setup / "runs" / "lora_cut"), rows_of(setup / "runs" / "lora_straight")
     assert [r["step"] for r in a] == [1, 2, 3]
     assert a[2]["grad_norm"] > 0
@@ -212,7 +232,7 @@ def test_a_lora_run_resumes_exactly(setup):
     for k in wa:
         torch.testing.assert_close(wa[k], wb[k], atol=1e-7, rtol=0, msg=k)
     with pytest.raises(cli.UserError, match="lora_rank: 4 -> 8"):
-        train.main(flags(setup, "lora_cut", steps=4, resume="true", **{**common, "lora_rank": 8}), score=fake_score)
+        train.main(flags(setup, "lora_cut", steps=4, resume="true", **{**LORA, "lora_rank": 8}), score=fake_score)
 
 
 def test_the_vllm_cycle_with_lora_sleeps_at_level_1(setup, monkeypatch):
@@ -257,6 +277,8 @@ def test_two_rank_lora_runs_resume_exactly(parallel, setup):
     a, b = rows_of(setup / "runs" / cut), rows_of(setup / "runs" / straight)
     assert [r["step"] for r in a] == [r["step"] for r in b] == [1, 2, 3]
     assert all(r["trajectories"] == 4 and r["grad_norm"] > 0 for r in a)
+    # the generator kept up: the policy's own module (DDP), the unsharded copy fed the merged weights (FSDP2)
+    assert all(r["mismatch/k3"] < 1e-6 for r in a + b), [r["mismatch/k3"] for r in a + b]
     for key in ("reward", "pg_loss", "grad_norm", "entropy", "kl_ref", "resp_len"):
         assert a[2][key] == pytest.approx(b[2][key], rel=1e-6, abs=1e-9), key
     step3 = setup / "runs" / cut / "checkpoints" / "step_000003"

@@ -312,7 +312,8 @@ def test_train_with_lora_on_vllm_and_the_export_loads_in_vllm(tokenizer, tmp_pat
     extra = ["--config", "configs/lora.yaml", "--model", str(model), "--train_data", str(tmp_path / "qa.jsonl"),
              "--eval_data", "", "--cold_start", "false", "--search", "replay",
              "--search_kw", json.dumps({"path": str(tmp_path / "search.json")}), "--k", "3", "--steps", "2",
-             "--max_response_tokens", "32", "--lr", "1e-2", "--entropy_coef", "0.1", "--bf16", bf16, "--out_dir", str(tmp_path / "runs"),
+             "--max_response_tokens", "32", "--lr", "1e-2", "--entropy_coef", "0.1", "--bf16", bf16,
+             "--out_dir", str(tmp_path / "runs"),
              "--run_name", "lora", "--cache_dir", str(tmp_path / "cache")]
     proc = _run("python train.py --backend vllm --device cpu", extra, {**os.environ, "TOKENIZERS_PARALLELISM": "false"})
     log = proc.stdout + proc.stderr

@@ -85,6 +85,16 @@ class VLLMGenerator:
       `generate` asks for the top 10 on a segment's first n_entropy positions only and samples the rest in a second
       request that continues from them (prefix cache hit), asking there for the sampled token's log-prob alone
       (`logprobs=0`) at temperature 1, where vLLM's raw log-probs are the trainer's (the mismatch metrics).
+    - LoRA (`lora`: the policy's resolved peft LoraConfig): the engine is built on the base model with
+      `enable_lora=True`, `max_loras=1` and `max_lora_rank` the smallest of config/lora.py:MaxLoRARanks that holds the
+      rank (peft_helper.py:PEFTHelper.validate_legal refuses a larger one). A sync writes peft's files and calls
+      `llm_engine.add_lora(LoRARequest(..., load_inplace=True))`: lora/worker_manager.py:WorkerLoRAManager.add_adapter
+      reloads an adapter of the same id in place; every generate request then names it (LLM.generate's
+      `lora_request`). The prefix cache keys blocks by the adapter's name and path
+      (v1/core/kv_cache_utils.py:_gen_lora_extra_hash_keys), the same at every sync: it is reset then. On a GPU the
+      engine sleeps at level 1 (level 2 discards the base weights, which no adapter sync brings back) and wakes its weights
+      before `add_lora`. A model class without SupportsLoRA (model_executor/models/interfaces.py:supports_lora, read
+      from the registry before building) gets the merged weights through the in-place reload instead.
     - Shutting the engine down (`close`: v1/engine/core_client.py:InprocClient.shutdown -> v1/engine/core.py:
       EngineCore.shutdown) destroys vLLM's process groups and the default one (distributed/parallel_state.py:
       cleanup_dist_env_and_memory): it must run before the trainer leaves its process group (parallel.on_close).

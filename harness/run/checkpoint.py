@@ -7,6 +7,8 @@ A checkpoint `runs/<name>/checkpoints/step_NNNNNN/` holds
 - `trainer/`: every rank's shard of the float32 model and of the AdamW state, written and read by each rank itself
   (`torch.distributed.checkpoint`, so no rank gathers the optimiser state and another world size can read it);
 - `trainer_state.pt`: step, every rank's RNG states (the step fixes the data order: dataset.step_questions); `config.yaml`, `run_info.json`.
+With LoRA (harness/lora.py) the export is the merged model, `adapter/` holds the adapter in peft's files, and `trainer/`
+only the adapters and their moments (the base is loaded from where RL started).
 Size per parameter: 4 B model shard + 8 B AdamW moments + 4 B (2 B with --bf16) export = 16 B (14 B); with
 `--save_trainer_state false` only the export and trainer_state.pt are written (4 B / 2 B per parameter) and a
 resume restarts the AdamW moments. Everything is written into `.tmp_step_NNNNNN/` and renamed when complete, so a

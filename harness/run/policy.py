@@ -9,7 +9,8 @@ Placement: one process holds the whole model; DDP replicates it; FSDP2 (`fully_s
 the root group) shards parameters, gradients and optimiser state. A sharded model is built on the meta device and
 filled from rank 0's copy of the checkpoint (`broadcast_from_rank0`), read in the checkpoint's own dtype (bfloat16
 for released models), so no rank but 0 ever holds the full model. Parameters stay float32 (the optimiser's master
-weights); `--bf16` computes in bfloat16 (FSDP2 mixed precision, autocast elsewhere). Also here: the inputs' layout
+weights); `--bf16` computes in bfloat16 (FSDP2 mixed precision, autocast elsewhere). With LoRA (harness/lora.py) the
+model carries peft's adapters, the only trained (float32) parameters, over a frozen base. Also here: the inputs' layout
 (`MicroBatch`, `tensorize`: padded ids and the loss mask), the cold start's forward/backward over a mini-batch's
 micro-batches (`backward_micro_batches`; `located` says where an error happened) and the optimiser step
 (gradient-norm clip over shards).

@@ -18,7 +18,7 @@ import torch
 import rollout
 from harness import cli, config, dataset, models, search as search_mod, settings
 from harness.run import checkpoint, coldstart, parallel, rundir, watchdog
-from harness.lora import AdaptersOff
+from harness.lora import AdaptersOff, check_targets
 from harness.run.policy import generator_weights, load_policy, trainable_parameters, unwrap
 
 
@@ -91,6 +91,8 @@ def set_up(cfg: config.Config, rank: int, world: int, device: torch.device, stat
     search_mod.check_reachable(search)
     base_path = parallel.on_rank0(lambda: models.resolve_model(cfg))   # rank 0 converts the embedded model once
     tokenizer = models.load_tokenizer(base_path)
+    if cfg.lora_rank:                            # the targets checked on the model's skeleton, before any work
+        check_targets(models.skeleton(base_path), cfg.lora_target_modules)
     log(settings.python_isolation(cfg.python_isolation))              # every rank runs its own python calls
     tool_runner = state.tools = settings.make_tools(search, cfg.python_limits)
     train_rows = dataset.load_questions(cfg.train_data, tokenizer, cfg.max_prompt_tokens, "train_data", cfg.skip_bad)
@@ -146,7 +148,7 @@ def _policy(cfg, base_path: str, demos: list[dict], tokenizer, ckpts: list[Path]
     need_cold_start = bool(demos) and not (cs_dir / "config.json").exists() and not cfg.resume
     start_path = str(cs_dir) if demos else base_path                  # where RL starts (the reference)
     lora = settings.lora_settings(cfg)
-    if cfg.resume:                               # a checkpoint damaged by hand or a full disk: one line, not a traceback
+    if cfg.resume:                          # a checkpoint damaged by hand or a full disk: one line, not a traceback
         models.check_model_dir(ckpts[-1], "--resume")
         if lora and demos and not (cs_dir / "config.json").exists():
             raise cli.UserError(f"--resume: this LoRA run's base model, the cold start cached in {cs_dir}, is gone "
