@@ -35,7 +35,9 @@ EVAL_ON_CPU = ["python eval.py --run runs/<name>", "python eval.py --run runs/<n
                "--out_dir runs/eval/x",
                "python eval.py --model PATH --data '[data/qa_test.jsonl, ../shared/data/benchmarks/bamboogle.jsonl]'"]
 MISSING_DATA = ["python train.py --config configs/aepo_qwen3_14b.yaml --backend vllm --bf16 true",
-                "python train.py --config configs/aepo_qwen3_14b.yaml --config configs/grpo.yaml --k 8"]
+                "python train.py --config configs/aepo_qwen3_14b.yaml --config configs/grpo.yaml --k 8",
+                "python train.py --config configs/aepo_qwen3_14b.yaml --config configs/lora.yaml --lr 1e-5"]
+LORA_ON_CPU = ["python train.py --config configs/lora.yaml --lr 1e-4"]
 NOT_ON_CPU = ["torchrun --nproc_per_node=8 train.py --config configs/aepo_qwen3_14b.yaml --parallel fsdp --backend vllm "
               "--bf16 true", "torchrun --nproc_per_node=8 train.py --config configs/aepo_qwen3_14b.yaml --parallel fsdp",
               "torchrun --nnodes=2",                     # 8 GPUs / several nodes
@@ -64,7 +66,7 @@ def documented_commands() -> list[str]:
 
 
 def test_every_documented_command_is_covered():
-    covered = TRAIN_ON_CPU + EVAL_ON_CPU + MISSING_DATA + HELP + TREES + VLLM_ON_CPU + OFFICIAL_OFFLINE
+    covered = TRAIN_ON_CPU + LORA_ON_CPU + EVAL_ON_CPU + MISSING_DATA + HELP + TREES + VLLM_ON_CPU + OFFICIAL_OFFLINE
     for command in documented_commands():
         if command.startswith("python bench/"):
             continue                                          # test_benchmark_scripts_answer_help
@@ -122,6 +124,17 @@ def test_training_commands_run_as_written(scratch):
     row = json.loads((two / "metrics.jsonl").read_text())
     assert row["trajectories"] == 4 * 2                        # questions_per_step grew to 2 per process x k=2
     assert "2 processes: --questions_per_step 2 -> 4" in proc.stdout + proc.stderr
+
+
+@pytest.mark.slow
+def test_the_lora_command_runs_as_written(scratch):
+    """The README's LoRA command on the embedded model, in its quick form: the start-up line, a checkpoint with the
+    merged model and the adapter."""
+    proc = run(LORA_ON_CPU[0], scratch, quick(LORA_ON_CPU[0]) + LEAN + ["--out_dir", "runs_lora"])
+    assert proc.returncode == 0 and "Traceback" not in proc.stderr, proc.stderr[-3000:]
+    assert "LoRA: rank 64, alpha 32 on 210 layers" in proc.stdout + proc.stderr
+    step = next((scratch / "runs_lora").iterdir()) / "checkpoints" / "step_000001"
+    assert (step / "model.safetensors").exists() and (step / "adapter" / "adapter_model.safetensors").exists()
 
 
 @pytest.mark.slow
