@@ -385,7 +385,7 @@ def _hang_worker(rank, world, port, tok_dir, log_dir):
     log = open(Path(log_dir) / f"rank{rank}.txt", "w", buffering=1)
     policy_mod.even_out = lambda groups, count: groups        # the old bug: each rank keeps its own count
     run = {"parallel": "fsdp", "micro_batches": "token budget", "correction": "off", "precision": "float32",
-           "checkpointing": "off", "lengths": "equal", "loss_agg": "token-mean"}
+           "checkpointing": "off", "lengths": "equal", "loss_agg": "token-mean", "lora": "off"}
     trajectories, rewards = hand_made_trajectories()
     mine = slice(rank * 4, (rank + 1) * 4)
     policy = make_policy(AutoTokenizer.from_pretrained(tok_dir), run, world)
