@@ -439,18 +439,23 @@ def main() -> None:
     print(f"\n{time.time() - t0:.0f} s")
 
 
+def simulate_all(cfg, runs: list[Setting], t0: float, label: str = "") -> list[tuple[Setting, dict]]:
+    """(setting, simulate's peaks) of each of a config's settings, a progress line each."""
+    family, arch = ARCHS[cfg.model]
+    results = []
+    for setting in runs:
+        results.append((setting, simulate(family, arch, setting)))
+        print(f"[memory_sim] {label}{cfg.model}, {setting.batch} x {setting.prompt + setting.response}: "
+              f"{time.time() - t0:.0f} s", flush=True)
+    return results
+
+
 def lora_table(args, t0) -> None:
     """configs/lora.yaml over each official config on one GPU, printed."""
     rows = []
     for path in CONFIGS:
         cfg, runs = lora_settings(path, args.micro_batches)
-        family, arch = ARCHS[cfg.model]
-        results = []
-        for setting in runs:
-            results.append((setting, simulate(family, arch, setting)))
-            print(f"[memory_sim] LoRA {cfg.model}, {setting.batch} x {setting.prompt + setting.response}: "
-                  f"{time.time() - t0:.0f} s", flush=True)
-        rows += lora_report(cfg, arch, results)
+        rows += lora_report(cfg, ARCHS[cfg.model][1], simulate_all(cfg, runs, t0, "LoRA "))
     print(f"\nLoRA (configs/lora.yaml: rank {cfg.lora_rank} on {', '.join(cfg.lora_target_modules)}; a bfloat16 base)"
           f" on one GPU at the official token budgets; totals add {NON_TORCH_GIB} GiB; 24 GB = "
           f"{SMALL_GPUS['24 GB'] / GIB:.1f} GiB, 48 GB = {SMALL_GPUS['48 GB'] / GIB:.1f} GiB:\n")
@@ -462,13 +467,7 @@ def paper_tables(args, tables, t0) -> None:
     """The paper's setting: each official config over 8 GPUs (FSDP2), printed."""
     for path in CONFIGS:
         cfg, runs = paper_settings(path, WORLD, args.micro_batches)
-        family, arch = ARCHS[cfg.model]
-        results = []
-        for setting in runs:
-            results.append((setting, simulate(family, arch, setting)))
-            print(f"[memory_sim] {cfg.model}, {setting.batch} x {setting.prompt + setting.response}: "
-                  f"{time.time() - t0:.0f} s", flush=True)
-        for table, rows in zip(tables, report(cfg, arch, results)):
+        for table, rows in zip(tables, report(cfg, ARCHS[cfg.model][1], simulate_all(cfg, runs, t0))):
             table += rows
     print(markdown(["model", "GPUs", "phase", "micro-batch", "trainer peak / rank GiB", "vLLM GiB (80 / 141 GB)",
                     "total GiB on 80 GB", "total GiB on 141 GB"], tables[0]))
