@@ -2,7 +2,7 @@
 gradients of A and B are the chain rule of W' = W + (α/r)·B·A through the full weight's gradient; the merged weights
 are peft's merge; the KL reference is the base model with the adapters off; a LoRA run trains, checkpoints (adapters
 and their AdamW state only), exports a merged model and a peft adapter that load, resumes exactly, and its bad inputs
-are one line. 2-rank gradients: tests/test_combinations.py (its lora factor); the real vLLM engine:
+are one line; an engine that serves no adapter gets the merged weights. 2-rank gradients: tests/test_combinations.py (its lora factor); the real vLLM engine:
 tests/test_vllm_engine.py; the GPU's sleep order: test_the_vllm_cycle_with_lora_sleeps_at_level_1
 (tests/fake_vllm.py)."""
 import json
@@ -293,3 +293,24 @@ def test_two_rank_lora_runs_resume_exactly(parallel, setup):
     assert all(".lora_" in k for k in stored if k.startswith(("model.", "optim.state.")))
     shards = sorted(p.name for p in (step3 / "trainer").glob("*.distcp"))
     assert shards == ["__0_0.distcp", "__1_0.distcp"]
+
+
+def test_an_engine_that_cannot_take_an_adapter_gets_the_merged_weights(setup, monkeypatch, capsys):
+    """A model class vLLM serves no adapter on (the registry lists it without SupportsLoRA): the engine is built
+    without LoRA, the start-up line says so, every sync reloads the merged weights W + (α/r)·B·A in place, and the
+    engine ends with the checkpoint's merged model."""
+    from types import SimpleNamespace
+    from tests import fake_vllm
+    monkeypatch.setitem(sys.modules, "vllm", fake_vllm)
+    monkeypatch.delenv("VLLM_ENABLE_V1_MULTIPROCESSING", raising=False)
+    monkeypatch.setattr(fake_vllm.models.ModelRegistry, "models",
+                        {"LlamaForCausalLM": SimpleNamespace(load_model_cls=lambda: object)})
+    run = Path(train.main(flags(setup, "vllm_merged", backend="vllm", **{**LORA, "bf16": "true"}),   # vLLM's dtype
+                          score=fake_score)["run_dir"])
+    llm = fake_vllm.LLM.instances[-1]
+    assert "enable_lora" not in llm.kwargs and "add_lora" not in llm.events
+    assert llm.events.count("reload_weights") == 3                     # at set-up and after each of the 2 steps
+    assert "receives the merged weights W + (α/r)·B·A (it cannot take an adapter)" in capsys.readouterr().out
+    exported = weights(run / "checkpoints" / "step_000002")
+    for name, p in llm.model.named_parameters():
+        torch.testing.assert_close(p.detach(), exported[name].float(), atol=1e-6, rtol=0, msg=name)
