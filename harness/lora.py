@@ -43,7 +43,7 @@ def is_lora(lm) -> bool:
 
 
 def linear_layers(lm) -> dict[str, torch.nn.Module]:
-    """{module name: module} of lm's linear layers (of any kind peft can adapt: torch's Linear and its subclasses)."""
+    """{module name: module} of lm's linear layers (torch's Linear and its subclasses)."""
     return {name: m for name, m in lm.named_modules() if isinstance(m, torch.nn.Linear)}
 
 
@@ -53,6 +53,11 @@ def check_targets(lm, targets: Iterable[str]) -> None:
     targets = list(targets)
     if not targets:
         raise UserError(f"--lora_target_modules is empty: name the layers to adapt, or [{ALL_LINEAR}]")
+    conv1d = sorted({name.rsplit(".", 1)[-1] for name, m in lm.named_modules() if type(m).__name__ == "Conv1D"})
+    if conv1d:                                   # GPT-2's transposed layers: merged_weights assumes nn.Linear
+        raise UserError(f"--lora_rank: {type(lm).__name__} computes with transformers' Conv1D layers "
+                        f"({', '.join(conv1d)}), whose LoRA weights are transposed (fan_in_fan_out); LoRA here takes "
+                        "models of nn.Linear layers")
     linear = linear_layers(lm)
     head = lm.get_output_embeddings()
     kinds = sorted({name.rsplit(".", 1)[-1] for name, m in linear.items() if m is not head})

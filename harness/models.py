@@ -195,6 +195,17 @@ def load_lm(path: str, device, dtype=torch.float32):
     return lm.to(device).eval()
 
 
+def fingerprint(path: str) -> str:
+    """A model's identity without reading its weights: a hash of its config.json and its weight files' names and
+    sizes (a hub id that is no local directory: the id itself)."""
+    folder = Path(path)
+    if not (folder / "config.json").is_file():
+        return str(path)
+    files = sorted(folder.glob("*.safetensors")) + sorted(folder.glob("pytorch_model*.bin"))
+    key = (folder / "config.json").read_text(encoding="utf-8") + "".join(f"{f.name}:{f.stat().st_size};" for f in files)
+    return hashlib.sha256(key.encode()).hexdigest()[:16]
+
+
 def skeleton(path: str):
     """The causal LM of `path` built on the meta device from its config alone: its modules, no weights read."""
     from transformers import AutoConfig, AutoModelForCausalLM

@@ -278,8 +278,9 @@ class LLM:
     @torch.no_grad()
     def _add_lora(self, request):
         """llm_engine.add_lora: peft's adapter files read (lora/worker_manager.py:_load_adapter; a rank above
-        max_lora_rank is refused, peft_helper.py:validate_legal) into the engine's adapted model, W + (α/r)·B·A.
-        With the weights asleep it fails: a level-1 sleep unmaps the LoRA buffers (verl#7434)."""
+        max_lora_rank is refused, peft_helper.py:validate_legal) into the engine's adapted model, W + (α/r)·B·A; a
+        known id is read again only with load_inplace (worker_manager.py:add_adapter). With the weights asleep it
+        fails: a level-1 sleep unmaps the LoRA buffers (verl#7434)."""
         import copy
         import json
         from safetensors.torch import load_file
@@ -288,6 +289,8 @@ class LLM:
         if "weights" in self.asleep:
             raise RuntimeError("add_lora while the weights sleep: the LoRA buffers are unmapped (verl#7434)")
         self.events.append("add_lora")
+        if request.lora_int_id == self.lora_id and not request.load_inplace:
+            return True                          # a known id without load_inplace: the loaded adapter stays
         cfg = json.loads(open(os.path.join(request.lora_path, "adapter_config.json")).read())
         if cfg["r"] > self.kwargs["max_lora_rank"]:
             raise ValueError(f"LoRA rank {cfg['r']} is greater than max_lora_rank {self.kwargs['max_lora_rank']}.")

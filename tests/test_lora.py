@@ -2,7 +2,8 @@
 gradients of A and B are the chain rule of W' = W + (α/r)·B·A through the full weight's gradient; the merged weights
 are peft's merge; the KL reference is the base model with the adapters off; a LoRA run trains, checkpoints (adapters
 and their AdamW state only), exports a merged model and a peft adapter that load, resumes exactly, and its bad inputs
-are one line; an engine that serves no adapter gets the merged weights. 2-rank gradients: tests/test_combinations.py (its lora factor); the real vLLM engine:
+are one line; an engine that serves no adapter gets the merged weights; a resume finds its own base. 2-rank
+gradients: tests/test_combinations.py (its lora factor); the real vLLM engine:
 tests/test_vllm_engine.py; the GPU's sleep order: test_the_vllm_cycle_with_lora_sleeps_at_level_1
 (tests/fake_vllm.py)."""
 import json
@@ -314,3 +315,42 @@ def test_an_engine_that_cannot_take_an_adapter_gets_the_merged_weights(setup, mo
     exported = weights(run / "checkpoints" / "step_000002")
     for name, p in llm.model.named_parameters():
         torch.testing.assert_close(p.detach(), exported[name].float(), atol=1e-6, rtol=0, msg=name)
+
+
+def test_a_resume_puts_the_adapters_back_on_their_own_base_or_says_why_not(setup, tmp_path, capsys):
+    """A checkpoint records the base its adapters were trained on (run_info.json: path and fingerprint). A resume
+    loads that base; one whose base changed or is gone stops in one line. Without its AdamW state the resume leaves
+    the optimiser untouched (no step of zero gradients: its first update is a first step)."""
+    import shutil
+    from harness import generation
+    from harness.run import rundir, startup
+    base = tmp_path / "base"
+    shutil.copytree(setup / "tiny", base)
+    lean = dict(LORA, model=str(base), save_trainer_state="false", lora_dropout=0.1)
+    run = Path(train.main(flags(setup, "lora_base", steps=1, **lean), score=fake_score)["run_dir"])
+    info = json.loads((run / "checkpoints" / "step_000001" / "run_info.json").read_text())
+    assert info["lora_base"]["path"] == str(base) and len(info["lora_base"]["fingerprint"]) == 16
+    cfg = config.parse_config(flags(setup, "lora_base", steps=2, resume="true", **lean))
+    resumed = startup.set_up(cfg, 0, 1, torch.device("cpu"), rundir.RunState(), fake_score, generation.make_generator)
+    assert not resumed.optimizer.state                                  # no moments, no step count
+    assert not any(m.training for m in resumed.policy.modules())        # adapter dropout off until the update
+    assert "AdamW moments restart from zero" in capsys.readouterr().err
+    config_json = json.loads((base / "config.json").read_text())
+    (base / "config.json").write_text(json.dumps({**config_json, "rms_norm_eps": 1e-3}))
+    with pytest.raises(cli.UserError, match="is not the one its adapters were trained on"):
+        train.main(flags(setup, "lora_base", steps=2, resume="true", **lean), score=fake_score)
+    moved = tmp_path / "moved"                                          # the base gone from where it was recorded
+    base.rename(moved)
+    with pytest.raises(cli.UserError, match=f"base model {base} is gone"):
+        train.main(flags(setup, "lora_base", steps=2, resume="true", allow_config_change="true",
+                         **{**lean, "model": str(moved)}), score=fake_score)
+
+
+def test_gpt2_style_conv1d_layers_are_one_line():
+    """peft's all-linear takes transformers' Conv1D layers, whose adapters are transposed (fan_in_fan_out), which the
+    merge here does not do: refused in one line."""
+    from transformers import GPT2Config, GPT2LMHeadModel
+    with torch.device("meta"):
+        lm = GPT2LMHeadModel(GPT2Config(n_layer=1, n_embd=32, n_head=2, vocab_size=100))
+    with pytest.raises(cli.UserError, match="Conv1D layers \\(c_attn, c_fc, c_proj\\)"):
+        lora.check_targets(lm, ["all-linear"])

@@ -92,7 +92,8 @@ class VLLMGenerator:
       reloads an adapter of the same id in place; every generate request then names it (LLM.generate's
       `lora_request`). The prefix cache keys blocks by the adapter's name and path
       (v1/core/kv_cache_utils.py:_gen_lora_extra_hash_keys), the same at every sync: it is reset then. On a GPU the
-      engine sleeps at level 1 (level 2 discards the base weights, which no adapter sync brings back) and wakes its weights
+      engine sleeps at level 1 (level 2 discards the base weights, which no adapter sync brings back) and wakes its
+      weights
       before `add_lora`. A model class without SupportsLoRA (model_executor/models/interfaces.py:supports_lora, read
       from the registry before building) gets the merged weights through the in-place reload instead.
     - Shutting the engine down (`close`: v1/engine/core_client.py:InprocClient.shutdown -> v1/engine/core.py:
@@ -129,7 +130,6 @@ class VLLMGenerator:
         self.takes_adapter = lora is not None and _serves_lora(vllm_module, model_path)
         if self.takes_adapter:                       # LoRA: the engine holds the base model, each sync the adapter
             llm_kwargs.update(enable_lora=True, max_loras=1, max_lora_rank=_lora_rank_slot(vllm_module, lora.r))
-            self.adapter_dir = Path(tempfile.mkdtemp(prefix="aepo-adapter-"))
         if torch.distributed.is_available() and torch.distributed.is_initialized():
             llm_kwargs.setdefault("distributed_executor_backend", "external_launcher")
             llm_kwargs.setdefault("tensor_parallel_size", 1)
@@ -253,9 +253,15 @@ class VLLMGenerator:
     def _write_adapter(self, named_tensors) -> None:
         """The adapter's files (peft's layout, which vLLM reads), then loaded in place of the previous one (one id:
         vLLM's add_adapter with load_inplace replaces it); every later request names it."""
+        if self.adapter_dir is None:
+            self.adapter_dir = Path(tempfile.mkdtemp(prefix="aepo-adapter-"))
         lora_mod.write_adapter(self.adapter_dir, named_tensors, self.peft_config)
         request = importlib.import_module(self.vllm.__name__ + ".lora.request").LoRARequest
-        self.llm.llm_engine.add_lora(request("policy", 1, str(self.adapter_dir), load_inplace=True))
+        try:
+            self.llm.llm_engine.add_lora(request("policy", 1, str(self.adapter_dir), load_inplace=True))
+        except ValueError as err:                # e.g. a target module vLLM has no LoRA layer for
+            raise UserError(f"vLLM cannot take the adapter (--lora_target_modules, --lora_rank): "
+                            f"{' '.join(str(err).split())[:300]}") from None
         self.lora_request = request("policy", 1, str(self.adapter_dir))
 
     def _worker(self):
@@ -353,9 +359,9 @@ def _serves_lora(vllm_module, model_path: str) -> bool:
     try:
         arch = json.loads((Path(model_path) / "config.json").read_text())["architectures"][0]
         entry = interfaces.ModelRegistry.models[arch]
-    except (OSError, ValueError, KeyError, IndexError, TypeError, AttributeError):
+        return bool(interfaces.supports_lora(entry.load_model_cls()))
+    except (OSError, ValueError, KeyError, IndexError, TypeError, AttributeError, ImportError):
         return True
-    return bool(interfaces.supports_lora(entry.load_model_cls()))
 
 
 def _lora_rank_slot(vllm_module, rank: int) -> int:

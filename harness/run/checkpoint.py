@@ -46,12 +46,16 @@ def _trained_only():
     return StateDictOptions(ignore_frozen_params=True, strict=False)
 
 
-def _trained_state(policy, optimizer) -> tuple[dict, dict]:
-    """This rank's shards of the trained parameters and of the optimiser state (views, no copies). A frozen weight
-    tied to another (an LM head tied to a frozen embedding) is left out too: ignore_frozen_params sees only the
-    first name of a shared parameter."""
-    from torch.distributed.checkpoint.state_dict import get_state_dict
-    model_sd, optim_sd = get_state_dict(policy, optimizer, options=_trained_only())
+def _trained_state(policy, optimizer=None) -> tuple[dict, dict | None]:
+    """This rank's shards of the trained parameters and (with an optimiser) of its state (views, no copies). A frozen
+    weight tied to another (an LM head tied to a frozen embedding) is left out too: ignore_frozen_params sees only the
+    first name of a shared parameter. Without an optimiser it is not touched (get_state_dict would initialise a fresh
+    one's state with a step of zero gradients, step = 1)."""
+    from torch.distributed.checkpoint.state_dict import get_model_state_dict, get_state_dict
+    if optimizer is None:
+        model_sd, optim_sd = get_model_state_dict(policy, options=_trained_only()), None
+    else:
+        model_sd, optim_sd = get_state_dict(policy, optimizer, options=_trained_only())
     frozen = {name.removeprefix("module.") for name, p in policy.named_parameters(remove_duplicate=False)
               if not p.requires_grad}
     return {key: value for key, value in model_sd.items() if key not in frozen}, optim_sd
@@ -173,7 +177,7 @@ def _write(tmp, step, policy, optimizer, tokenizer, rank, config_yaml, info, exp
     parallel.on_rank0(lambda: shutil.rmtree(tmp, ignore_errors=True) or tmp.mkdir(parents=True))   # errors: all ranks
     adapters = lora.is_lora(policy_mod.unwrap(policy).lm)          # LoRA: the trained weights are the adapters'
     if trainer_state or adapters:
-        model_sd, optim_sd = _trained_state(policy, optimizer)
+        model_sd, optim_sd = _trained_state(policy, optimizer if trainer_state else None)
         with one_process_quietly():                                      # raises on every rank if one fails
             dcp_save({"model": model_sd, **({"optim": optim_sd} if trainer_state else {})},
                      checkpoint_id=str(tmp / "trainer"), no_dist=not torch.distributed.is_initialized())
@@ -196,7 +200,9 @@ def _bytes_needed(run_dir: Path, policy, export_dtype, trainer_state: bool) -> i
         return sum(p.stat().st_size for p in previous[-1].rglob("*") if p.is_file())
     n = sum(p.numel() for p in policy_mod.unwrap(policy).lm.parameters())
     trained = sum(p.numel() for p in policy_mod.trainable_parameters(policy))
-    return trained * (12 if trainer_state else 0) + n * torch.empty((), dtype=export_dtype).element_size()
+    adapters = lora.is_lora(policy_mod.unwrap(policy).lm)          # their trainer/ shard is written either way
+    per_trained = 12 if trainer_state else 4 if adapters else 0
+    return trained * per_trained + n * torch.empty((), dtype=export_dtype).element_size()
 
 
 def _size(n: int) -> str:
@@ -215,7 +221,7 @@ def load(ckpt: Path, policy, optimizer, rank: int) -> int:
         raise UserError(f"--resume: {ckpt} was saved {'with' if adapters else 'without'} LoRA adapters, and this "
                         f"run has {'none' if adapters else 'them'}: --lora_rank must be the run's")
     if with_optim or adapters:
-        model_sd, optim_sd = _trained_state(policy, optimizer)
+        model_sd, optim_sd = _trained_state(policy, optimizer if with_optim else None)
         shards = {"model": model_sd, **({"optim": optim_sd} if with_optim else {})}
         with one_process_quietly():
             dcp_load(shards, checkpoint_id=str(Path(ckpt) / "trainer"), no_dist=not torch.distributed.is_initialized())

@@ -113,7 +113,7 @@ def load_policy(path: str, world: int, device, parallel: str = "ddp", bf16: bool
         lm = load_lm(path, device, base_dtype)
         if gradient_checkpointing:
             enable_gradient_checkpointing(lm)
-        policy = Policy(add_adapters(lm, lora, seed) if lora else lm)
+        policy = Policy(add_adapters(lm, lora, seed) if lora else lm).eval()     # peft adds its dropout in train mode
         if world == 1:
             return policy
         return torch.nn.parallel.DistributedDataParallel(policy, device_ids=[device.index] if device.type == "cuda"

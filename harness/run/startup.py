@@ -110,6 +110,8 @@ def set_up(cfg: config.Config, rank: int, world: int, device: torch.device, stat
 
     policy, init_path, ref_path = _policy(cfg, base_path, demos, tokenizer, ckpts, rank, world, device, log)
     lora = settings.lora_settings(cfg)
+    if lora:                                     # checkpoints record it (run_info.json): a resume needs that base
+        info["lora_base"] = {"path": ref_path, "fingerprint": models.fingerprint(ref_path)}
     ref = None
     if cfg.kl_coef > 0 and lora:                 # the base model RL starts from: the policy with its adapters off
         ref = AdaptersOff(policy)
@@ -150,9 +152,8 @@ def _policy(cfg, base_path: str, demos: list[dict], tokenizer, ckpts: list[Path]
     lora = settings.lora_settings(cfg)
     if cfg.resume:                          # a checkpoint damaged by hand or a full disk: one line, not a traceback
         models.check_model_dir(ckpts[-1], "--resume")
-        if lora and demos and not (cs_dir / "config.json").exists():
-            raise cli.UserError(f"--resume: this LoRA run's base model, the cold start cached in {cs_dir}, is gone "
-                                f"(its checkpoints hold the adapters only); {ckpts[-1]} holds the merged model")
+        if lora:                            # the adapters go back on the very model they were trained on
+            start_path = recorded_base(ckpts[-1], start_path)
     init_path = str(ckpts[-1]) if cfg.resume and not lora else (base_path if need_cold_start else start_path)
     load = functools.partial(load_policy, world=world, device=device, parallel=cfg.parallel, bf16=cfg.bf16, rank=rank,
                              gradient_checkpointing=cfg.gradient_checkpointing, seed=cfg.seed)
@@ -168,6 +169,24 @@ def _policy(cfg, base_path: str, demos: list[dict], tokenizer, ckpts: list[Path]
             del policy
             policy = load(init_path, lora=lora)
     return policy, init_path, start_path
+
+
+def recorded_base(ckpt: Path, start_path: str) -> str:
+    """The base model a LoRA checkpoint's adapters were trained on, as its run_info.json records it (else, for a
+    checkpoint from before that record, where the run would start now), checked to be there and unchanged."""
+    import json
+    try:
+        base = json.loads((ckpt / "run_info.json").read_text(encoding="utf-8")).get("lora_base")
+    except (OSError, ValueError, AttributeError):
+        base = None
+    path = base["path"] if base else start_path
+    if not (Path(path) / "config.json").is_file() and Path(path).is_absolute():
+        raise cli.UserError(f"--resume: this LoRA run's base model {path} is gone (its checkpoints hold the adapters "
+                            f"only; {ckpt} holds the merged model)")
+    if base and models.fingerprint(path) != base["fingerprint"]:
+        raise cli.UserError(f"--resume: this LoRA run's base model {path} is not the one its adapters were trained on "
+                            f"(its config or weight files changed); {ckpt} holds the merged model")
+    return path
 
 
 def lora_line(policy, lora, cfg, takes_adapter: bool) -> str:
