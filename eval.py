@@ -107,17 +107,19 @@ def _sample_and_score(generator, tokenizer, rows, tool_runner, settings: EvalSet
     tree = rollout.TreeSettings(k=settings.n, dynamic_budget=False, entropy_branching=False,
                                 max_tool_calls=settings.max_tool_calls, max_response_tokens=settings.max_response_tokens)
     records, shapes, tool_counts = [], [], Counter()
+    fmt = getattr(tool_runner, "format", tools.TAGS)      # the tool-call format: prompts and the format check
     mine = list(range(0, len(rows), per_call))[rank::world]
     bar = tqdm(total=sum(len(rows[s:s + per_call]) for s in mine) * settings.n, desc=f"eval {name}", unit="traj",
                disable=not progress)
     for start in mine:
         chunk = rows[start:start + per_call]
         trajectories, stats = rollout.tree_rollout(
-            [tools.build_prompt(tokenizer, r["question"]) for r in chunk], generator, tool_runner, tokenizer, tree,
+            [fmt.build_prompt(tokenizer, r["question"]) for r in chunk], generator, tool_runner, tokenizer, tree,
             sampling=settings.sampling, seed=settings.seed + start,
             progress=runlog.RolloutProgress(bar, "generation", count=True) if progress else None)
         tool_counts.update({key: v for key, v in stats.items() if key.startswith("tools/")})
-        scored = [score_response(t.text, chunk[t.group_id]["golds"], settings.strict_format) for t in trajectories]
+        scored = [score_response(t.text, chunk[t.group_id]["golds"], settings.strict_format, fmt.format_tags)
+                  for t in trajectories]
         shapes += trees.records(name, chunk, trajectories, stats["m_per_question"], [s["reward"] for s in scored])
         for g, row in enumerate(chunk):
             mine_g = [(t, s) for t, s in zip(trajectories, scored) if t.group_id == g]
@@ -224,6 +226,9 @@ class EvalConfig:
     search_kw: dict = like("search_kw", {}, "keyword arguments for search.make_search (default: 10 snippets, as the "
                                             "official code)")
     python_limits: dict = like("python_limits")
+    tools: list[str] = like("tools")
+    mcp_server: list[str] = like("mcp_server")
+    tool_format: str = like("tool_format")
     python_isolation: str = like("python_isolation")
     device: str = arg("cuda", "torch device (cpu when CUDA is unavailable)")
     dtype: str = arg("auto", "model dtype", valid="auto | float32 | bfloat16 | float16")
@@ -367,11 +372,13 @@ def main(argv=None) -> list[dict]:
     search = search_mod.make_search(cfg.search, **cfg.search_kw)
     search_mod.check_reachable(search)
     print(settings_mod.python_isolation(cfg.python_isolation), flush=True)
-    tool_runner = settings_mod.make_tools(search, cfg.python_limits)
+    tool_runner = settings_mod.make_tools(search, cfg.python_limits, cfg.tools, cfg.mcp_server, cfg.tool_format,
+                                          tokenizer, cfg.model)
     new_dir = not out.exists()
     out.mkdir(parents=True, exist_ok=True)
     (out / "config.json").write_text(json.dumps(asdict(cfg), indent=2))
-    generator = generation.TransformersGenerator(model, tokenizer, batch_size=cfg.batch_size)
+    generator = generation.TransformersGenerator(model, tokenizer, batch_size=cfg.batch_size,
+                                                 stop_strings=tool_runner.format.stop_strings)
     settings = eval_settings(cfg)
     summaries = []
     try:

@@ -75,6 +75,11 @@ def f1_score(prediction: str | None, golds) -> float:
 _TAG = re.compile(r"<(/?)(think|search|python|answer|result)>")
 
 
+def _tag_pattern(tool_names: tuple[str, ...]) -> re.Pattern:
+    return _TAG if tool_names == TOOLS else \
+        re.compile(r"<(/?)(" + "|".join(map(re.escape, ("think", "answer", "result") + tuple(tool_names))) + r")>")
+
+
 def extract_boxed(text: str) -> str | None:
     """The answer in the last \\boxed of text, read as the official `last_boxed_only_string` + `remove_boxed` read it
     (stripped), or None where they find none or fail:
@@ -94,11 +99,11 @@ def extract_boxed(text: str) -> str | None:
     return None
 
 
-def _events(text: str) -> tuple[list[tuple[str, int, int]], str]:
+def _events(text: str, tag: re.Pattern = _TAG) -> tuple[list[tuple[str, int, int]], str]:
     """Tags in order, each <result>…</result> block collapsed into one opaque "result" event, and the
     policy's own text (everything outside result blocks)."""
     events, policy, i = [], [], 0
-    while (m := _TAG.search(text, i)) is not None:
+    while (m := tag.search(text, i)) is not None:
         if m.group(0) == "<result>":
             policy.append(text[i:m.start()])
             close = text.find("</result>", m.end())
@@ -140,13 +145,14 @@ def _tool_scan(tags: list[str], name: str) -> str | None:
     return None
 
 
-def check_format(response_text: str, strict: bool = False) -> tuple[bool, str]:
+def check_format(response_text: str, strict: bool = False, tool_names: tuple[str, ...] = TOOLS) -> tuple[bool, str]:
     """algorithm.md §5 format check → (valid, reason). As the official `validate_format` (and its `\\boxed` reading):
     invalid when the <think> and </think> counts differ or are 0, there is not exactly one <answer>…</answer>, the scan
     of a tool's tags fails (`_tool_scan`), or the answer holds no \\boxed{} that reads (`_answer_boxed`).
     strict=True: the <think> blocks must instead be balanced and unnested, in order (and may be absent: this project's
-    rule before it followed the official one). Text inside <result> blocks is opaque (D24)."""
-    events, _ = _events(response_text)
+    rule before it followed the official one). Text inside <result> blocks is opaque (D24). tool_names: the tool tags
+    scanned (the run's tools; ("tool_call",) in the hermes format, D45)."""
+    events, _ = _events(response_text, _tag_pattern(tuple(tool_names)))
     tags = [e[0] for e in events]
     if strict:
         depth = 0
@@ -164,7 +170,7 @@ def check_format(response_text: str, strict: bool = False) -> tuple[bool, str]:
     if tags.count("<answer>") != 1 or tags.count("</answer>") != 1:
         return False, (f"expected exactly one <answer>…</answer>, found {tags.count('<answer>')} "
                        f"<answer> and {tags.count('</answer>')} </answer>")
-    for name in TOOLS:
+    for name in tool_names:
         if (reason := _tool_scan(tags, name)) is not None:
             return False, reason
     if tags.index("</answer>") < tags.index("<answer>"):
@@ -174,18 +180,23 @@ def check_format(response_text: str, strict: bool = False) -> tuple[bool, str]:
     return True, "ok"
 
 
-def score_response(response_text: str, golds, strict_format: bool = False) -> dict:
+def score_response(response_text: str, golds, strict_format: bool = False, tool_names: tuple[str, ...] = TOOLS) -> dict:
     """Everything training and evaluation need about one response: format (`check_format`, strict_format: its strict
-    rule), prediction, EM, F1, the tools called (a closing tag right before a <result> block), reward. The bonus
-    follows the official `compute_score`: both "</search>" and "</python>" in the policy's text (D24), called or not."""
-    valid, reason = check_format(response_text, strict_format)
-    events, policy_text = _events(response_text)
+    rule, tool_names: the tags it scans), prediction, EM, F1, the tools called (a closing tag right before a <result>
+    block), reward. The bonus follows the official `compute_score`: both "</search>" and "</python>" in the policy's
+    text (D24), called or not; in the hermes format (tool_names ("tool_call",)), a `<tool_call>` of each."""
+    tool_names = tuple(tool_names)
+    valid, reason = check_format(response_text, strict_format, tool_names)
+    events, policy_text = _events(response_text, _tag_pattern(tool_names))
     tags = [e[0] for e in events]
-    used = {name for j, tag in enumerate(tags[:-1]) for name in TOOLS
+    used = {name for j, tag in enumerate(tags[:-1]) for name in tool_names
             if tag == f"</{name}>" and tags[j + 1] == "result"}
+    written = {name for name in TOOLS if f"</{name}>" in policy_text}
+    if tool_names == ("tool_call",):             # hermes: the tools are named inside the calls
+        used = written = set(re.findall(r'<tool_call>\s*\{\s*"name"\s*:\s*"([\w.-]+)"', policy_text))
     prediction = _answer_boxed(response_text, events) if valid else extract_boxed(policy_text)
     f1 = f1_score(prediction, golds)
-    both = f1 > 0 and all(f"</{name}>" in policy_text for name in TOOLS)
+    both = f1 > 0 and written >= set(TOOLS)
     return {"format_valid": valid, "format_reason": reason, "prediction": prediction,
             "em": exact_match(prediction, golds), "f1": f1, "tools_used": sorted(used),
             "reward": (f1 + 0.1 * both) if valid else -1.0}

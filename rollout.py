@@ -196,6 +196,7 @@ def tree_rollout(prompts: list[list[int]], generator: Generator, tool_runner, to
     progress: None, or `progress(rounds_done, finished, total)` after every round, whose `on_step` method (if any)
     the generator calls after every decoding step."""
     s = dataclasses.replace(settings or TreeSettings(), **overrides)
+    fmt = getattr(tool_runner, "format", tools.TAGS)   # how calls are written and results rendered
     if s.k < 1:
         raise ValueError(f"k must be >= 1, got {s.k}")
     rng = random.Random(seed)
@@ -209,14 +210,14 @@ def tree_rollout(prompts: list[list[int]], generator: Generator, tool_runner, to
                                       seed * 7919 + rnd, sampling, getattr(progress, "on_step", None))
         calls = []                                   # (trajectory, the tool call its segment ends with)
         for t, seg in zip(active, segments):
-            call = _append_segment(t, seg, s, tokenizer, counts)
+            call = _append_segment(t, seg, s, fmt, tokenizer, counts)
             if call is not None:
                 calls.append((t, call))
         observations, tool_counts = tool_runner.run([call for _, call in calls]) if calls else ([], {})
         counts.update({f"tools/{key}": value for key, value in tool_counts.items()})
         for (t, _), observation in zip(calls, observations):
             tree = trees[t.group_id]
-            if _append_result(t, observation, tokenizer, s.max_response_tokens) and s.entropy_branching \
+            if _append_result(t, observation, fmt, tokenizer, s.max_response_tokens) and s.entropy_branching \
                     and tree.m is not None and len(tree.trajectories) < s.k:
                 _maybe_branch(t, len(t.result_ends) - 1, tree, rng, rnd, s)        # §2b
         rnd += 1
@@ -227,7 +228,7 @@ def tree_rollout(prompts: list[list[int]], generator: Generator, tool_runner, to
             progress(rnd, sum(t.finished for tree in trees for t in tree.trajectories), s.k * len(trees))
     trajectories = [t for tree in trees for t in tree.trajectories]
     for t in trajectories:
-        t.text = tokenizer.decode(t.response_ids)
+        t.text = fmt.response_text(tokenizer, t.response_ids, t.loss_mask, t.observations)
     return trajectories, tree_stats(trajectories, [tree.m for tree in trees], counts, rnd)
 
 
@@ -242,7 +243,7 @@ def _start(tree: Tree, s: TreeSettings) -> Tree:
     return tree
 
 
-def _append_segment(t: Trajectory, seg: Segment, s: TreeSettings, tokenizer, counts: Counter):
+def _append_segment(t: Trajectory, seg: Segment, s: TreeSettings, fmt, tokenizer, counts: Counter):
     """Append a generated segment (mask 1). Returns the tool call it ends with (a `tools.ToolCall`, or a
     `tools.ToolError` the policy will read), or None when it ends the trajectory."""
     t.response_ids += seg.token_ids
@@ -264,7 +265,7 @@ def _append_segment(t: Trajectory, seg: Segment, s: TreeSettings, tokenizer, cou
             return None
         call = tools.ToolError(f"tool-call limit ({s.max_tool_calls}) reached; give your final answer now")
     else:
-        call = tools.parse_tool_call(seg.text)
+        call = fmt.parse(seg.text)
     if call is not None:
         t.tool_calls.append((call.tool, call.argument) if isinstance(call, tools.ToolCall) else ("error", call.message))
     if not t.finished and len(t.response_ids) >= s.max_response_tokens:
@@ -272,12 +273,12 @@ def _append_segment(t: Trajectory, seg: Segment, s: TreeSettings, tokenizer, cou
     return call
 
 
-def _append_result(t: Trajectory, observation: str, tokenizer, max_response_tokens: int) -> bool:
+def _append_result(t: Trajectory, observation: str, fmt, tokenizer, max_response_tokens: int) -> bool:
     """Append a tool result (mask 0), cut at the token budget. Returns whether the trajectory goes on after it."""
     t.observations.append(observation)
     if t.finished:                                   # the call itself used up the budget
         return False
-    ids = tokenizer.encode(tools.format_result(observation), add_special_tokens=False)
+    ids = fmt.observation_ids(tokenizer, observation)
     room = max_response_tokens - len(t.response_ids)
     t.response_ids += ids[:room]
     t.loss_mask += [0] * len(ids[:room])

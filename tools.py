@@ -1,5 +1,6 @@
 """The tools the policy calls inside its generation, search and python: parsing a call, running a round of calls
-concurrently, and the python tool.
+concurrently, and the python tool. Any other tool is a `Tool` (a name, a description, a JSON schema of its arguments
+and a batched `run`), given to `Tools` beside or instead of these two.
 
 Paper: Dong et al., "Agentic Entropy-Balanced Policy Optimization", arXiv:2510.14545, paper §3 (the agentic
 setting: the policy interleaves reasoning with `<search>` / `<python>` calls whose results come back in `<result>`
@@ -11,10 +12,11 @@ program runs in a plain subprocess with a timeout, and its observation says it w
 
 Deviations from the paper / official code (algorithm.md §8): D11 (malformed calls become `Error: ...`
 observations), D12 (the python tool runs in a sandbox; results cached by tool and argument), D14 (generation also
-stops at `</answer>`), D15 (the result wrapper).
+stops at `</answer>`), D15 (the result wrapper), D45 (tools beyond search and python, another tool-call format).
 """
 from __future__ import annotations
 
+import json
 import re
 import signal
 import threading
@@ -51,13 +53,75 @@ class SearchError(RuntimeError):
 
 @dataclass(frozen=True)
 class ToolCall:
-    tool: str  # one of TOOLS
-    argument: str  # the query or the code, stripped
+    tool: str  # the tool's name
+    argument: str  # its text argument (the query, the code), stripped; sorted JSON for a tool of several arguments
 
 
 @dataclass(frozen=True)
 class ToolError:
     message: str  # observation text is f"Error: {message}"
+
+
+class Tool:
+    """A tool the policy can call. Subclass it (or give an object these attributes) and pass it to `Tools`:
+
+    name: what the policy calls it by (`<name> ... </name>`, or "name" in a hermes `<tool_call>`);
+    description: one paragraph for the system prompt;
+    parameters: a JSON schema of its arguments ({"type": "object", "properties": {...}, "required": [...]}); a tool
+        whose only parameter is text takes the text between its tags, any other a JSON object there;
+    run(calls): per call (its arguments as a dict) the observation text, or (text, status) with status "ok" |
+        "error" | "timeout"; only "ok" results are cached. A call that fails is an observation starting "Error: ";
+        an exception from run becomes one for every call of the batch;
+    batch: True: run gets all the round's calls of this tool at once; False: one call per run, the round running
+        them concurrently;
+    timeout_s: how long the round waits for a run (None: the tool enforces its own limit);
+    max_chars: the longest argument text accepted; what: how an error names the argument.
+    """
+    name: str = ""
+    description: str = ""
+    parameters: dict = {"type": "object", "properties": {"input": {"type": "string"}}, "required": ["input"]}
+    batch: bool = False
+    timeout_s: float | None = 60.0
+    max_chars: int = MAX_CODE_CHARS
+    what: str = ""
+
+    def run(self, calls: list[dict]) -> list:
+        raise NotImplementedError
+
+    def close(self) -> None:
+        """Release what the tool holds (a server, a connection); called once when the run ends."""
+
+
+class SearchTool(Tool):
+    """The search tool: one batched `backend.search(queries)` per round (harness/search.py's backends)."""
+    name, what, batch = "search", "search query", True
+    description = "Searches the web and returns the best pages' titles and snippets."
+    parameters = {"type": "object", "properties": {"query": {"type": "string", "description": "what to search for"}},
+                  "required": ["query"]}
+
+    def __init__(self, backend, timeout_s: float = 60.0, max_chars: int = MAX_QUERY_CHARS):
+        self.backend, self.timeout_s, self.max_chars = backend, timeout_s, max_chars
+
+    def run(self, calls: list[dict]) -> list[tuple[str, str]]:
+        queries = [c["query"] for c in calls]
+        value = self.backend.search(list(queries))
+        if not (isinstance(value, list) and len(value) == len(queries)):
+            raise SearchError(f"backend returned {type(value).__name__} instead of {len(queries)} results")
+        return [(v, "error" if v.startswith("Error:") else "ok") for v in value]
+
+
+class PythonTool(Tool):
+    """The python tool: each call a program in the sandbox (`run_python`, which enforces its limits itself)."""
+    name, what, timeout_s = "python", "python code", None
+    description = "Runs a Python program and returns what it prints."
+    parameters = {"type": "object", "properties": {"code": {"type": "string", "description": "the program"}},
+                  "required": ["code"]}
+
+    def __init__(self, timeout_s: float = 10.0, max_chars: int = MAX_CODE_CHARS, **limits):
+        self.program_timeout_s, self.max_chars, self.limits = timeout_s, max_chars, limits
+
+    def run(self, calls: list[dict]) -> list[tuple[str, str]]:
+        return [_run_python(c["code"], self.program_timeout_s, **self.limits) for c in calls]
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -67,55 +131,105 @@ _TAG_AT_END = re.compile(r"<(/?)([A-Za-z_][\w.-]{0,40})>\s*$")
 _FENCE = re.compile(r"^```[\w+-]*\n(.*?)\n?```$", re.DOTALL)
 
 
-def ends_with_stop(text: str) -> str | None:
-    """The stop string (one of STOP_STRINGS) that `text` ends with, trailing whitespace allowed; else None."""
+def ends_with_stop(text: str, stop_strings: tuple[str, ...] = STOP_STRINGS) -> str | None:
+    """The stop string (one of stop_strings) that `text` ends with, trailing whitespace allowed; else None."""
     stripped = text.rstrip()
-    return next((s for s in STOP_STRINGS if stripped.endswith(s)), None)
+    return next((s for s in stop_strings if stripped.endswith(s)), None)
 
 
 def finish_reason(stop: str) -> str:
-    """A segment's finish reason when it ends with stop string `stop`: "answer" (</answer>) or "tool"."""
+    """A segment's finish reason when it ends with stop string `stop`: "answer" (</answer>) or "tool" (any other)."""
     return "answer" if stop == "</answer>" else "tool"
 
 
-def first_stop(text: str) -> tuple[int, str] | None:
+def first_stop(text: str, stop_strings: tuple[str, ...] = STOP_STRINGS) -> tuple[int, str] | None:
     """(end offset, stop string) of the earliest stop string in `text`, or None (to cut an overshooting segment)."""
-    hits = [(i + len(s), s) for s in STOP_STRINGS if (i := text.find(s)) >= 0]
+    hits = [(i + len(s), s) for s in stop_strings if (i := text.find(s)) >= 0]
     return min(hits) if hits else None
 
 
 def parse_tool_call(segment_text: str, max_query_chars: int = MAX_QUERY_CHARS,
                     max_code_chars: int = MAX_CODE_CHARS) -> ToolCall | ToolError:
-    """The tool call a generated segment ends with: the last `<tool>` opening tag whose `</tool>` ends the segment.
+    """The search or python call a generated segment ends with (`parse_tags` with the two built-in tools)."""
+    return parse_tags(segment_text, (SearchTool(None, max_chars=max_query_chars), PythonTool(max_chars=max_code_chars)))
+
+
+def parse_tags(segment_text: str, tools: tuple[Tool, ...] | list[Tool]) -> ToolCall | ToolError:
+    """The tool call a generated segment ends with: the last `<name>` opening tag whose `</name>` ends the segment,
+    `name` one of `tools`' names.
 
     Never raises and is deterministic: every malformed call (no call, unclosed or nested tags, an unknown tool,
-    an empty or oversized argument, U+FFFD or unencodable characters) is a ToolError naming what was wrong.
-    A python argument wrapped in a markdown fence (```python ... ```) is unwrapped.
+    an empty or oversized argument, U+FFFD or unencodable characters, arguments that are not the tool's) is a
+    ToolError naming what was wrong. A python argument wrapped in a markdown fence (```python ... ```) is unwrapped.
     """
     if not isinstance(segment_text, str):
         return ToolError(f"segment is {type(segment_text).__name__}, expected text")
+    by_name = {t.name: t for t in tools}
+    names = tuple(by_name)
     text = segment_text.rstrip()
-    tool = next((t for t in TOOLS if text.endswith(f"</{t}>")), None)
-    if tool is None:
+    name = next((n for n in names if text.endswith(f"</{n}>")), None)
+    if name is None:
         m = _TAG_AT_END.search(text)
-        if m and m.group(1) and m.group(2) not in TOOLS + ("think", "answer", "result"):
-            return ToolError(f"unknown tool <{m.group(2)}>; available tools: <search> and <python>")
-        for t in TOOLS:
-            if text.rfind(f"<{t}>") > text.rfind(f"</{t}>"):
-                return ToolError(f"unclosed <{t}> tag; close the call with </{t}>")
-        return ToolError("no tool call found; write <search> query </search> or <python> code </python>")
-    body_end = len(text) - len(f"</{tool}>")
-    start = text.rfind(f"<{tool}>", 0, body_end)
+        if m and m.group(1) and m.group(2) not in names + ("think", "answer", "result"):
+            return ToolError(f"unknown tool <{m.group(2)}>; available tools: {_listed(names)}")
+        for n in names:
+            if text.rfind(f"<{n}>") > text.rfind(f"</{n}>"):
+                return ToolError(f"unclosed <{n}> tag; close the call with </{n}>")
+        return ToolError("no tool call found; write " +
+                         " or ".join(f"<{n}> {_placeholder(by_name[n])} </{n}>" for n in names))
+    body_end = len(text) - len(f"</{name}>")
+    start = text.rfind(f"<{name}>", 0, body_end)
     if start < 0:
-        return ToolError(f"</{tool}> without an opening <{tool}> tag")
-    argument = text[start + len(tool) + 2:body_end]
-    if any(f"<{t}>" in argument or f"</{t}>" in argument for t in TOOLS):
-        return ToolError(f"nested or unbalanced tool tags inside the <{tool}> call")
+        return ToolError(f"</{name}> without an opening <{name}> tag")
+    argument = text[start + len(name) + 2:body_end]
+    if any(f"<{n}>" in argument or f"</{n}>" in argument for n in names):
+        return ToolError(f"nested or unbalanced tool tags inside the <{name}> call")
     argument = argument.strip()
-    if tool == "python" and (fence := _FENCE.match(argument)):
+    tool = by_name[name]
+    if name == "python" and (fence := _FENCE.match(argument)):
         argument = fence.group(1).strip()
-    what, cap = ("search query", max_query_chars) if tool == "search" else ("python code", max_code_chars)
-    if not argument:
+    if _text_parameter(tool) is None:              # several arguments: a JSON object of them
+        return call_of(tool, argument)
+    return _checked(tool, argument)
+
+
+def call_of(tool: Tool, arguments) -> ToolCall | ToolError:
+    """The call of `tool` with `arguments` (a dict, or its JSON text, parsed as data only): checked against the
+    tool's schema (an object; its required keys present; no key it does not name), its argument text canonical (the
+    text of a tool's one text parameter, else sorted JSON), else a ToolError."""
+    if isinstance(arguments, str):
+        try:
+            arguments = json.loads(arguments) if arguments.strip() else {}
+        except ValueError as err:
+            return ToolError(f"the arguments of {tool.name} are not JSON ({err})")
+    if not isinstance(arguments, dict):
+        return ToolError(f"the arguments of {tool.name} must be a JSON object, got {type(arguments).__name__}")
+    properties = tool.parameters.get("properties", {})
+    missing = [key for key in tool.parameters.get("required", []) if key not in arguments]
+    unknown = [key for key in arguments if properties and key not in properties]
+    if missing or unknown:
+        return ToolError(f"{tool.name} takes {_listed(tuple(properties)) or 'no arguments'}" +
+                         (f"; missing {', '.join(missing)}" if missing else "") +
+                         (f"; unknown {', '.join(unknown)}" if unknown else ""))
+    key = _text_parameter(tool)
+    if key is not None:
+        if key not in arguments:
+            return ToolError(f"{tool.name} needs its argument {key}")
+        if not isinstance(arguments[key], str):
+            return ToolError(f"{tool.name}'s {key} must be text, got {type(arguments[key]).__name__}")
+        return _checked(tool, arguments[key].strip())
+    return _checked(tool, json.dumps(arguments, sort_keys=True, ensure_ascii=False))
+
+
+def arguments_of(tool: Tool, argument: str) -> dict:
+    """A checked call's arguments as a dict (the inverse of `call_of`'s canonical text)."""
+    key = _text_parameter(tool)
+    return {key: argument} if key is not None else json.loads(argument)
+
+
+def _checked(tool: Tool, argument: str) -> ToolCall | ToolError:
+    what, cap = tool.what or f"{tool.name} argument", tool.max_chars
+    if not argument and _text_parameter(tool) is not None:
         return ToolError(f"empty {what}")
     if len(argument) > cap:
         return ToolError(f"{what} too long ({len(argument)} characters > {cap})")
@@ -125,13 +239,33 @@ def parse_tool_call(segment_text: str, max_query_chars: int = MAX_QUERY_CHARS,
         argument.encode("utf-8")
     except UnicodeEncodeError:
         return ToolError(f"{what} contains characters that are not valid UTF-8 (lone surrogates)")
-    return ToolCall(tool, argument)
+    return ToolCall(tool.name, argument)
 
 
-def build_prompt(tokenizer, question: str) -> list[int]:
+def _text_parameter(tool: Tool) -> str | None:
+    """The name of the tool's only parameter when it is text (search's query, python's code): the text between the
+    tags is that argument. None: the tool takes a JSON object."""
+    properties = tool.parameters.get("properties", {})
+    if len(properties) == 1:
+        (key, schema), = properties.items()
+        if schema.get("type", "string") == "string":
+            return key
+    return None
+
+
+def _placeholder(tool: Tool) -> str:
+    return _text_parameter(tool) or "{JSON arguments}"
+
+
+def _listed(names: tuple[str, ...]) -> str:
+    tags = [f"<{n}>" for n in names]
+    return ", ".join(tags[:-1]) + " and " + tags[-1] if len(tags) > 1 else "".join(tags)
+
+
+def build_prompt(tokenizer, question: str, system_prompt: str = SYSTEM_PROMPT) -> list[int]:
     """Chat-template token ids of (system prompt, question), ending with the assistant header: what the policy sees
     before its first segment, in training and in evaluation."""
-    messages = [{"role": "system", "content": SYSTEM_PROMPT}, {"role": "user", "content": question}]
+    messages = [{"role": "system", "content": system_prompt}, {"role": "user", "content": question}]
     return list(tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True,
                                               return_dict=False))
 
@@ -247,65 +381,108 @@ def run_python(code: str, timeout_s: float = 10.0, max_output_chars: int = 4_000
 # ---------------------------------------------------------------------------------------------------------------
 # A round of tool calls
 # ---------------------------------------------------------------------------------------------------------------
-class Tools:
-    """Runs the tool calls of one rollout round concurrently. Built once per process.
+class TagFormat:
+    """The paper's tool-call format: `<name> argument </name>` in the policy's text, each result appended as a
+    `<result>` block (format_result), generation stopping at a closing tool tag or `</answer>`."""
+    name = "tags"
 
-    The round's uncached search queries go to one `search.search(queries)` call (batched, timeout
-    search_timeout_s); each python call is its own subprocess (run_python enforces python_timeout_s); all run in
-    one thread pool. Successful results are cached by (tool, argument) in an LRU of `cache_size` entries; every
-    failure becomes an "Error: ..." observation and is not cached.
+    def __init__(self, tools: list[Tool]):
+        self.tools = list(tools)
+        self.stop_strings = tuple(f"</{t.name}>" for t in self.tools) + ("</answer>",)
+        self.format_tags = tuple(t.name for t in self.tools)   # the tags the reward's format check scans
+        self.system_prompt = SYSTEM_PROMPT if [t.name for t in self.tools] == list(TOOLS) else tag_prompt(self.tools)
+
+    def parse(self, segment_text: str) -> ToolCall | ToolError:
+        return parse_tags(segment_text, self.tools)
+
+    def observation_ids(self, tokenizer, text: str) -> list[int]:
+        """The token ids appended after a call (loss mask 0)."""
+        return tokenizer.encode(format_result(text), add_special_tokens=False)
+
+    def build_prompt(self, tokenizer, question: str) -> list[int]:
+        return build_prompt(tokenizer, question, self.system_prompt)
+
+    def response_text(self, tokenizer, response_ids: list[int], loss_mask: list[int], observations: list[str]) -> str:
+        """A response's text as the reward reads it: here its decoded tokens."""
+        return tokenizer.decode(response_ids)
+
+    def call_text(self, tool: str, argument: str) -> str:
+        """How the policy writes a call (the cold start's demonstrations)."""
+        return f"<{tool}> {argument} </{tool}>"
+
+
+TAGS = TagFormat([SearchTool(None), PythonTool()])    # the paper's: search and python in tags
+
+
+def tag_prompt(tools: list[Tool]) -> str:
+    """SYSTEM_PROMPT's instructions for another set of tools, each listed with its description."""
+    listed = "\n".join(f"  - <{t.name}> {_placeholder(t)} </{t.name}>: {t.description}".rstrip(": ") for t in tools)
+    return ("You are a helpful assistant. Answer the user's question step by step, using tools when they help.\n"
+            "- Think inside <think> </think>.\n"
+            "- To call a tool, write its input between its tags (a JSON object of its arguments where it takes "
+            "several):\n" + listed + "\n"
+            "- Each tool result comes back inside <result> </result>. You can think and call tools again.\n"
+            "- Finish with <answer> ... \\boxed{final answer} </answer>.")
+
+
+class Tools:
+    """Runs the tool calls of one rollout round concurrently, and holds the run's tool-call format. Built once per
+    process.
+
+    By default the tools are search (`search`, a harness/search.py backend: the round's uncached queries in one
+    batched call, timeout search_timeout_s) and python (each call its own sandboxed subprocess; run_python enforces
+    python_timeout_s); `tools` gives others (a list of `Tool`). Every run() job of a round goes to one thread pool.
+    Successful results are cached by (tool, argument) in an LRU of `cache_size` entries; every failure becomes an
+    "Error: ..." observation and is not cached. `tool_format`: the format (TagFormat of the tools by default;
+    harness/hermes.py's HermesFormat), which the rollout asks to parse calls and render results.
     """
 
     def __init__(self, search, python_timeout_s: float = 10.0, max_workers: int = 32, search_timeout_s: float = 60.0,
-                 cache_size: int = 10_000, python_kw: dict | None = None):
-        self.search, self.python_timeout_s, self.search_timeout_s = search, python_timeout_s, search_timeout_s
-        self.python_kw = dict(python_kw or {})  # extra run_python arguments: memory_mb, max_processes, ...
+                 cache_size: int = 10_000, python_kw: dict | None = None, *, tools: list[Tool] | None = None,
+                 tool_format=None):
+        self.tools = list(tools) if tools is not None else \
+            [SearchTool(search, search_timeout_s), PythonTool(python_timeout_s, **(python_kw or {}))]
+        names = [t.name for t in self.tools]
+        if len(set(names)) < len(names) or not all(re.fullmatch(r"[A-Za-z_][\w.-]{0,40}", n) for n in names):
+            raise ValueError(f"tool names must be distinct tags ([A-Za-z_][\\w.-]*, at most 41 characters), got {names}")
+        self.search, self.by_name = search, {t.name: t for t in self.tools}
+        self.format = tool_format if tool_format is not None else TagFormat(self.tools)
         self.pool = ThreadPoolExecutor(max_workers=max_workers, thread_name_prefix="aepo-tools")
         self.cache: OrderedDict[tuple[str, str], str] = OrderedDict()
         self.cache_size, self._lock = cache_size, threading.Lock()
 
     def close(self):
         """Cancel queued calls and wait for the ones in flight: each ends within its own time limit, and a python
-        call then removes everything its program started (also on Ctrl-C: nothing outlives the trainer)."""
+        call then removes everything its program started (also on Ctrl-C: nothing outlives the trainer). Then each
+        tool's own close (a server, a connection)."""
         self.pool.shutdown(wait=True, cancel_futures=True)
+        for tool in self.tools:
+            tool.close()
 
     def run(self, calls: list[ToolCall | ToolError]) -> tuple[list[str], dict]:
-        """Observation text per call (not yet wrapped by format_result) and counts for logging: per tool
+        """Observation text per call (not yet rendered by the format) and counts for logging: per tool
         "<tool>/calls", "<tool>/errors" (failed calls: backend errors, non-zero exits, timeouts), "<tool>/timeouts",
         "<tool>/cache_hits"; and "invalid/calls" (malformed calls: ToolErrors and unknown tools)."""
         results: dict[tuple[str, str], tuple[str, str]] = {}  # (tool, argument) -> (observation, status)
-        todo: dict[str, list[str]] = {t: [] for t in TOOLS}
+        todo: dict[str, list[str]] = {name: [] for name in self.by_name}
         with self._lock:
             for call in calls:
                 key = (call.tool, call.argument) if isinstance(call, ToolCall) else None
-                if key is None or call.tool not in TOOLS or key in results or call.argument in todo[call.tool]:
+                if key is None or call.tool not in todo or key in results or call.argument in todo[call.tool]:
                     continue
                 if key in self.cache:
                     self.cache.move_to_end(key)
                     results[key] = (self.cache[key], "cache")
                 else:
                     todo[call.tool].append(call.argument)
-        queries, codes = todo["search"], todo["python"]
-        search_job = self.pool.submit(self.search.search, list(queries)) if queries else None
-        python_jobs = [self.pool.submit(_run_python, c, self.python_timeout_s, **self.python_kw) for c in codes]
-        if search_job is not None:
-            try:
-                value = search_job.result(timeout=self.search_timeout_s)
-                if not (isinstance(value, list) and len(value) == len(queries)):
-                    raise SearchError(f"backend returned {type(value).__name__} instead of {len(queries)} results")
-                got = [(v, "error" if v.startswith("Error:") else "ok") for v in value]
-            except FutureTimeout:
-                got = [(f"Error: search timed out after {self.search_timeout_s:g} s", "timeout")] * len(queries)
-            except Exception as e:  # noqa: BLE001 -- any backend failure becomes an observation naming its type
-                got = [(f"Error: search failed: {type(e).__name__}: {e}", "error")] * len(queries)
-            results.update(zip([("search", q) for q in queries], got))
-        for code, job in zip(codes, python_jobs):
-            try:
-                results[("python", code)] = job.result()  # run_python enforces the timeout itself
-            except OSError as e:  # could not start the subprocess (no temporary directory, no interpreter)
-                results[("python", code)] = (f"Error: python failed to start: {e}", "error")
-            except Exception as e:  # noqa: BLE001 -- a failing runner is an observation, never a crashed round
-                results[("python", code)] = (f"Error: python failed: {type(e).__name__}: {e}", "error")
+        jobs = []                                  # (tool, its arguments, the future of their run)
+        for name, arguments in todo.items():
+            tool = self.by_name[name]
+            dicts = [arguments_of(tool, a) for a in arguments]
+            batches = [(arguments, dicts)] if tool.batch else [([a], [d]) for a, d in zip(arguments, dicts)]
+            jobs += [(tool, a, self.pool.submit(tool.run, d)) for a, d in batches if a]
+        for tool, arguments, job in jobs:
+            results.update(zip([(tool.name, a) for a in arguments], _collect(tool, job, len(arguments))))
         with self._lock:
             for key, (text, status) in results.items():
                 if status == "ok":
@@ -313,14 +490,14 @@ class Tools:
                     self.cache.move_to_end(key)
             while len(self.cache) > self.cache_size:
                 self.cache.popitem(last=False)
-        counts = {f"{t}/{c}": 0 for t in TOOLS for c in ("calls", "errors", "timeouts", "cache_hits")}
+        counts = {f"{t}/{c}": 0 for t in self.by_name for c in ("calls", "errors", "timeouts", "cache_hits")}
         counts["invalid/calls"] = 0
         observations = []
         for call in calls:
-            if isinstance(call, ToolError) or call.tool not in TOOLS:
+            if isinstance(call, ToolError) or call.tool not in self.by_name:
                 counts["invalid/calls"] += 1
                 observations.append(f"Error: {call.message}" if isinstance(call, ToolError) else
-                                    f"Error: unknown tool <{call.tool}>; available tools: <search> and <python>")
+                                    f"Error: unknown tool <{call.tool}>; available tools: {_listed(tuple(todo))}")
                 continue
             text, status = results[(call.tool, call.argument)]
             counts[f"{call.tool}/calls"] += 1
@@ -329,3 +506,28 @@ class Tools:
             counts[f"{call.tool}/cache_hits"] += status == "cache"
             observations.append(text)
         return observations, counts
+
+
+def _collect(tool: Tool, job, n: int) -> list[tuple[str, str]]:
+    """(observation, status) per call of one run() job: its results, or its failure as n observations."""
+    try:
+        value = job.result(timeout=tool.timeout_s)
+        if not (isinstance(value, (list, tuple)) and len(value) == n):
+            raise TypeError(f"{tool.name}.run returned {type(value).__name__} instead of a list of {n} results")
+        return [(v, "error" if v.startswith("Error:") else "ok") if isinstance(v, str) else _result(tool, v)
+                for v in value]
+    except FutureTimeout:
+        return [(f"Error: {tool.name} timed out after {tool.timeout_s:g} s", "timeout")] * n
+    except OSError as e:  # could not start (no temporary directory, no interpreter)
+        if tool.batch:
+            return [(f"Error: {tool.name} failed: {type(e).__name__}: {e}", "error")] * n
+        return [(f"Error: {tool.name} failed to start: {e}", "error")] * n
+    except Exception as e:  # noqa: BLE001 -- any failure of a tool is an observation naming its type, never a crash
+        return [(f"Error: {tool.name} failed: {type(e).__name__}: {e}", "error")] * n
+
+
+def _result(tool: Tool, value) -> tuple[str, str]:
+    if isinstance(value, tuple) and len(value) == 2 and isinstance(value[0], str) and \
+            value[1] in ("ok", "error", "timeout"):
+        return value
+    return f"Error: {tool.name}.run returned {type(value).__name__}, not text or (text, status)", "error"

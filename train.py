@@ -33,7 +33,6 @@ import eval as evaluation
 import loss
 import reward
 import rollout
-import tools
 from harness import cli, config, dataset, generation, mismatch, settings, trees
 from harness.run import checkpoint, parallel, probe, rundir, runlog
 from harness.run.policy import (full_named_parameters, located, micro_batches, no_grad_sync, optimizer_step,
@@ -56,9 +55,9 @@ def rl_step(run: Run, step: int, progress=None) -> tuple[dict, runlog.StepBatch]
     # ---- rollout (algorithm.md §2): k trajectories per question, tree-structured
     with clock("rollout"), torch.no_grad(), run.amp():
         trajectories, tree_stats = rollout.tree_rollout(
-            [tools.build_prompt(run.tokenizer, r["question"]) for r in rows], run.generator, run.tools, run.tokenizer,
-            run.tree_settings, sampling=run.sampling, seed=(cfg.seed * 100_003 + step) * run.world + run.rank,
-            progress=progress)
+            [run.tools.format.build_prompt(run.tokenizer, r["question"]) for r in rows], run.generator, run.tools,
+            run.tokenizer, run.tree_settings, sampling=run.sampling,
+            seed=(cfg.seed * 100_003 + step) * run.world + run.rank, progress=progress)
         run.generator.sleep()                    # its memory to the update, where it has any to give (vLLM, GPU)
     rollout_seconds = parallel.gather(clock.seconds["rollout"])   # the slowest rank holds the others here
 

@@ -132,10 +132,20 @@ class Config:
     python_limits: dict = arg({}, "the python tool's limits per call, tools.run_python's: " +
                               ", ".join(f"{key} ({value})" for key, value in PYTHON_LIMITS.items()) +
                               " (seconds, processes and threads, MB of all processes, MB of disk)")
+    tools: list[str] = arg(["search", "python"], "the policy's tools: search, python, and yours as "
+                                                 "package.module:factory or file.py:factory (a factory returns a "
+                                                 "tools.Tool or a list of them; docs/tools.md)")
+    mcp_server: list[str] = arg([], "MCP servers whose tools join --tools: a command that starts a stdio server, or "
+                                    "a streamable-HTTP URL; e.g. ['python my_server.py']")
+    tool_format: str = arg("tags", "how the policy calls tools: tags (the paper's <search> q </search>, results in "
+                                   "<result>) or hermes (<tool_call> JSON, results as the chat template's tool turn; "
+                                   "Qwen2.5, Hermes) (D45)", valid="tags | hermes")
     python_isolation: str = arg("auto", "python tool sandbox: auto (every isolation layer this machine has, logged "
                                         "at start) or strict (refuse to start unless every layer is active: PID, IPC "
                                         "and network namespaces, minimal root, Landlock, vsock filter, process, "
                                         "memory and disk limits)", valid="auto | strict")
+    reward: str = arg("", "your reward instead of the deep-research one: package.module:function or "
+                          "file.py:function, function(response_text, golds) -> float (docs/tools.md)")
     strict_format: bool = arg(False, "reward and evaluation: <think> blocks must be balanced and in order (may be "
                                      "absent) instead of the official check (as many <think> as </think>, at least one)")
     tool_limit_ends: bool = arg(False, "past max_tool_calls, end the trajectory with EOS as the official code does "

@@ -135,13 +135,15 @@ def load_dataset(path, skip_bad: bool = False) -> Dataset:
     return rows
 
 
-def load_questions(path: str, tokenizer, max_prompt_tokens: int, what: str, skip_bad: bool = False) -> list[dict]:
-    """The rows of `path` (load_dataset) whose prompt (tools.build_prompt) fits max_prompt_tokens; the others are
-    dropped with a warning. `what` names the file's role in messages (e.g. "train_data")."""
+def load_questions(path: str, tokenizer, max_prompt_tokens: int, what: str, skip_bad: bool = False,
+                   build_prompt=tools.build_prompt) -> list[dict]:
+    """The rows of `path` (load_dataset) whose prompt (build_prompt: the run's tool-call format's) fits
+    max_prompt_tokens; the others are dropped with a warning. `what` names the file's role in messages (e.g.
+    "train_data")."""
     rows = load_dataset(path, skip_bad=skip_bad)
     if not rows:
         raise UserError(f"--{what} {path}: no questions in it")
-    kept = [r for r in rows if len(tools.build_prompt(tokenizer, r["question"])) <= max_prompt_tokens]
+    kept = [r for r in rows if len(build_prompt(tokenizer, r["question"])) <= max_prompt_tokens]
     if len(kept) < len(rows):
         print(f"warning: {what} {path}: dropped {len(rows) - len(kept)} question(s) whose prompt is longer than "
               f"max_prompt_tokens={max_prompt_tokens}", file=sys.stderr)

@@ -62,10 +62,110 @@ def python_limits(limits: dict) -> dict:
     return {**PYTHON_LIMITS, **limits}
 
 
-def make_tools(search, limits: dict) -> tools.Tools:
-    """The tool runner of a run or an evaluation: `search` and the python tool with --python_limits."""
+def make_tools(search, limits: dict, names=("search", "python"), mcp_servers=(), tool_format: str = "tags",
+               tokenizer=None, model: str = "the model") -> tools.Tools:
+    """The tool runner of a run or an evaluation: --tools (search; python with --python_limits; yours from
+    package.module:factory), the tools of each --mcp_server, in --tool_format. Each problem is one UserError before
+    any work: an unknown tool, a factory that fails or returns no Tool, a server that does not start or lists no
+    tools, two tools of one name, a chat template that cannot carry the hermes format."""
     kw = python_limits(limits)
-    return tools.Tools(search, python_timeout_s=kw.pop("timeout_s"), python_kw=kw)
+    timeout_s = kw.pop("timeout_s")
+    built: list[tuple[str, tools.Tool]] = []             # (where it came from, the tool)
+    servers = []
+    try:
+        for name in names:
+            if name == "search":
+                built.append(("--tools search", tools.SearchTool(search)))
+            elif name == "python":
+                built.append(("--tools python", tools.PythonTool(timeout_s, **kw)))
+            elif ":" in name:
+                built += [(f"--tools {name}", tool) for tool in plugin_tools(name)]
+            else:
+                raise UserError(f"--tools: unknown tool {name!r}; the built-in ones are search and python, and one of "
+                                f"your own is package.module:factory or file.py:factory")
+        for spec in mcp_servers:
+            from harness import mcp_tools
+            servers.append(mcp_tools.connect(spec))
+            built += [(f"--mcp_server {spec!r}", tool) for tool in servers[-1].tools]
+        if not built:
+            raise UserError("--tools is empty and no --mcp_server is given: the policy needs at least one tool")
+        first: dict[str, str] = {}
+        for source, tool in built:
+            if tool.name in first:
+                raise UserError(f"two tools are named {tool.name!r}: from {first[tool.name]} and from {source}")
+            first[tool.name] = source
+        tool_list = [tool for _, tool in built]
+        fmt = None
+        if tool_format == "hermes":
+            from harness.hermes import HermesFormat
+            fmt = HermesFormat(tokenizer, tool_list, model)
+        return tools.Tools(search, tools=tool_list, tool_format=fmt)
+    except BaseException:
+        for server in servers:
+            server.close()
+        raise
+
+
+def load_object(spec: str, flag: str):
+    """The object `spec` names: package.module:attribute (imported as code beside the working directory is) or
+    path/to/file.py:attribute. Anything wrong is one UserError naming the flag."""
+    import importlib
+    import importlib.util
+    import os
+    import sys
+    where, _, attribute = spec.rpartition(":")
+    if not where or not attribute.isidentifier():
+        raise UserError(f"{flag} {spec!r}: expected package.module:name or file.py:name")
+    try:
+        if where.endswith(".py"):
+            if not os.path.isfile(where):
+                raise UserError(f"{flag} {spec!r}: no file {where}")
+            module_spec = importlib.util.spec_from_file_location(f"aepo_user_{abs(hash(where))}", where)
+            module = importlib.util.module_from_spec(module_spec)
+            module_spec.loader.exec_module(module)
+        else:
+            if os.getcwd() not in sys.path:
+                sys.path.append(os.getcwd())
+            module = importlib.import_module(where)
+    except UserError:
+        raise
+    except Exception as err:  # noqa: BLE001 -- the user's module failing to import is one line naming it
+        raise UserError(f"{flag} {spec!r}: importing {where} failed ({type(err).__name__}: {err})") from None
+    if not hasattr(module, attribute):
+        raise UserError(f"{flag} {spec!r}: {where} has no {attribute}")
+    return getattr(module, attribute)
+
+
+def plugin_tools(spec: str) -> list[tools.Tool]:
+    """The tools a --tools package.module:factory gives: factory() returns a tools.Tool or a list of them."""
+    factory = load_object(spec, "--tools")
+    try:
+        made = factory()
+    except Exception as err:  # noqa: BLE001 -- the user's factory failing is one line naming it
+        raise UserError(f"--tools {spec}: the factory raised {type(err).__name__}: {err}") from None
+    made = list(made) if isinstance(made, (list, tuple)) else [made]
+    for tool in made:
+        if not isinstance(tool, tools.Tool) or not tool.name:
+            raise UserError(f"--tools {spec}: the factory returned {type(tool).__name__}, not a tools.Tool with a name")
+    if not made:
+        raise UserError(f"--tools {spec}: the factory returned no tools")
+    return made
+
+
+def reward_function(spec: str, score):
+    """score(text, golds) -> reward.score_response's dict, its "reward" replaced by --reward's
+    function(response_text, golds) -> float (the format check, EM and F1 are still logged)."""
+    function = load_object(spec, "--reward")
+    if not callable(function):
+        raise UserError(f"--reward {spec}: {type(function).__name__} is not a function")
+
+    def scored(text: str, golds) -> dict:
+        out = score(text, golds)
+        value = function(text, list(golds))
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or value != value:
+            raise UserError(f"--reward {spec} returned {value!r}, not a number")
+        return {**out, "reward": float(value)}
+    return scored
 
 
 def python_isolation(mode: str) -> str:

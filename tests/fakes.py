@@ -89,9 +89,9 @@ class WrappedGenerator:
 
     @classmethod
     def factory(cls):
-        def make(cfg, init_path, policy, tokenizer, rank, device):
+        def make(cfg, init_path, policy, tokenizer, rank, device, **kw):
             from harness import generation
-            return cls(generation.make_generator(cfg, init_path, policy, tokenizer, rank, device), tokenizer)
+            return cls(generation.make_generator(cfg, init_path, policy, tokenizer, rank, device, **kw), tokenizer)
         return make
 
     def generate(self, contexts, max_new_tokens, seed, sampling=None, on_step=None):

@@ -482,9 +482,10 @@ def copy_generator(stale: bool):
             for _ in named_tensors:               # read to the end (a collective under FSDP2), written nowhere
                 pass
 
-    def make(cfg, init_path, policy, tokenizer, rank, device):
+    def make(cfg, init_path, policy, tokenizer, rank, device, stop_strings):
         cls = Stale if stale else generation.TransformersGenerator
-        return cls(models.load_lm(init_path, device), tokenizer, batch_size=cfg.gen_batch_size)
+        return cls(models.load_lm(init_path, device), tokenizer, batch_size=cfg.gen_batch_size,
+                   stop_strings=stop_strings)
     return make
 
 
@@ -515,8 +516,9 @@ def test_the_correction_without_generator_logprobs_is_one_error_line(setup, caps
         def generate(self, *args, **kwargs):
             return [dataclasses.replace(seg, logprobs=None) for seg in super().generate(*args, **kwargs)]
 
-    def make(cfg, init_path, policy, tokenizer, rank, device):
-        return NoLogprobs(models.load_lm(init_path, device), tokenizer, batch_size=cfg.gen_batch_size)
+    def make(cfg, init_path, policy, tokenizer, rank, device, stop_strings):
+        return NoLogprobs(models.load_lm(init_path, device), tokenizer, batch_size=cfg.gen_batch_size,
+                          stop_strings=stop_strings)
 
     code = cli.run_cli(lambda argv: train.main(argv, score=fake_score, make_generator=make),
                        flags(setup, "no_logprobs", steps=1, tis_cap=2.0))

@@ -19,10 +19,12 @@ import tools
 from rollout import Sampling, Segment, segment_entropy
 
 
-def make_generator(cfg, init_path: str, policy, tokenizer, rank: int, device):
+def make_generator(cfg, init_path: str, policy, tokenizer, rank: int, device,
+                   stop_strings: tuple[str, ...] = tools.STOP_STRINGS):
     """The run's generator: vLLM (one engine per rank, built from the checkpoint at init_path; with LoRA the base
     model, and the adapter at each sync), or transformers sampling from the policy's own LM (one process, DDP; with
-    LoRA its adapters are in it) or from an unsharded copy of it (FSDP2: D41; with LoRA it takes the merged weights)."""
+    LoRA its adapters are in it) or from an unsharded copy of it (FSDP2: D41; with LoRA it takes the merged weights).
+    Generation stops at stop_strings (the run's tool-call format's), EOS or the token budget."""
     from harness import lora
     from harness.run.policy import is_sharded, unwrap
     lm = unwrap(policy).lm
@@ -30,13 +32,14 @@ def make_generator(cfg, init_path: str, policy, tokenizer, rank: int, device):
         from harness.generation.vllm import VLLMGenerator
         return VLLMGenerator(init_path, gpu_memory_utilization=cfg.vllm_gpu_memory_utilization, seed=cfg.seed + rank,
                              max_model_len=cfg.max_prompt_tokens + cfg.max_response_tokens,
-                             lora=lm.peft_config[lora.ADAPTER] if lora.is_lora(lm) else None)
+                             lora=lm.peft_config[lora.ADAPTER] if lora.is_lora(lm) else None,
+                             stop_strings=stop_strings)
     from harness.models import load_lm
     if is_sharded(policy):
         lm = load_lm(init_path, device)
     elif lora.is_lora(lm):
         lm = lm.get_base_model()                 # the transformers model with the adapters' layers in it
-    return TransformersGenerator(lm, tokenizer, batch_size=cfg.gen_batch_size)
+    return TransformersGenerator(lm, tokenizer, batch_size=cfg.gen_batch_size, stop_strings=stop_strings)
 
 
 class _Recorder:
@@ -93,8 +96,9 @@ class TransformersGenerator:
     is the policy's own LM with one process or DDP (update_weights then has nothing to copy) and an unsharded copy
     under FSDP2 (D41)."""
 
-    def __init__(self, model, tokenizer, batch_size: int = 64, topk: int = 10, n_entropy: int = 20):
-        self.model, self.tokenizer, self.batch_size = model, tokenizer, batch_size
+    def __init__(self, model, tokenizer, batch_size: int = 64, topk: int = 10, n_entropy: int = 20,
+                 stop_strings: tuple[str, ...] = tools.STOP_STRINGS):
+        self.model, self.tokenizer, self.batch_size, self.stop_strings = model, tokenizer, batch_size, stop_strings
         self.topk, self.n_entropy = topk, n_entropy
         self.vocab_size = model.config.vocab_size
         eos = model.generation_config.eos_token_id if model.generation_config.eos_token_id is not None \
@@ -148,7 +152,7 @@ class TransformersGenerator:
                 input_ids=ids.to(device), attention_mask=attn.to(device), max_new_tokens=max(max_new_tokens),
                 do_sample=sample, temperature=sampling.temperature if sample else None,
                 top_p=sampling.top_p if sample else None, top_k=sampling.top_k, logits_processor=processors,
-                stop_strings=list(tools.STOP_STRINGS), tokenizer=self.tokenizer, eos_token_id=sorted(self.eos_ids),
+                stop_strings=list(self.stop_strings), tokenizer=self.tokenizer, eos_token_id=sorted(self.eos_ids),
                 pad_token_id=self.pad_id, return_dict_in_generate=True)
         new = gen.sequences[:, width:].tolist()
         n_ent = len(recorder.steps)
@@ -169,7 +173,7 @@ class TransformersGenerator:
             if tok in self.eos_ids:
                 return row[:j + 1], "eos", text
             text += self.tokenizer.decode([tok])
-            hit = tools.first_stop(text[-64:])         # (end offset, stop string) or None
+            hit = tools.first_stop(text[-64:], self.stop_strings)   # (end offset, stop string) or None
             if hit is not None:
                 return row[:j + 1], tools.finish_reason(hit[1]), self.tokenizer.decode(row[:j + 1])
         kept = row[:limit]

@@ -109,7 +109,8 @@ class VLLMGenerator:
     def __init__(self, model_path: str, topk: int = 10, n_entropy: int = 20, gpu_memory_utilization: float = 0.4,
                  seed: int = 0,
                  max_model_len: int | None = None, enable_sleep_mode: bool | None = None, dtype: str = "bfloat16",
-                 lora=None, vllm_module=None, **llm_kwargs):
+                 lora=None, stop_strings: tuple[str, ...] = tools.STOP_STRINGS, vllm_module=None, **llm_kwargs):
+        self.stop_strings = tuple(stop_strings)
         if vllm_module is None:
             try:
                 import vllm as vllm_module
@@ -177,7 +178,7 @@ class VLLMGenerator:
             token_ids, text = list(head.token_ids) + list(tail.token_ids), head.text + tail.text
             tail_logprobs = _sampled_logprobs(tail)
             sampled = None if sampled is None or tail_logprobs is None else sampled + tail_logprobs
-            hit = tools.first_stop(text)
+            hit = tools.first_stop(text, self.stop_strings)
             if hit is not None and hit[0] - len(hit[1]) < len(head.text):     # a stop string across the two parts
                 token_ids, text = self._cut_after_stop(token_ids, len(head.token_ids))
                 sampled = None if sampled is None else sampled[:len(token_ids)]
@@ -194,7 +195,7 @@ class VLLMGenerator:
         params = [self.vllm.SamplingParams(
             temperature=sampling.temperature, top_p=sampling.top_p, top_k=sampling.top_k,
             repetition_penalty=sampling.repetition_penalty, max_tokens=n, logprobs=logprobs,
-            flat_logprobs=logprobs is not None, stop=list(tools.STOP_STRINGS), include_stop_str_in_output=True,
+            flat_logprobs=logprobs is not None, stop=list(self.stop_strings), include_stop_str_in_output=True,
             seed=s) for n, s in zip(max_tokens, seeds)]
         prompts = [self.vllm.inputs.TokensPrompt(prompt_token_ids=list(c)) for c in contexts]
         lora = {"lora_request": self.lora_request} if self.lora_request is not None else {}
@@ -204,7 +205,7 @@ class VLLMGenerator:
         """The shortest prefix of token_ids longer than n_head whose text holds a stop string, and that text."""
         for end in range(n_head + 1, len(token_ids) + 1):
             text = self.tokenizer.decode(token_ids[:end])
-            if tools.first_stop(text) is not None:
+            if tools.first_stop(text, self.stop_strings) is not None:
                 return token_ids[:end], text
         raise AssertionError("a stop string found in the joined text must be found in the decoded ids")
 

@@ -33,9 +33,13 @@ DEMO_ANSWER = ("<think> The search results say the answer is {answer}. </think>\
                "<answer> The answer is \\boxed{{{answer}}}. </answer>")
 
 
-def build_demonstrations(rows: list[dict], search) -> list[dict]:
-    """Chat demonstrations from QA rows with a good search `query`: think -> search -> real results -> answer.
-    Rows whose search results do not contain the gold answer are left out (they would teach guessing)."""
+def build_demonstrations(rows: list[dict], search, fmt=tools.TAGS) -> list[dict]:
+    """Chat demonstrations from QA rows with a good search `query`: think -> search -> real results -> answer, the
+    call written in the run's tool-call format `fmt`. Rows whose search results do not contain the gold answer are
+    left out (they would teach guessing)."""
+    if "search" not in [t.name for t in fmt.tools]:
+        raise cli.UserError("the cold start's demonstrations are built with the search tool, which --tools leaves "
+                            "out: pass --cold_start_kw '{data: demos.jsonl}' or --cold_start false")
     missing = [i for i, r in enumerate(rows) if not r["meta"].get("query")]
     if missing:
         raise cli.UserError(f"cold start from the training data needs a 'query' field in every row (row "
@@ -48,9 +52,9 @@ def build_demonstrations(rows: list[dict], search) -> list[dict]:
             continue
         think = DEMO_THINK[i % len(DEMO_THINK)].format(what=row["meta"]["query"].rstrip("?. ").lower())
         demos.append({"messages": [
-            {"role": "system", "content": tools.SYSTEM_PROMPT},
+            {"role": "system", "content": fmt.system_prompt},
             {"role": "user", "content": row["question"]},
-            {"role": "assistant", "content": think + f"<search> {row['meta']['query']} </search>"},
+            {"role": "assistant", "content": think + fmt.call_text("search", row["meta"]["query"])},
             {"role": "tool", "content": result},
             {"role": "assistant", "content": DEMO_ANSWER.format(answer=gold)}]})
     return demos
@@ -75,31 +79,33 @@ def load_demonstrations(path: str) -> list[dict]:
     return demos
 
 
-def demo_tokens(demo: dict, tokenizer) -> tuple[list[int], list[int], list[int]]:
+def demo_tokens(demo: dict, tokenizer, fmt=tools.TAGS) -> tuple[list[int], list[int], list[int]]:
     """(prompt_ids, response_ids, loss_mask) the way the rollout builds them: the chat-template prompt of the system
-    and user messages, then each assistant message encoded on its own (mask 1) and each tool message as
-    tools.format_result(text) (mask 0)."""
+    and user messages, then each assistant message encoded on its own (mask 1) and each tool message as the run's
+    tool-call format `fmt` renders a result (mask 0)."""
     messages = demo["messages"]
     first = next(i for i, m in enumerate(messages) if m["role"] == "assistant")
     head = messages[:first]
     if not any(m["role"] == "system" for m in head):
-        head = [{"role": "system", "content": tools.SYSTEM_PROMPT}] + head
-    prompt = list(tokenizer.apply_chat_template(head, add_generation_prompt=True, tokenize=True, return_dict=False))
+        head = [{"role": "system", "content": fmt.system_prompt}] + head
+    extra = {"tools": fmt.template_tools} if getattr(fmt, "template_tools", None) else {}
+    prompt = list(tokenizer.apply_chat_template(head, add_generation_prompt=True, tokenize=True, return_dict=False,
+                                                **extra))
     response, mask = [], []
     for m in messages[first:]:
-        text = m["content"] if m["role"] == "assistant" else tools.format_result(m["content"])
-        ids = tokenizer.encode(text, add_special_tokens=False)
+        ids = tokenizer.encode(m["content"], add_special_tokens=False) if m["role"] == "assistant" else \
+            fmt.observation_ids(tokenizer, m["content"])
         response += ids
         mask += [1 if m["role"] == "assistant" else 0] * len(ids)
     return prompt, response, mask
 
 
-def cold_start(policy, demos: list[dict], tokenizer, cfg, rank: int, world: int, device, amp, log):
+def cold_start(policy, demos: list[dict], tokenizer, cfg, rank: int, world: int, device, amp, log, fmt=tools.TAGS):
     """Supervised steps on the demonstrations: loss = −Σ log π(y_t)·mask / N_valid (global count, like RL)."""
     from tqdm import tqdm
     cs = settings.cold_start_settings(cfg)
     optimizer = torch.optim.AdamW(policy.parameters(), lr=cs.lr, weight_decay=0.0)
-    items = [demo_tokens(d, tokenizer) for d in demos]
+    items = [demo_tokens(d, tokenizer, fmt) for d in demos]
     rng = random.Random(cfg.seed)
     order: list[int] = []
     unwrap(policy).lm.train()
@@ -131,7 +137,7 @@ def cold_start_key(model_path: str, demos: list[dict], cfg, world: int) -> str:
     return h.hexdigest()[:16]
 
 
-def demonstrations(cfg, train_rows: list[dict], search) -> tuple[list[dict], list[dict]]:
+def demonstrations(cfg, train_rows: list[dict], search, fmt=tools.TAGS) -> tuple[list[dict], list[dict]]:
     """(demonstrations, the training rows left for RL): --cold_start_kw's data, or its first `questions`
     training questions turned into demonstrations (RL then skips them); none without --cold_start."""
     if not cfg.cold_start:
@@ -140,7 +146,7 @@ def demonstrations(cfg, train_rows: list[dict], search) -> tuple[list[dict], lis
     if cs.data:
         demos = load_demonstrations(cs.data)
     else:
-        demos = build_demonstrations(train_rows[:cs.questions], search)
+        demos = build_demonstrations(train_rows[:cs.questions], search, fmt)
         train_rows = train_rows[cs.questions:]
     if not demos:
         raise cli.UserError("cold start: no usable demonstrations (no search result held its gold answer): pass "

@@ -11,7 +11,6 @@ import json
 import torch
 
 import rollout
-import tools
 from harness.run.policy import tensorize, unwrap
 
 
@@ -28,8 +27,8 @@ def record(run) -> list:
     rows = run.eval_rows[:cfg.probe_questions]
     with torch.no_grad(), run.amp():
         trajectories, _ = rollout.tree_rollout(
-            [tools.build_prompt(run.tokenizer, r["question"]) for r in rows], run.generator, run.tools, run.tokenizer,
-            run.tree_settings, sampling=run.sampling, seed=cfg.seed, k=1, entropy_branching=False)
+            [run.tools.format.build_prompt(run.tokenizer, r["question"]) for r in rows], run.generator, run.tools,
+            run.tokenizer, run.tree_settings, sampling=run.sampling, seed=cfg.seed, k=1, entropy_branching=False)
     probe = [(t.prompt_ids, t.response_ids, t.loss_mask) for t in trajectories if sum(t.loss_mask)]
     if run.master:
         path.write_text(json.dumps(probe))

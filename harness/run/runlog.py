@@ -183,7 +183,8 @@ def format_line(step: int, steps: int, m: dict) -> str:
 def failing_tools(m: dict) -> list[tuple[str, int, int]]:
     """(tool, errors, calls) of every tool that failed on more than half of the step's calls (all ranks)."""
     out = []
-    for tool in ("search", "python"):
+    for tool in sorted({key.split("/")[1] for key in m if key.startswith("tools/") and key.endswith("/calls")} -
+                       {"invalid"}):
         calls, errors = int(m.get(f"tools/{tool}/calls", 0)), int(m.get(f"tools/{tool}/errors", 0))
         if calls and errors > calls / 2:
             out.append((tool, errors, calls))

@@ -16,6 +16,7 @@ from typing import Callable
 import torch
 
 import rollout
+import tools
 from harness import cli, config, dataset, models, search as search_mod, settings
 from harness.run import checkpoint, coldstart, parallel, rundir, watchdog
 from harness.lora import AdaptersOff, check_targets
@@ -94,11 +95,15 @@ def set_up(cfg: config.Config, rank: int, world: int, device: torch.device, stat
     if cfg.lora_rank:                            # the targets checked on the model's skeleton, before any work
         check_targets(models.skeleton(base_path), cfg.lora_target_modules)
     log(settings.python_isolation(cfg.python_isolation))              # every rank runs its own python calls
-    tool_runner = state.tools = settings.make_tools(search, cfg.python_limits)
-    train_rows = dataset.load_questions(cfg.train_data, tokenizer, cfg.max_prompt_tokens, "train_data", cfg.skip_bad)
+    tool_runner = state.tools = settings.make_tools(search, cfg.python_limits, cfg.tools, cfg.mcp_server,
+                                                    cfg.tool_format, tokenizer, cfg.model)
+    fmt = tool_runner.format                     # the tool-call format: prompts, stop strings, the format check
+    scorer = run_score(cfg, score, fmt)
+    train_rows = dataset.load_questions(cfg.train_data, tokenizer, cfg.max_prompt_tokens, "train_data", cfg.skip_bad,
+                                        fmt.build_prompt)
     eval_rows = dataset.load_questions(cfg.eval_data, tokenizer, cfg.max_prompt_tokens, "eval_data",
-                                       cfg.skip_bad)[:cfg.eval_limit or None] if cfg.eval_data else []
-    demos, train_rows = coldstart.demonstrations(cfg, train_rows, search)
+                                       cfg.skip_bad, fmt.build_prompt)[:cfg.eval_limit or None] if cfg.eval_data else []
+    demos, train_rows = coldstart.demonstrations(cfg, train_rows, search, fmt)
     if len(train_rows) < cfg.questions_per_step:
         raise cli.UserError(f"--train_data has {len(train_rows)} usable questions, fewer than "
                             f"--questions_per_step ({cfg.questions_per_step})")
@@ -108,7 +113,7 @@ def set_up(cfg: config.Config, rank: int, world: int, device: torch.device, stat
     log(f"{len(train_rows)} training questions, {len(eval_rows)} held-out, {len(demos)} demonstrations; "
         f"{steps} steps of {cfg.questions_per_step} questions × k={cfg.k}; {world} process(es) on {device}")
 
-    policy, init_path, ref_path = _policy(cfg, base_path, demos, tokenizer, ckpts, rank, world, device, log)
+    policy, init_path, ref_path = _policy(cfg, base_path, demos, tokenizer, ckpts, rank, world, device, log, fmt)
     lora = settings.lora_settings(cfg)
     if lora:                                     # checkpoints record it (run_info.json): a resume needs that base
         info["lora_base"] = {"path": ref_path, "fingerprint": models.fingerprint(ref_path)}
@@ -118,7 +123,8 @@ def set_up(cfg: config.Config, rank: int, world: int, device: torch.device, stat
     elif cfg.kl_coef > 0:                        # frozen reference: the policy RL starts from (also on --resume)
         ref = unwrap(load_policy(ref_path, world, device, cfg.parallel, cfg.bf16, rank)).requires_grad_(False)
     optimizer = torch.optim.AdamW(trainable_parameters(policy), lr=cfg.lr, weight_decay=cfg.weight_decay)
-    generator = watchdog.WatchedGenerator(make_generator(cfg, init_path, policy, tokenizer, rank, device))
+    generator = watchdog.WatchedGenerator(make_generator(cfg, init_path, policy, tokenizer, rank, device,
+                                                         stop_strings=fmt.stop_strings))
     parallel.on_close(generator.close)           # a vLLM engine shuts down before the process group is left
     watch = watchdog.Watchdog(rank, cfg.watchdog_min * 60)    # says what a rank that takes too long is doing
     watchdog.set_current(watch)
@@ -137,11 +143,19 @@ def set_up(cfg: config.Config, rank: int, world: int, device: torch.device, stat
     return Run(cfg, rank, world, device, run_dir, info, tokenizer, search, watchdog.WatchedTools(tool_runner),
                train_rows, eval_rows, steps, start_step, policy, ref, optimizer, generator,
                settings.tree_settings(cfg), rollout.Sampling(cfg.temperature, cfg.top_p),
-               functools.partial(score, strict_format=cfg.strict_format), log)
+               scorer, log)
+
+
+def run_score(cfg, score, fmt):
+    """score(text, golds) -> reward.score_response's dict for this run: --strict_format, the format's tool tags, and
+    --reward's function in place of the deep-research reward."""
+    tags = {} if fmt.format_tags == tools.TOOLS else {"tool_names": fmt.format_tags}
+    scored = functools.partial(score, strict_format=cfg.strict_format, **tags)
+    return settings.reward_function(cfg.reward, scored) if cfg.reward else scored
 
 
 def _policy(cfg, base_path: str, demos: list[dict], tokenizer, ckpts: list[Path], rank: int, world: int, device,
-            log) -> tuple[torch.nn.Module, str, str]:
+            log, fmt=tools.TAGS) -> tuple[torch.nn.Module, str, str]:
     """(the policy, the model directory it was loaded from, the reference's): the latest checkpoint (--resume), a
     cached cold start, or the base model, cold-started first (D40) when demonstrations are given and none is cached.
     With LoRA the model is always the one RL starts from, with adapters (a resume's come from its checkpoint)."""
@@ -162,7 +176,7 @@ def _policy(cfg, base_path: str, demos: list[dict], tokenizer, ckpts: list[Path]
         amp = (lambda: torch.autocast(device.type, dtype=torch.bfloat16)) if cfg.bf16 else contextlib.nullcontext
         steps = settings.cold_start_settings(cfg).steps
         log(f"cold start: {len(demos)} demonstrations, {steps} steps (cached in {cs_dir})")
-        coldstart.cold_start(policy, demos, tokenizer, cfg, rank, world, device, amp, log)
+        coldstart.cold_start(policy, demos, tokenizer, cfg, rank, world, device, amp, log, fmt)
         checkpoint.export_model(policy, tokenizer, cs_dir, rank)
         init_path = str(cs_dir)
         if lora:                                 # the adapters go on the cold-started model

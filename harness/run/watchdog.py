@@ -96,7 +96,7 @@ class WatchedTools:
     """A tool runner (tools.Tools) whose rounds the process's watchdog is told about, naming the calls."""
 
     def __init__(self, inner):
-        self.inner = inner
+        self.inner, self.format = inner, inner.format
 
     def run(self, calls):
         named = list(dict.fromkeys(f"{call.tool} call {call.argument[:60]!r}" for call in calls if hasattr(call, "tool")))
