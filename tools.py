@@ -29,6 +29,7 @@ TOOLS = ("search", "python")
 STOP_STRINGS = ("</search>", "</python>", "</answer>")  # generation stops after any of these
 MAX_QUERY_CHARS = 1_000  # longest search query accepted
 MAX_CODE_CHARS = 20_000  # longest python program accepted
+TOOL_NAME = r"[A-Za-z_][\w.-]{0,40}"  # what a tool may be called (a tag name)
 
 SYSTEM_PROMPT = """You are a helpful assistant. Answer the user's question step by step, using tools when they help.
 - Think inside <think> </think>.
@@ -127,7 +128,7 @@ class PythonTool(Tool):
 # ---------------------------------------------------------------------------------------------------------------
 # Parsing
 # ---------------------------------------------------------------------------------------------------------------
-_TAG_AT_END = re.compile(r"<(/?)([A-Za-z_][\w.-]{0,40})>\s*$")
+_TAG_AT_END = re.compile(rf"<(/?)({TOOL_NAME})>\s*$")
 _FENCE = re.compile(r"^```[\w+-]*\n(.*?)\n?```$", re.DOTALL)
 
 
@@ -176,7 +177,7 @@ def parse_tags(segment_text: str, tools: tuple[Tool, ...] | list[Tool]) -> ToolC
             if text.rfind(f"<{n}>") > text.rfind(f"</{n}>"):
                 return ToolError(f"unclosed <{n}> tag; close the call with </{n}>")
         return ToolError("no tool call found; write " +
-                         " or ".join(f"<{n}> {_placeholder(by_name[n])} </{n}>" for n in names))
+                         " or ".join(f"<{n}> {placeholder(by_name[n])} </{n}>" for n in names))
     body_end = len(text) - len(f"</{name}>")
     start = text.rfind(f"<{name}>", 0, body_end)
     if start < 0:
@@ -253,7 +254,8 @@ def _text_parameter(tool: Tool) -> str | None:
     return None
 
 
-def _placeholder(tool: Tool) -> str:
+def placeholder(tool: Tool) -> str:
+    """What a call's tags hold, as the prompt and error messages name it: the text parameter, or a JSON object."""
     return _text_parameter(tool) or "{JSON arguments}"
 
 
@@ -286,38 +288,13 @@ def _run_python(code: str, timeout_s: float = 10.0, max_output_chars: int = 4_00
         code.encode("utf-8")
     except UnicodeEncodeError as e:
         return f"Error: python code is not valid UTF-8 ({e.reason})", "error"
-    cpu = cpu_s if cpu_s is not None else int(timeout_s) + 1
     try:
-        from harness import sandbox  # only the python tool needs it: rollout.py + tools.py copy alone
+        from harness.sandbox import observation  # only the python tool needs it: rollout.py + tools.py copy alone
     except ImportError:                      # copied without harness/: a plain subprocess, as the official code
         return _run_unsandboxed(code, timeout_s, max_output_chars)
-    result = sandbox.run(code, timeout_s, memory_mb, cpu, file_size_mb, no_network, max_processes,
-                         read_bytes=4 * max_output_chars, total_memory_mb=total_memory_mb, disk_mb=disk_mb)
-    text = result.output
-    if len(text) > max_output_chars or result.size > 4 * max_output_chars:
-        text = text[:max_output_chars] + f"\n... [output truncated: {result.size} bytes in total]"
-    text = text.rstrip("\n")
-    status = "ok"
-    if result.refused:  # its output may depend on how many processes it got: an error, not cached
-        status = "error"
-        text = ((text + "\n" if text else "") + f"Error: the program hit the process limit ({max_processes}): "
-                f"{result.refused} process creations were refused")
-    if result.oom_kills:  # the call's processes together went past the memory limit: an error, not cached
-        status = "error"
-        text = ((text + "\n" if text else "") + f"Error: the program hit the memory limit ({total_memory_mb} MB for "
-                f"all its processes): {result.oom_kills} process(es) killed")
-    if result.timed_out:
-        return (text + "\n" if text else "") + f"Error: timed out after {timeout_s:g} s", "timeout"
-    if result.returncode != 0:
-        status = "error"
-        if result.returncode < 0:
-            try:
-                sig = signal.Signals(-result.returncode).name
-            except ValueError:  # real-time signals have no name; never let the program's choice crash the round
-                sig = f"signal {-result.returncode}"
-            why = " (CPU time limit)" if sig == "SIGXCPU" else ""
-            text = (text + "\n" if text else "") + f"Error: killed by {sig}{why}"
-    return (text or "(no output; use print() to show a value)"), status
+    return observation.run_program(code, timeout_s, max_output_chars, memory_mb,
+                                   cpu_s if cpu_s is not None else int(timeout_s) + 1, file_size_mb, no_network,
+                                   max_processes, total_memory_mb, disk_mb)
 
 
 UNSANDBOXED = "(not sandboxed: harness/sandbox/__init__.py is not beside tools.py)"
@@ -359,21 +336,9 @@ def _run_unsandboxed(code: str, timeout_s: float, max_output_chars: int) -> tupl
 def run_python(code: str, timeout_s: float = 10.0, max_output_chars: int = 4_000, memory_mb: int = 1_024,
                cpu_s: int | None = None, file_size_mb: int = 16, no_network: bool = True,
                max_processes: int = 64, total_memory_mb: int = 2_048, disk_mb: int = 64) -> str:
-    """Run `code` as a program in a fresh `sys.executable -I` subprocess inside the sandbox; return its stdout + stderr.
-
-    sandbox.run does the running: a private temporary working directory (removed afterwards; HOME and TMPDIR point
-    there), a minimal environment, a wall-clock timeout after which everything the program started is killed,
-    RLIMIT_AS = memory_mb per process, RLIMIT_CPU = cpu_s (default timeout + 1 s), RLIMIT_FSIZE = file_size_mb per
-    file, and every isolation layer this machine offers (sandbox.isolation(): PID, IPC and network namespaces (the
-    last unless no_network=False), a minimal root, Landlock: read-only interpreter and system libraries, read-write
-    working directory only, a seccomp filter closing vsock and io_uring, a limit of max_processes processes and
-    threads at once, total_memory_mb for all the call's processes together, disk_mb for its working directory).
-    Here the output is cut to max_output_chars and failures become text (tracebacks, "Error: timed out after 10 s",
-    "Error: killed by SIGXCPU (CPU time limit)", "Error: the program hit the process limit (64): ...", "Error: the
-    program hit the memory limit (2048 MB for all its processes): ..."); only failing
-    to start the program at all (no temporary directory, no interpreter, a sandbox layer that could not be set up)
-    raises OSError.
-    """
+    """Run `code` as a program in a fresh `sys.executable -I` subprocess inside the sandbox; return its stdout + stderr,
+    cut to max_output_chars, failures as text ("Error: timed out after 10 s", ...). The limits and the isolation are
+    harness/sandbox/observation.py's `run_program`; only failing to start the program at all raises OSError."""
     return _run_python(code, timeout_s, max_output_chars, memory_mb, cpu_s, file_size_mb, no_network,
                        max_processes, total_memory_mb, disk_mb)[0]
 
@@ -388,9 +353,9 @@ class TagFormat:
 
     def __init__(self, tools: list[Tool]):
         self.tools = list(tools)
+        self.system_prompt = SYSTEM_PROMPT if [t.name for t in self.tools] == list(TOOLS) else tag_prompt(self.tools)
         self.stop_strings = tuple(f"</{t.name}>" for t in self.tools) + ("</answer>",)
         self.format_tags = tuple(t.name for t in self.tools)   # the tags the reward's format check scans
-        self.system_prompt = SYSTEM_PROMPT if [t.name for t in self.tools] == list(TOOLS) else tag_prompt(self.tools)
 
     def parse(self, segment_text: str) -> ToolCall | ToolError:
         return parse_tags(segment_text, self.tools)
@@ -414,9 +379,10 @@ class TagFormat:
 TAGS = TagFormat([SearchTool(None), PythonTool()])    # the paper's: search and python in tags
 
 
-def tag_prompt(tools: list[Tool]) -> str:
+def tag_prompt(tool_list: list[Tool]) -> str:
     """SYSTEM_PROMPT's instructions for another set of tools, each listed with its description."""
-    listed = "\n".join(f"  - <{t.name}> {_placeholder(t)} </{t.name}>: {t.description}".rstrip(": ") for t in tools)
+    listed = "\n".join(f"  - <{t.name}> {placeholder(t)} </{t.name}>: {t.description}".rstrip(": ")
+                       for t in tool_list)
     return ("You are a helpful assistant. Answer the user's question step by step, using tools when they help.\n"
             "- Think inside <think> </think>.\n"
             "- To call a tool, write its input between its tags (a JSON object of its arguments where it takes "
@@ -443,8 +409,8 @@ class Tools:
         self.tools = list(tools) if tools is not None else \
             [SearchTool(search, search_timeout_s), PythonTool(python_timeout_s, **(python_kw or {}))]
         names = [t.name for t in self.tools]
-        if len(set(names)) < len(names) or not all(re.fullmatch(r"[A-Za-z_][\w.-]{0,40}", n) for n in names):
-            raise ValueError(f"tool names must be distinct tags ([A-Za-z_][\\w.-]*, at most 41 characters), got {names}")
+        if len(set(names)) < len(names) or not all(re.fullmatch(TOOL_NAME, n) for n in names):
+            raise ValueError(f"tool names must be distinct tag names ({TOOL_NAME}), got {names}")
         self.search, self.by_name = search, {t.name: t for t in self.tools}
         self.format = tool_format if tool_format is not None else TagFormat(self.tools)
         self.pool = ThreadPoolExecutor(max_workers=max_workers, thread_name_prefix="aepo-tools")

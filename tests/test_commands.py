@@ -38,6 +38,9 @@ MISSING_DATA = ["python train.py --config configs/aepo_qwen3_14b.yaml --backend 
                 "python train.py --config configs/aepo_qwen3_14b.yaml --config configs/grpo.yaml --k 8",
                 "python train.py --config configs/aepo_qwen3_14b.yaml --config configs/lora.yaml --lr 1e-5"]
 LORA_ON_CPU = ["python train.py --config configs/lora.yaml --lr 1e-4"]
+OWN_TOOLS_ON_CPU = ["python train.py --tools '[search, docs/examples/calculator.py:calculator]' --reward "
+                    "docs/examples/calculator.py:exact_reward",
+                    "python train.py --tools '[search, docs/examples/calculator.py:calculator]' --tool_format hermes"]
 NOT_ON_CPU = ["torchrun --nproc_per_node=8 train.py --config configs/aepo_qwen3_14b.yaml --parallel fsdp --backend vllm "
               "--bf16 true", "torchrun --nproc_per_node=8 train.py --config configs/aepo_qwen3_14b.yaml --parallel fsdp",
               "torchrun --nnodes=2",                     # 8 GPUs / several nodes
@@ -66,7 +69,7 @@ def documented_commands() -> list[str]:
 
 
 def test_every_documented_command_is_covered():
-    covered = TRAIN_ON_CPU + LORA_ON_CPU + EVAL_ON_CPU + MISSING_DATA + HELP + TREES + VLLM_ON_CPU + OFFICIAL_OFFLINE
+    covered = TRAIN_ON_CPU + LORA_ON_CPU + OWN_TOOLS_ON_CPU + EVAL_ON_CPU + MISSING_DATA + HELP + TREES + VLLM_ON_CPU + OFFICIAL_OFFLINE
     for command in documented_commands():
         if command.startswith("python bench/"):
             continue                                          # test_benchmark_scripts_answer_help
@@ -135,6 +138,24 @@ def test_the_lora_command_runs_as_written(scratch):
     assert "LoRA: rank 64, alpha 32 on 210 layers" in proc.stdout + proc.stderr
     step = next((scratch / "runs_lora").iterdir()) / "checkpoints" / "step_000001"
     assert (step / "model.safetensors").exists() and (step / "adapter" / "adapter_model.safetensors").exists()
+
+
+@pytest.mark.slow
+def test_the_own_tools_commands_run_as_written(scratch):
+    """The worked example of docs/tools.md on the embedded model, 2 steps in each format: the calculator in the
+    prompt, the rewards the user's function's (0 or 1, never the deep-research −1), a checkpoint."""
+    for i, command in enumerate(OWN_TOOLS_ON_CPU):
+        started = time.time()
+        proc = run(command, scratch, quick(command, steps=2) + LEAN + ["--out_dir", f"runs_own{i}"])
+        assert proc.returncode == 0 and "Traceback" not in proc.stderr, proc.stderr[-3000:]
+        run_dir = next((scratch / f"runs_own{i}").iterdir())
+        metrics = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+        samples = [json.loads(line) for line in (run_dir / "samples.jsonl").read_text().splitlines()]
+        assert [m["step"] for m in metrics] == [1, 2] and (run_dir / "checkpoints" / "step_000002").is_dir()
+        if "--reward" in command:
+            assert all(s["reward"] in (0.0, 1.0) for s in samples), samples
+        print(f"{command}: {time.time() - started:.0f} s, reward per step {[round(m['reward'], 3) for m in metrics]}, "
+              f"format_ok {[m['format_ok'] for m in metrics]}")
 
 
 @pytest.mark.slow

@@ -10,7 +10,7 @@ import pytest
 import reward
 import rollout
 import tools
-from harness import cli, settings
+from harness import cli, plugins, settings
 from harness.hermes import HermesFormat
 from tests.conftest import flags
 from tests.fakes import TOK, ScriptedGenerator, WrappedGenerator, fake_score, prompts
@@ -40,7 +40,7 @@ def test_a_tool_of_your_own_runs_in_a_round_beside_search():
         def search(self, queries):
             return [f"page about {q}" for q in queries]
 
-    runner = tools.Tools(Search(), tools=[tools.SearchTool(Search())] + settings.plugin_tools(f"{EXAMPLE}:calculator")
+    runner = tools.Tools(Search(), tools=[tools.SearchTool(Search())] + plugins.plugin_tools(f"{EXAMPLE}:calculator")
                          + [Flaky()])
     fmt = runner.format
     assert fmt.stop_strings == ("</search>", "</calculate>", "</flaky>", "</answer>")
@@ -241,6 +241,60 @@ def test_a_run_with_your_tool_and_reward_in_both_formats(setup):
         assert f"tool_format: {fmt}" in config and "calculator.py:calculator" in config
 
 
+class AddFirst(WrappedGenerator):
+    """The real generator, except that a trajectory's first segment calls the MCP server's add tool."""
+
+    def generate(self, contexts, max_new_tokens, seed, sampling=None, on_step=None):
+        from rollout import Segment
+        out = self.inner.generate(contexts, max_new_tokens, seed, sampling, on_step)
+        for i, context in enumerate(contexts):
+            if '"a": 2' not in self.tokenizer.decode(context):
+                call = '<think> add </think> <add> {"a": 2, "b": 3} </add>'
+                ids = self.tokenizer.encode(call, add_special_tokens=False)
+                out[i] = Segment(ids, "tool", 0.5, call)
+        return out
+
+
+def test_an_mcp_servers_tools_join_a_run_and_a_dead_server_is_an_observation(setup, tmp_path):
+    """train.py --mcp_server 'python tests/mcp_server.py': its tools join search under their own names, the policy's
+    `<add> {"a": 2, "b": 3} </add>` reaches the server and reads 5. The same server killed before the run's second
+    step: every later call is an error observation the policy reads, and the run ends normally."""
+    import os
+    import signal
+    import train
+    server = f"{sys.executable} {ROOT / 'tests' / 'mcp_server.py'}"
+    run_dir = Path(train.main(flags(setup, "mcp", mcp_server=json.dumps([server]), log_samples=4,
+                                    max_response_tokens=60), score=fake_score,
+                              make_generator=AddFirst.factory())["run_dir"])
+    metrics = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    assert all(m["tools/add/calls"] >= 2 and m["tools/add/errors"] == 0 for m in metrics), metrics
+    samples = [json.loads(line) for line in (run_dir / "samples.jsonl").read_text().splitlines()]
+    assert all("</add>\n<result>\n5\n</result>" in s["text"] for s in samples), samples[0]["text"]
+
+    killed = {}
+    from harness import mcp_tools
+    real_connect = mcp_tools.connect
+
+    def connect_and_kill(spec, *a, **kw):                      # the server, killed once its tools are listed
+        connected = real_connect(spec, *a, **kw)
+        pid = connected.call("pid", [{}])[0]
+        os.kill(int(pid if isinstance(pid, str) else pid[0]), signal.SIGKILL)
+        killed["pid"] = pid
+        return connected
+    mcp_tools.connect = connect_and_kill
+    try:
+        run_dir = Path(train.main(flags(setup, "mcp_dead", mcp_server=json.dumps([server]), log_samples=4,
+                                        max_response_tokens=200, steps=1), score=fake_score,
+                                  make_generator=AddFirst.factory())["run_dir"])
+    finally:
+        mcp_tools.connect = real_connect
+    metrics = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    assert killed and metrics[0]["tools/add/errors"] == metrics[0]["tools/add/calls"] >= 2, metrics
+    samples = [json.loads(line) for line in (run_dir / "samples.jsonl").read_text().splitlines()]
+    assert all("</add>\n<result>\nError: the MCP server" in s["text"] and "is not answering" in s["text"]
+               for s in samples), samples[0]["text"]
+
+
 @pytest.mark.parametrize("over, says", [
     ({"tools": "[search, browser]"}, "--tools: unknown tool 'browser'; the built-in ones are search and python"),
     ({"tools": f"[search, {EXAMPLE}:nothing]"}, f"--tools '{EXAMPLE}:nothing': {EXAMPLE} has no nothing"),
@@ -255,9 +309,18 @@ def test_a_run_with_your_tool_and_reward_in_both_formats(setup):
      "the cold start's demonstrations are built with the search tool, which --tools leaves out"),
     ({"reward": f"{EXAMPLE}:missing"}, f"--reward '{EXAMPLE}:missing': {EXAMPLE} has no missing"),
     ({"tool_format": "json"}, "--tool_format 'json' is out of range: it must be one of tags | hermes"),
+    ({"mcp_server": json.dumps([f"{sys.executable} {ROOT / 'tests' / 'mcp_server.py'} --no-tools"])},
+     "the server lists no tools"),
+    ({"mcp_server": '["no-such-mcp-command --x"]'}, "--mcp_server 'no-such-mcp-command --x': the server did not start"),
+    ({"mcp_server": '["http://127.0.0.1:9/mcp"]'}, "--mcp_server 'http://127.0.0.1:9/mcp': no MCP server answers"),
+    ({"tools": f"[search, {EXAMPLE}:calculator]", "mcp_server": json.dumps(
+        [f"{sys.executable} {ROOT / 'tests' / 'mcp_server.py'}"])}, None),
 ])
 def test_bad_tool_settings_are_one_line_before_any_work(setup, over, says, capsys):
     import train
+    if says is None:                             # the calculator and the server's tools together: a good run
+        assert cli.run_cli(lambda argv: train.main(argv, score=fake_score), flags(setup, "good_tools", **over)) == 0
+        return
     code = cli.run_cli(lambda argv: train.main(argv, score=fake_score), flags(setup, "bad_tools", **over))
     err = capsys.readouterr().err
     said = [line for line in err.splitlines() if line.startswith("error: ")]
@@ -270,6 +333,6 @@ def test_the_worked_example_is_what_docs_tools_md_shows():
     doc = (ROOT / "docs" / "tools.md").read_text()
     assert "docs/examples/calculator.py:calculator" in doc and "docs/examples/calculator.py:exact_reward" in doc
     out = subprocess.run([sys.executable, "-c", "import sys; sys.path.insert(0, '.'); "
-                          "from harness import settings; print([t.name for t in settings.plugin_tools("
+                          "from harness import plugins; print([t.name for t in plugins.plugin_tools("
                           "'docs/examples/calculator.py:calculator')])"], cwd=ROOT, capture_output=True, text=True)
     assert out.stdout.strip() == "['calculate']", out.stderr

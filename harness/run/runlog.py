@@ -207,8 +207,8 @@ def log_step(run_dir: Path, metrics: dict, batch: StepBatch, steps: int, n_sampl
     write_step(run_dir, metrics, batch, n_samples)
     log(format_line(metrics["step"], steps, metrics))
     for tool, errors, calls in failing_tools(metrics):
-        backend = repr(search) if tool == "search" else "the python sandbox"
-        log(f"warning: {tool} failed on {errors} of {calls} calls this step ({backend}); last error: "
+        backend = f" ({search!r})" if tool == "search" else " (the python sandbox)" if tool == "python" else ""
+        log(f"warning: {tool} failed on {errors} of {calls} calls this step{backend}; last error: "
             f"{last_error(batch.trajectories, tool) or 'on another rank'}")
 
 

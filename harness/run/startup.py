@@ -17,7 +17,7 @@ import torch
 
 import rollout
 import tools
-from harness import cli, config, dataset, models, search as search_mod, settings
+from harness import cli, config, dataset, models, plugins, search as search_mod, settings
 from harness.run import checkpoint, coldstart, parallel, rundir, watchdog
 from harness.lora import AdaptersOff, check_targets
 from harness.run.policy import generator_weights, load_policy, trainable_parameters, unwrap
@@ -151,7 +151,7 @@ def run_score(cfg, score, fmt):
     --reward's function in place of the deep-research reward."""
     tags = {} if fmt.format_tags == tools.TOOLS else {"tool_names": fmt.format_tags}
     scored = functools.partial(score, strict_format=cfg.strict_format, **tags)
-    return settings.reward_function(cfg.reward, scored) if cfg.reward else scored
+    return plugins.reward_function(cfg.reward, scored) if cfg.reward else scored
 
 
 def _policy(cfg, base_path: str, demos: list[dict], tokenizer, ckpts: list[Path], rank: int, world: int, device,
