@@ -10,7 +10,6 @@ browse-and-summarise search, their judge rule, Pass@k over --runs runs), each of
 under that protocol is the official value.
 
     python eval.py --run runs/<name>                   # a run's latest checkpoint, evaluated the way it trained
-    python eval.py --model PATH --data data/qa_test.jsonl --n 5
     python eval.py --model PATH --data '[data/qa_test.jsonl, ../shared/data/benchmarks/bamboogle.jsonl]'
     python eval.py --protocol official --model PATH --data ../shared/data/benchmarks/gaia.jsonl --summarizer_url URL \\
         --judge_url URL                                # the paper's evaluation (README: Evaluation)
@@ -158,13 +157,8 @@ def summarize(records: list[dict], n: int, name: str) -> dict:
                "criterion": dict(Counter(r["criterion"] for r in records))}
     for k in range(1, n + 1):
         summary[f"pass@{k}"] = sum(pass_at_k(n, r["num_correct"], k) for r in records) / q
-    summary.update(
-        em=sum(s["em"] for s in samples) / m, f1=sum(s["f1"] for s in samples) / m,
-        reward=sum(s["reward"] for s in samples) / m,
-        format_valid=sum(s["format_valid"] for s in samples) / m,
-        tool_calls=sum(len(s["tool_calls"]) for s in samples) / m,
-        truncated=sum(s["truncated"] for s in samples) / m,
-        response_tokens=sum(s["response_tokens"] for s in samples) / m)
+    for key in ("em", "f1", "reward", "format_valid", "tool_calls", "truncated", "response_tokens"):
+        summary[key] = sum(len(s[key]) if key == "tool_calls" else s[key] for s in samples) / m
     return summary
 
 

@@ -99,6 +99,23 @@ class Segment:
     #                                      vocabulary (no top-k/top-p renormalisation); None where the backend has none
 
 
+def ends_with_stop(text: str, stop_strings: tuple[str, ...] = tools.STOP_STRINGS) -> str | None:
+    """The stop string (one of stop_strings) that `text` ends with, trailing whitespace allowed; else None."""
+    stripped = text.rstrip()
+    return next((s for s in stop_strings if stripped.endswith(s)), None)
+
+
+def finish_reason(stop: str) -> str:
+    """A segment's finish reason when it ends with stop string `stop`: "answer" (</answer>) or "tool" (any other)."""
+    return "answer" if stop == "</answer>" else "tool"
+
+
+def first_stop(text: str, stop_strings: tuple[str, ...] = tools.STOP_STRINGS) -> tuple[int, str] | None:
+    """(end offset, stop string) of the earliest stop string in `text`, or None (to cut an overshooting segment)."""
+    hits = [(i + len(s), s) for s in stop_strings if (i := text.find(s)) >= 0]
+    return min(hits) if hits else None
+
+
 class Generator(Protocol):
     """What the rollout and the trainer need of a generation backend; both backends implement all of it, and where a
     call means nothing for a backend it is a no-op."""

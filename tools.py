@@ -1,13 +1,12 @@
-"""The tools the policy calls inside its generation, search and python: parsing a call, running a round of calls
-concurrently, and the python tool. Any other tool is a `Tool` (a name, a description, a JSON schema of its arguments
-and a batched `run`), given to `Tools` beside or instead of these two.
+"""The tools the policy calls inside its generation, search and python (any other is a `Tool`): parsing a call,
+running a round of calls concurrently, and the python tool.
 
 Paper: Dong et al., "Agentic Entropy-Balanced Policy Optimization", arXiv:2510.14545, paper §3 (the agentic
 setting: the policy interleaves reasoning with `<search>` / `<python>` calls whose results come back in `<result>`
 blocks); algorithm.md §0. Generation stops at a closing tool tag; this module parses the call out of the segment,
-runs every call of a round concurrently, and returns observation text that the rollout wraps with `format_result`
-and appends with loss mask 0. The search backends are in harness/search.py; the python tool's sandbox in
-harness/sandbox/__init__.py, imported only when a program runs, so this file copies alone with rollout.py (without harness/ a
+runs every call of a round concurrently, and returns observation text that the format (`TagFormat`) renders for
+appending with loss mask 0. The search backends are in harness/search.py, the python tool's sandbox in
+harness/sandbox/, imported only when a program runs: this file copies alone with rollout.py (without harness/ a
 program runs in a plain subprocess with a timeout, and its observation says it was not sandboxed).
 
 Deviations from the paper / official code (algorithm.md §8): D11 (malformed calls become `Error: ...`
@@ -64,22 +63,14 @@ class ToolError:
 
 
 class Tool:
-    """A tool the policy can call. Subclass it (or give an object these attributes) and pass it to `Tools`:
-
-    name: what the policy calls it by (`<name> ... </name>`, or "name" in a hermes `<tool_call>`);
-    description: one paragraph for the system prompt;
-    parameters: a JSON schema of its arguments ({"type": "object", "properties": {...}, "required": [...]}); a tool
-        whose only parameter is text takes the text between its tags, any other a JSON object there;
-    run(calls): per call (its arguments as a dict) the observation text, or (text, status) with status "ok" |
-        "error" | "timeout"; only "ok" results are cached. A call that fails is an observation starting "Error: ";
-        an exception from run becomes one for every call of the batch;
-    batch: True: run gets all the round's calls of this tool at once; False: one call per run, the round running
-        them concurrently;
-    timeout_s: how long the round waits for a run (None: the tool enforces its own limit);
-    max_chars: the longest argument text accepted; what: how an error names the argument.
-    """
-    name: str = ""
-    description: str = ""
+    """A tool the policy can call; subclass it and pass it to `Tools`. name: what the policy calls it by;
+    description: for the system prompt; parameters: a JSON schema of its arguments (a tool whose only parameter is
+    text takes the text between its tags, any other a JSON object there); run(calls): per call (its arguments as a
+    dict) the observation text, or (text, "ok" | "error" | "timeout"), only "ok" cached (an exception from run, or an
+    answer of the wrong shape, is an "Error: ..." observation for each call); batch: run gets all the round's calls
+    at once (else one each, run concurrently); timeout_s: how long the round waits for a run (None: run enforces its
+    own limit); max_chars: the longest argument accepted; what: how an error names the argument."""
+    name, description = "", ""
     parameters: dict = {"type": "object", "properties": {"input": {"type": "string"}}, "required": ["input"]}
     batch: bool = False
     timeout_s: float | None = 60.0
@@ -125,28 +116,9 @@ class PythonTool(Tool):
         return [_run_python(c["code"], self.program_timeout_s, **self.limits) for c in calls]
 
 
-# ---------------------------------------------------------------------------------------------------------------
-# Parsing
-# ---------------------------------------------------------------------------------------------------------------
+# ---- The tags format: parsing a call, the prompt, the result ---------------------------------------------------------
 _TAG_AT_END = re.compile(rf"<(/?)({TOOL_NAME})>\s*$")
 _FENCE = re.compile(r"^```[\w+-]*\n(.*?)\n?```$", re.DOTALL)
-
-
-def ends_with_stop(text: str, stop_strings: tuple[str, ...] = STOP_STRINGS) -> str | None:
-    """The stop string (one of stop_strings) that `text` ends with, trailing whitespace allowed; else None."""
-    stripped = text.rstrip()
-    return next((s for s in stop_strings if stripped.endswith(s)), None)
-
-
-def finish_reason(stop: str) -> str:
-    """A segment's finish reason when it ends with stop string `stop`: "answer" (</answer>) or "tool" (any other)."""
-    return "answer" if stop == "</answer>" else "tool"
-
-
-def first_stop(text: str, stop_strings: tuple[str, ...] = STOP_STRINGS) -> tuple[int, str] | None:
-    """(end offset, stop string) of the earliest stop string in `text`, or None (to cut an overshooting segment)."""
-    hits = [(i + len(s), s) for s in stop_strings if (i := text.find(s)) >= 0]
-    return min(hits) if hits else None
 
 
 def parse_tool_call(segment_text: str, max_query_chars: int = MAX_QUERY_CHARS,
@@ -172,12 +144,12 @@ def parse_tags(segment_text: str, tools: tuple[Tool, ...] | list[Tool]) -> ToolC
     if name is None:
         m = _TAG_AT_END.search(text)
         if m and m.group(1) and m.group(2) not in names + ("think", "answer", "result"):
-            return ToolError(f"unknown tool <{m.group(2)}>; available tools: {_listed(names)}")
+            return ToolError(f"unknown tool <{m.group(2)}>; available tools: {listed(names)}")
         for n in names:
             if text.rfind(f"<{n}>") > text.rfind(f"</{n}>"):
                 return ToolError(f"unclosed <{n}> tag; close the call with </{n}>")
         return ToolError("no tool call found; write " +
-                         " or ".join(f"<{n}> {placeholder(by_name[n])} </{n}>" for n in names))
+                         " or ".join(f"<{n}> {text_parameter(by_name[n]) or '{JSON}'} </{n}>" for n in names))
     body_end = len(text) - len(f"</{name}>")
     start = text.rfind(f"<{name}>", 0, body_end)
     if start < 0:
@@ -189,48 +161,13 @@ def parse_tags(segment_text: str, tools: tuple[Tool, ...] | list[Tool]) -> ToolC
     tool = by_name[name]
     if name == "python" and (fence := _FENCE.match(argument)):
         argument = fence.group(1).strip()
-    if _text_parameter(tool) is None:              # several arguments: a JSON object of them
-        return call_of(tool, argument)
-    return _checked(tool, argument)
+    return checked(tool, argument)     # a tool of several arguments: their JSON text (harness/plugins.py checks it)
 
 
-def call_of(tool: Tool, arguments) -> ToolCall | ToolError:
-    """The call of `tool` with `arguments` (a dict, or its JSON text, parsed as data only): checked against the
-    tool's schema (an object; its required keys present; no key it does not name), its argument text canonical (the
-    text of a tool's one text parameter, else sorted JSON), else a ToolError."""
-    if isinstance(arguments, str):
-        try:
-            arguments = json.loads(arguments) if arguments.strip() else {}
-        except ValueError as err:
-            return ToolError(f"the arguments of {tool.name} are not JSON ({err})")
-    if not isinstance(arguments, dict):
-        return ToolError(f"the arguments of {tool.name} must be a JSON object, got {type(arguments).__name__}")
-    properties = tool.parameters.get("properties", {})
-    missing = [key for key in tool.parameters.get("required", []) if key not in arguments]
-    unknown = [key for key in arguments if properties and key not in properties]
-    if missing or unknown:
-        return ToolError(f"{tool.name} takes {_listed(tuple(properties)) or 'no arguments'}" +
-                         (f"; missing {', '.join(missing)}" if missing else "") +
-                         (f"; unknown {', '.join(unknown)}" if unknown else ""))
-    key = _text_parameter(tool)
-    if key is not None:
-        if key not in arguments:
-            return ToolError(f"{tool.name} needs its argument {key}")
-        if not isinstance(arguments[key], str):
-            return ToolError(f"{tool.name}'s {key} must be text, got {type(arguments[key]).__name__}")
-        return _checked(tool, arguments[key].strip())
-    return _checked(tool, json.dumps(arguments, sort_keys=True, ensure_ascii=False))
-
-
-def arguments_of(tool: Tool, argument: str) -> dict:
-    """A checked call's arguments as a dict (the inverse of `call_of`'s canonical text)."""
-    key = _text_parameter(tool)
-    return {key: argument} if key is not None else json.loads(argument)
-
-
-def _checked(tool: Tool, argument: str) -> ToolCall | ToolError:
+def checked(tool: Tool, argument: str) -> ToolCall | ToolError:
+    """A call of `tool` with the argument text `argument`, or a ToolError: empty, too long, or not valid UTF-8."""
     what, cap = tool.what or f"{tool.name} argument", tool.max_chars
-    if not argument and _text_parameter(tool) is not None:
+    if not argument and text_parameter(tool) is not None:
         return ToolError(f"empty {what}")
     if len(argument) > cap:
         return ToolError(f"{what} too long ({len(argument)} characters > {cap})")
@@ -243,23 +180,14 @@ def _checked(tool: Tool, argument: str) -> ToolCall | ToolError:
     return ToolCall(tool.name, argument)
 
 
-def _text_parameter(tool: Tool) -> str | None:
+def text_parameter(tool: Tool) -> str | None:
     """The name of the tool's only parameter when it is text (search's query, python's code): the text between the
     tags is that argument. None: the tool takes a JSON object."""
-    properties = tool.parameters.get("properties", {})
-    if len(properties) == 1:
-        (key, schema), = properties.items()
-        if schema.get("type", "string") == "string":
-            return key
-    return None
+    (key, schema), *more = tool.parameters.get("properties", {}).items() or [(None, {})]
+    return key if key is not None and not more and schema.get("type", "string") == "string" else None
 
 
-def placeholder(tool: Tool) -> str:
-    """What a call's tags hold, as the prompt and error messages name it: the text parameter, or a JSON object."""
-    return _text_parameter(tool) or "{JSON arguments}"
-
-
-def _listed(names: tuple[str, ...]) -> str:
+def listed(names: tuple[str, ...]) -> str:
     tags = [f"<{n}>" for n in names]
     return ", ".join(tags[:-1]) + " and " + tags[-1] if len(tags) > 1 else "".join(tags)
 
@@ -277,9 +205,39 @@ def format_result(text: str) -> str:
     return "\n<result>\n" + text + "\n</result>\n"
 
 
-# ---------------------------------------------------------------------------------------------------------------
-# Python tool
-# ---------------------------------------------------------------------------------------------------------------
+class TagFormat:
+    """The paper's tool-call format: `<name> argument </name>` in the policy's text, each result appended as a
+    `<result>` block (format_result), generation stopping at a closing tool tag or `</answer>`."""
+    name = "tags"
+
+    def __init__(self, tools: list[Tool], system_prompt: str = SYSTEM_PROMPT):
+        self.tools, self.system_prompt = list(tools), system_prompt    # your own tools: harness/plugins.py's prompt
+        self.stop_strings = tuple(f"</{t.name}>" for t in self.tools) + ("</answer>",)
+        self.format_tags = tuple(t.name for t in self.tools)   # the tags the reward's format check scans
+
+    def parse(self, segment_text: str) -> ToolCall | ToolError:
+        return parse_tags(segment_text, self.tools)
+
+    def observation_ids(self, tokenizer, text: str) -> list[int]:
+        """The token ids appended after a call (loss mask 0)."""
+        return tokenizer.encode(format_result(text), add_special_tokens=False)
+
+    def build_prompt(self, tokenizer, question: str) -> list[int]:
+        return build_prompt(tokenizer, question, self.system_prompt)
+
+    def response_text(self, tokenizer, response_ids: list[int], loss_mask: list[int], observations: list[str]) -> str:
+        """A response's text as the reward reads it: here its decoded tokens."""
+        return tokenizer.decode(response_ids)
+
+    def call_text(self, tool: str, argument: str) -> str:
+        """How the policy writes a call (the cold start's demonstrations)."""
+        return f"<{tool}> {argument} </{tool}>"
+
+
+TAGS = TagFormat([SearchTool(None), PythonTool()])    # the paper's: search and python in tags
+
+
+# ---- Python tool -----------------------------------------------------------------------------------------------------
 def _run_python(code: str, timeout_s: float = 10.0, max_output_chars: int = 4_000, memory_mb: int = 1_024,
                 cpu_s: int | None = None, file_size_mb: int = 16, no_network: bool = True,
                 max_processes: int = 64, total_memory_mb: int = 2_048, disk_mb: int = 64) -> tuple[str, str]:
@@ -308,28 +266,20 @@ def _run_unsandboxed(code: str, timeout_s: float, max_output_chars: int) -> tupl
     import sys
     import tempfile
     with tempfile.TemporaryDirectory(prefix="aepo-python-") as work:
-        path = os.path.join(work, "program.py")
-        with open(path, "w", encoding="utf-8") as f:
-            f.write(code)
-        proc = subprocess.Popen([sys.executable, "-I", path], cwd=work, stdout=subprocess.PIPE,
+        proc = subprocess.Popen([sys.executable, "-I", "-c", code], cwd=work, stdout=subprocess.PIPE,
                                 stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, start_new_session=True)
-        status = "ok"
         try:
-            out, _ = proc.communicate(timeout=timeout_s)
+            out, status = proc.communicate(timeout=timeout_s)[0], "ok" if proc.wait() == 0 else "error"
         except subprocess.TimeoutExpired:
             os.killpg(proc.pid, signal.SIGKILL)          # the program and everything it started
-            out, _ = proc.communicate()
-            status = "timeout"
+            out, status = proc.communicate()[0], "timeout"
     text = out.decode("utf-8", "replace")
     if len(text) > max_output_chars:
         text = text[:max_output_chars] + f"\n... [output truncated: {len(out)} bytes in total]"
     text = text.rstrip("\n")
-    if status == "timeout":
-        text = (text + "\n" if text else "") + f"Error: timed out after {timeout_s:g} s"
-    elif proc.returncode != 0:
-        status = "error"
-        if proc.returncode < 0:
-            text = (text + "\n" if text else "") + f"Error: killed by signal {-proc.returncode}"
+    why = f"Error: timed out after {timeout_s:g} s" if status == "timeout" else \
+        f"Error: killed by signal {-proc.returncode}" if proc.returncode < 0 else ""
+    text = (text + "\n" + why).strip("\n")
     return (text or "(no output; use print() to show a value)") + "\n" + UNSANDBOXED, status
 
 
@@ -343,74 +293,22 @@ def run_python(code: str, timeout_s: float = 10.0, max_output_chars: int = 4_000
                        max_processes, total_memory_mb, disk_mb)[0]
 
 
-# ---------------------------------------------------------------------------------------------------------------
-# A round of tool calls
-# ---------------------------------------------------------------------------------------------------------------
-class TagFormat:
-    """The paper's tool-call format: `<name> argument </name>` in the policy's text, each result appended as a
-    `<result>` block (format_result), generation stopping at a closing tool tag or `</answer>`."""
-    name = "tags"
-
-    def __init__(self, tools: list[Tool]):
-        self.tools = list(tools)
-        self.system_prompt = SYSTEM_PROMPT if [t.name for t in self.tools] == list(TOOLS) else tag_prompt(self.tools)
-        self.stop_strings = tuple(f"</{t.name}>" for t in self.tools) + ("</answer>",)
-        self.format_tags = tuple(t.name for t in self.tools)   # the tags the reward's format check scans
-
-    def parse(self, segment_text: str) -> ToolCall | ToolError:
-        return parse_tags(segment_text, self.tools)
-
-    def observation_ids(self, tokenizer, text: str) -> list[int]:
-        """The token ids appended after a call (loss mask 0)."""
-        return tokenizer.encode(format_result(text), add_special_tokens=False)
-
-    def build_prompt(self, tokenizer, question: str) -> list[int]:
-        return build_prompt(tokenizer, question, self.system_prompt)
-
-    def response_text(self, tokenizer, response_ids: list[int], loss_mask: list[int], observations: list[str]) -> str:
-        """A response's text as the reward reads it: here its decoded tokens."""
-        return tokenizer.decode(response_ids)
-
-    def call_text(self, tool: str, argument: str) -> str:
-        """How the policy writes a call (the cold start's demonstrations)."""
-        return f"<{tool}> {argument} </{tool}>"
-
-
-TAGS = TagFormat([SearchTool(None), PythonTool()])    # the paper's: search and python in tags
-
-
-def tag_prompt(tool_list: list[Tool]) -> str:
-    """SYSTEM_PROMPT's instructions for another set of tools, each listed with its description."""
-    listed = "\n".join(f"  - <{t.name}> {placeholder(t)} </{t.name}>: {t.description}".rstrip(": ")
-                       for t in tool_list)
-    return ("You are a helpful assistant. Answer the user's question step by step, using tools when they help.\n"
-            "- Think inside <think> </think>.\n"
-            "- To call a tool, write its input between its tags (a JSON object of its arguments where it takes "
-            "several):\n" + listed + "\n"
-            "- Each tool result comes back inside <result> </result>. You can think and call tools again.\n"
-            "- Finish with <answer> ... \\boxed{final answer} </answer>.")
-
-
+# ---- A round of tool calls -------------------------------------------------------------------------------------------
 class Tools:
-    """Runs the tool calls of one rollout round concurrently, and holds the run's tool-call format. Built once per
-    process.
-
-    By default the tools are search (`search`, a harness/search.py backend: the round's uncached queries in one
-    batched call, timeout search_timeout_s) and python (each call its own sandboxed subprocess; run_python enforces
-    python_timeout_s); `tools` gives others (a list of `Tool`). Every run() job of a round goes to one thread pool.
-    Successful results are cached by (tool, argument) in an LRU of `cache_size` entries; every failure becomes an
-    "Error: ..." observation and is not cached. `tool_format`: the format (TagFormat of the tools by default;
-    harness/hermes.py's HermesFormat), which the rollout asks to parse calls and render results.
-    """
+    """Runs a rollout round's tool calls concurrently and holds the tool-call format the rollout asks to parse calls and
+    render results (`format`: TagFormat, or harness/hermes.py's HermesFormat). The tools: search (the round's queries
+    in one call to a harness/search.py backend, timeout search_timeout_s) and python (run_python, python_timeout_s),
+    or `tools`. Successes are cached by (tool, argument) in an LRU of `cache_size`; a failure is an "Error: ..."
+    observation, not cached. Built once per process."""
 
     def __init__(self, search, python_timeout_s: float = 10.0, max_workers: int = 32, search_timeout_s: float = 60.0,
                  cache_size: int = 10_000, python_kw: dict | None = None, *, tools: list[Tool] | None = None,
                  tool_format=None):
         self.tools = list(tools) if tools is not None else \
             [SearchTool(search, search_timeout_s), PythonTool(python_timeout_s, **(python_kw or {}))]
-        names = [t.name for t in self.tools]
-        if len(set(names)) < len(names) or not all(re.fullmatch(TOOL_NAME, n) for n in names):
-            raise ValueError(f"tool names must be distinct tag names ({TOOL_NAME}), got {names}")
+        if len({t.name for t in self.tools}) < len(self.tools) or \
+                any(not re.fullmatch(TOOL_NAME, t.name) for t in self.tools):
+            raise ValueError(f"tool names must be distinct tag names ({TOOL_NAME}), got {[t.name for t in self.tools]}")
         self.search, self.by_name = search, {t.name: t for t in self.tools}
         self.format = tool_format if tool_format is not None else TagFormat(self.tools)
         self.pool = ThreadPoolExecutor(max_workers=max_workers, thread_name_prefix="aepo-tools")
@@ -418,9 +316,8 @@ class Tools:
         self.cache_size, self._lock = cache_size, threading.Lock()
 
     def close(self):
-        """Cancel queued calls and wait for the ones in flight: each ends within its own time limit, and a python
-        call then removes everything its program started (also on Ctrl-C: nothing outlives the trainer). Then each
-        tool's own close (a server, a connection)."""
+        """Cancel queued calls, wait for the ones in flight (each ends within its own limit; a python call removes all
+        its program started, also on Ctrl-C), then close each tool (a server, a connection)."""
         self.pool.shutdown(wait=True, cancel_futures=True)
         for tool in self.tools:
             tool.close()
@@ -444,9 +341,8 @@ class Tools:
         jobs = []                                  # (tool, its arguments, the future of their run)
         for name, arguments in todo.items():
             tool = self.by_name[name]
-            dicts = [arguments_of(tool, a) for a in arguments]
-            batches = [(arguments, dicts)] if tool.batch else [([a], [d]) for a, d in zip(arguments, dicts)]
-            jobs += [(tool, a, self.pool.submit(tool.run, d)) for a, d in batches if a]
+            batches = [arguments] if tool.batch else [[a] for a in arguments]
+            jobs += [(tool, a, self.pool.submit(_run, tool, a)) for a in batches if a]
         for tool, arguments, job in jobs:
             results.update(zip([(tool.name, a) for a in arguments], _collect(tool, job, len(arguments))))
         with self._lock:
@@ -463,7 +359,7 @@ class Tools:
             if isinstance(call, ToolError) or call.tool not in self.by_name:
                 counts["invalid/calls"] += 1
                 observations.append(f"Error: {call.message}" if isinstance(call, ToolError) else
-                                    f"Error: unknown tool <{call.tool}>; available tools: {_listed(tuple(todo))}")
+                                    f"Error: unknown tool <{call.tool}>; available tools: {listed(tuple(todo))}")
                 continue
             text, status = results[(call.tool, call.argument)]
             counts[f"{call.tool}/calls"] += 1
@@ -474,26 +370,26 @@ class Tools:
         return observations, counts
 
 
+def _run(tool: Tool, arguments: list[str]) -> list:
+    key = text_parameter(tool)                 # the text argument, or the JSON object of several
+    return tool.run([{key: a} if key else json.loads(a) for a in arguments])
+
+
 def _collect(tool: Tool, job, n: int) -> list[tuple[str, str]]:
     """(observation, status) per call of one run() job: its results, or its failure as n observations."""
     try:
         value = job.result(timeout=tool.timeout_s)
         if not (isinstance(value, (list, tuple)) and len(value) == n):
             raise TypeError(f"{tool.name}.run returned {type(value).__name__} instead of a list of {n} results")
-        return [(v, "error" if v.startswith("Error:") else "ok") if isinstance(v, str) else _result(tool, v)
-                for v in value]
+        out = [(v, "error" if v.startswith("Error:") else "ok") if isinstance(v, str) else v for v in value]
+        if not all(isinstance(v, tuple) and len(v) == 2 and isinstance(v[0], str) and v[1] in ("ok", "error", "timeout")
+                   for v in out):
+            raise TypeError(f"{tool.name}.run returned a result that is not text or (text, status)")
+        return out
     except FutureTimeout:
         return [(f"Error: {tool.name} timed out after {tool.timeout_s:g} s", "timeout")] * n
     except OSError as e:  # could not start (no temporary directory, no interpreter)
-        if tool.batch:
-            return [(f"Error: {tool.name} failed: {type(e).__name__}: {e}", "error")] * n
-        return [(f"Error: {tool.name} failed to start: {e}", "error")] * n
+        return [(f"Error: {tool.name} failed: {type(e).__name__}: {e}" if tool.batch else
+                 f"Error: {tool.name} failed to start: {e}", "error")] * n
     except Exception as e:  # noqa: BLE001 -- any failure of a tool is an observation naming its type, never a crash
         return [(f"Error: {tool.name} failed: {type(e).__name__}: {e}", "error")] * n
-
-
-def _result(tool: Tool, value) -> tuple[str, str]:
-    if isinstance(value, tuple) and len(value) == 2 and isinstance(value[0], str) and \
-            value[1] in ("ok", "error", "timeout"):
-        return value
-    return f"Error: {tool.name}.run returned {type(value).__name__}, not text or (text, status)", "error"

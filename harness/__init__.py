@@ -2,15 +2,17 @@
 tests/test_architecture.py checks this map against the tree.
 
 Modules: `cli` (how a command ends), `config` (the flags), `settings` (the settings objects the flags build, one builder
-each), `plugins` (your tools and reward from package.module:name), `hermes` (the hermes tool-call format,
-algorithm.md §10), `mcp_tools` (MCP servers as tools), `mismatch` (the generator–trainer mismatch and its correction, algorithm.md §4b), `lora` (LoRA adapters, algorithm.md
-§9), `models` (the embedded model, a directory or a hub id), `dataset`, `search` (BM25, replay, retrieval server, web), `correctness` (math_equal, the LLM
-judge), `trees` (tree records, diversity, drawings), `http_client` (bounded HTTP requests), `openai_client`
-(OpenAI-compatible endpoints). `run/`: `run/startup` (a training run's set-up), `run/parallel` and `run/watchdog` (the
-process group), `run/policy` (the model on 1..N processes, micro-batches), `run/checkpoint`, `run/rundir` (the run
-folder and its settings), `run/runlog` (metrics, plots, the step's clock), `run/probe` (the policy's entropy on fixed
-trajectories), `run/coldstart` (the embedded model's supervised cold start). `generation/` (the transformers backend,
-make_generator) with `generation/vllm`. `sandbox/` (the python tool's isolation) with `sandbox/observation` (a run as the policy reads it), `sandbox/cgroups`,
-`sandbox/seccomp`, `sandbox/cleanup`, `sandbox/landlock`, `sandbox/rootfs`. `official/` (the authors' evaluation
-protocol) with `official/protocol` (its loop), `official/rules` (its scoring), `official/browse` (its browsing search).
+each), `plugins` (your tools and reward from package.module:name), `hermes` (the hermes tool-call format, algorithm.md
+§10), `mcp_tools` (MCP servers as tools), `mismatch` (the generator–trainer mismatch and its correction, algorithm.md
+§4b), `lora` (LoRA adapters, algorithm.md §9), `models` (the embedded model, a directory or a hub id), `dataset`,
+`search` (BM25, replay, retrieval server, web), `correctness` (math_equal, the LLM judge), `trees` (tree records,
+diversity, drawings), `http_client` (bounded HTTP requests), `openai_client` (OpenAI-compatible endpoints). `run/`:
+`run/startup` (a training run's set-up), `run/parallel` and `run/watchdog` (the process group), `run/policy` (the model
+on 1..N processes, micro-batches), `run/checkpoint`, `run/rundir` (the run folder and its settings), `run/runlog`
+(metrics, plots, the step's clock), `run/probe` (the policy's entropy on fixed trajectories), `run/coldstart` (the
+embedded model's supervised cold start). `generation/` (the transformers backend, make_generator) with
+`generation/vllm`. `sandbox/` (the python tool's isolation) with `sandbox/observation` (a run as the policy reads it),
+`sandbox/cgroups`, `sandbox/seccomp`, `sandbox/cleanup`, `sandbox/landlock`, `sandbox/rootfs`. `official/` (the authors'
+evaluation protocol) with `official/protocol` (its loop), `official/rules` (its scoring), `official/browse` (its
+browsing search).
 Nothing is imported here: `python harness/sandbox/__init__.py` starts from a bare interpreter. """

@@ -15,6 +15,7 @@ import re
 
 import tools
 from harness.cli import UserError
+from harness.plugins import arguments_of, call_of
 
 _CALL = re.compile(r"<tool_call>(.*?)</tool_call>\s*$", re.DOTALL)
 
@@ -105,7 +106,7 @@ class HermesFormat:
         if tool is None:
             return tools.ToolError(f"unknown tool {call['name']!r}; available tools: "
                                    f"{', '.join(repr(n) for n in self.by_name)}")
-        return tools.call_of(tool, call.get("arguments", {}))
+        return call_of(tool, call.get("arguments", {}))
 
     def observation_ids(self, tokenizer, text: str) -> list[int]:
         """The tokens after a call (loss mask 0): the template's end of turn and tool-turn head, the result as data
@@ -132,6 +133,6 @@ class HermesFormat:
 
     def call_text(self, tool: str, argument: str) -> str:
         """How the policy writes a call (the cold start's demonstrations)."""
-        arguments = tools.arguments_of(self.by_name[tool], argument)
+        arguments = arguments_of(self.by_name[tool], argument)
         return "<tool_call>\n" + json.dumps({"name": tool, "arguments": arguments}, ensure_ascii=False) + \
             "\n</tool_call>"

@@ -10,6 +10,7 @@ import json
 import os
 from concurrent.futures import ThreadPoolExecutor
 
+import rollout
 import tools
 from harness import http_client
 from rollout import Sampling, Segment
@@ -118,8 +119,8 @@ class CompletionsGenerator:
                 self.last_error = f"{type(err).__name__}: {err}"
         else:
             return Segment([], "error", 0.0, "")
-        stop = tools.ends_with_stop(text)
-        reason = "length" if finish == "length" else tools.finish_reason(stop) if stop else "eos"
+        stop = rollout.ends_with_stop(text)
+        reason = "length" if finish == "length" else rollout.finish_reason(stop) if stop else "eos"
         return Segment(self.tokenizer.encode(text, add_special_tokens=False), reason, 0.0, text)
 
     def generate(self, contexts, max_new_tokens, seed, sampling: Sampling = Sampling(), on_step=None):

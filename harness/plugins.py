@@ -1,5 +1,8 @@
-"""Your own tools and reward, named on the command line as package.module:name or file.py:name (docs/tools.md)."""
+"""Your own tools and reward: loaded from package.module:name or file.py:name, their JSON arguments, their prompt
+(docs/tools.md)."""
 from __future__ import annotations
+
+import json
 
 import tools
 from harness.cli import UserError
@@ -19,7 +22,7 @@ def load_object(spec: str, flag: str):
         if where.endswith(".py"):
             if not os.path.isfile(where):
                 raise UserError(f"{flag} {spec!r}: no file {where}")
-            module_spec = importlib.util.spec_from_file_location(f"aepo_user_{abs(hash(where))}", where)
+            module_spec = importlib.util.spec_from_file_location(f"aepo_user_{os.path.basename(where)[:-3]}", where)
             module = importlib.util.module_from_spec(module_spec)
             module_spec.loader.exec_module(module)
         else:
@@ -65,3 +68,64 @@ def reward_function(spec: str, score):
             raise UserError(f"--reward {spec} returned {value!r}, not a number")
         return {**out, "reward": float(value)}
     return scored
+
+
+def call_of(tool: tools.Tool, arguments) -> tools.ToolCall | tools.ToolError:
+    """The call of `tool` with `arguments` (a dict, or its JSON text, parsed as data only): checked against the
+    tool's schema (an object; its required keys present; no key it does not name), its argument text canonical (the
+    text of a tool's one text parameter, else sorted JSON), else a ToolError."""
+    if isinstance(arguments, str):
+        try:
+            arguments = json.loads(arguments) if arguments.strip() else {}
+        except ValueError as err:
+            return tools.ToolError(f"the arguments of {tool.name} are not JSON ({err})")
+    if not isinstance(arguments, dict):
+        return tools.ToolError(f"the arguments of {tool.name} must be a JSON object, got {type(arguments).__name__}")
+    properties = tool.parameters.get("properties", {})
+    missing = [key for key in tool.parameters.get("required", []) if key not in arguments]
+    unknown = [key for key in arguments if properties and key not in properties]
+    if missing or unknown:
+        return tools.ToolError(f"{tool.name} takes {tools.listed(tuple(properties)) or 'no arguments'}" +
+                         (f"; missing {', '.join(missing)}" if missing else "") +
+                         (f"; unknown {', '.join(unknown)}" if unknown else ""))
+    key = tools.text_parameter(tool)
+    if key is not None:
+        if key not in arguments:
+            return tools.ToolError(f"{tool.name} needs its argument {key}")
+        if not isinstance(arguments[key], str):
+            return tools.ToolError(f"{tool.name}'s {key} must be text, got {type(arguments[key]).__name__}")
+        return tools.checked(tool, arguments[key].strip())
+    return tools.checked(tool, json.dumps(arguments, sort_keys=True, ensure_ascii=False))
+
+
+def arguments_of(tool: tools.Tool, argument: str) -> dict:
+    """A checked call's arguments as a dict (the inverse of `call_of`'s canonical text)."""
+    key = tools.text_parameter(tool)
+    return {key: argument} if key is not None else json.loads(argument)
+
+
+class OwnTags(tools.TagFormat):
+    """The tags format for your own set of tools: a prompt that lists them (tag_prompt), and the JSON arguments of a
+    tool of several checked against its schema (call_of)."""
+
+    def __init__(self, tool_list: list[tools.Tool]):
+        super().__init__(tool_list, tag_prompt(tool_list))
+        self.by_name = {t.name: t for t in self.tools}
+
+    def parse(self, segment_text: str) -> tools.ToolCall | tools.ToolError:
+        call = super().parse(segment_text)
+        if isinstance(call, tools.ToolCall) and tools.text_parameter(tool := self.by_name[call.tool]) is None:
+            return call_of(tool, call.argument)
+        return call
+
+
+def tag_prompt(tool_list: list[tools.Tool]) -> str:
+    """tools.SYSTEM_PROMPT's instructions for another set of tools, each listed with its description."""
+    listed = "\n".join(f"  - <{t.name}> {tools.text_parameter(t) or '{JSON arguments}'} </{t.name}>: "
+                       f"{t.description}".rstrip(": ") for t in tool_list)
+    return ("You are a helpful assistant. Answer the user's question step by step, using tools when they help.\n"
+            "- Think inside <think> </think>.\n"
+            "- To call a tool, write its input between its tags (a JSON object of its arguments where it takes "
+            "several):\n" + listed + "\n"
+            "- Each tool result comes back inside <result> </result>. You can think and call tools again.\n"
+            "- Finish with <answer> ... \\boxed{final answer} </answer>.")

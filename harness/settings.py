@@ -102,8 +102,10 @@ def make_tools(search, limits: dict, names=("search", "python"), mcp_servers=(),
         if tool_format == "hermes":
             from harness.hermes import HermesFormat
             fmt = HermesFormat(tokenizer, tool_list, model)
+        elif [t.name for t in tool_list] == list(tools.TOOLS):
+            fmt = tools.TagFormat(tool_list)     # the paper's
         else:
-            fmt = tools.TagFormat(tool_list)
+            fmt = plugins.OwnTags(tool_list)
         return tools.Tools(search, tools=tool_list, tool_format=fmt)
     except BaseException:
         for server in servers:

@@ -40,8 +40,8 @@ def test_a_tool_of_your_own_runs_in_a_round_beside_search():
         def search(self, queries):
             return [f"page about {q}" for q in queries]
 
-    runner = tools.Tools(Search(), tools=[tools.SearchTool(Search())] + plugins.plugin_tools(f"{EXAMPLE}:calculator")
-                         + [Flaky()])
+    own = [tools.SearchTool(Search())] + plugins.plugin_tools(f"{EXAMPLE}:calculator") + [Flaky()]
+    runner = tools.Tools(Search(), tools=own, tool_format=plugins.OwnTags(own))
     fmt = runner.format
     assert fmt.stop_strings == ("</search>", "</calculate>", "</flaky>", "</answer>")
     assert "<calculate> expression </calculate>: Evaluates an arithmetic" in fmt.system_prompt

@@ -15,6 +15,7 @@ import contextlib
 
 import torch
 
+import rollout
 import tools
 from rollout import Sampling, Segment, segment_entropy
 
@@ -173,8 +174,8 @@ class TransformersGenerator:
             if tok in self.eos_ids:
                 return row[:j + 1], "eos", text
             text += self.tokenizer.decode([tok])
-            hit = tools.first_stop(text[-64:], self.stop_strings)   # (end offset, stop string) or None
+            hit = rollout.first_stop(text[-64:], self.stop_strings)   # (end offset, stop string) or None
             if hit is not None:
-                return row[:j + 1], tools.finish_reason(hit[1]), self.tokenizer.decode(row[:j + 1])
+                return row[:j + 1], rollout.finish_reason(hit[1]), self.tokenizer.decode(row[:j + 1])
         kept = row[:limit]
         return kept, "length", self.tokenizer.decode(kept)

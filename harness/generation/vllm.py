@@ -26,6 +26,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
+import rollout
 import tools
 from harness import lora as lora_mod
 from harness.cli import UserError
@@ -178,11 +179,11 @@ class VLLMGenerator:
             token_ids, text = list(head.token_ids) + list(tail.token_ids), head.text + tail.text
             tail_logprobs = _sampled_logprobs(tail)
             sampled = None if sampled is None or tail_logprobs is None else sampled + tail_logprobs
-            hit = tools.first_stop(text, self.stop_strings)
+            hit = rollout.first_stop(text, self.stop_strings)
             if hit is not None and hit[0] - len(hit[1]) < len(head.text):     # a stop string across the two parts
                 token_ids, text = self._cut_after_stop(token_ids, len(head.token_ids))
                 sampled = None if sampled is None else sampled[:len(token_ids)]
-                segments.append(Segment(token_ids, tools.finish_reason(hit[1]), h_seg, text, sampled))
+                segments.append(Segment(token_ids, rollout.finish_reason(hit[1]), h_seg, text, sampled))
             else:
                 segments.append(Segment(token_ids, _reason(tail), h_seg, text, sampled))
         return segments
@@ -205,7 +206,7 @@ class VLLMGenerator:
         """The shortest prefix of token_ids longer than n_head whose text holds a stop string, and that text."""
         for end in range(n_head + 1, len(token_ids) + 1):
             text = self.tokenizer.decode(token_ids[:end])
-            if tools.first_stop(text, self.stop_strings) is not None:
+            if rollout.first_stop(text, self.stop_strings) is not None:
                 return token_ids[:end], text
         raise AssertionError("a stop string found in the joined text must be found in the decoded ids")
 
@@ -302,7 +303,7 @@ def _reason(output) -> str:
     if output.finish_reason == "length":
         return "length"
     if isinstance(output.stop_reason, str):
-        return tools.finish_reason(output.stop_reason)
+        return rollout.finish_reason(output.stop_reason)
     return "eos"                                     # EOS (stop_reason None) or a stop token id
 
 
