@@ -38,9 +38,9 @@ MISSING_DATA = ["python train.py --config configs/aepo_qwen3_14b.yaml --backend 
                 "python train.py --config configs/aepo_qwen3_14b.yaml --config configs/grpo.yaml --k 8",
                 "python train.py --config configs/aepo_qwen3_14b.yaml --config configs/lora.yaml --lr 1e-5"]
 LORA_ON_CPU = ["python train.py --config configs/lora.yaml --lr 1e-4"]
-OWN_TOOLS_ON_CPU = ["python train.py --tools '[search, docs/examples/calculator.py:calculator]' --reward "
-                    "docs/examples/calculator.py:exact_reward",
-                    "python train.py --tools '[search, docs/examples/calculator.py:calculator]' --tool_format hermes"]
+OWN_TOOLS_ON_CPU = ["python train.py --tools '[search, docs/examples/calculator.py:calculator]'",
+                    "python train.py --tools '[search, docs/examples/calculator.py:calculator]' --tool_format hermes",
+                    "python train.py --reward docs/examples/calculator.py:exact_reward"]
 NOT_ON_CPU = ["torchrun --nproc_per_node=8 train.py --config configs/aepo_qwen3_14b.yaml --parallel fsdp --backend vllm "
               "--bf16 true", "torchrun --nproc_per_node=8 train.py --config configs/aepo_qwen3_14b.yaml --parallel fsdp",
               "torchrun --nnodes=2",                     # 8 GPUs / several nodes
@@ -142,8 +142,8 @@ def test_the_lora_command_runs_as_written(scratch):
 
 @pytest.mark.slow
 def test_the_own_tools_commands_run_as_written(scratch):
-    """The worked example of docs/tools.md on the embedded model, 2 steps in each format: the calculator in the
-    prompt, the rewards the user's function's (0 or 1, never the deep-research −1), a checkpoint."""
+    """The worked example of docs/tools.md on the embedded model, 2 steps in each format (and with the example's
+    reward: 0 or 1, never the deep-research −1): the calculator in the prompt, a checkpoint."""
     for i, command in enumerate(OWN_TOOLS_ON_CPU):
         started = time.time()
         proc = run(command, scratch, quick(command, steps=2) + LEAN + ["--out_dir", f"runs_own{i}"])
@@ -152,6 +152,9 @@ def test_the_own_tools_commands_run_as_written(scratch):
         metrics = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
         samples = [json.loads(line) for line in (run_dir / "samples.jsonl").read_text().splitlines()]
         assert [m["step"] for m in metrics] == [1, 2] and (run_dir / "checkpoints" / "step_000002").is_dir()
+        config = (run_dir / "config.yaml").read_text()
+        assert ("calculator.py:calculator" in config) == ("--tools" in command), config
+        assert ("tool_format: hermes" in config) == ("hermes" in command), config
         if "--reward" in command:
             assert all(s["reward"] in (0.0, 1.0) for s in samples), samples
         print(f"{command}: {time.time() - started:.0f} s, reward per step {[round(m['reward'], 3) for m in metrics]}, "

@@ -239,6 +239,9 @@ def test_a_run_with_your_tool_and_reward_in_both_formats(setup):
         assert all(s["text"].startswith(call + "\n<result>\n42\n</result>") for s in samples), samples[0]["text"]
         config = (run_dir / "config.yaml").read_text()
         assert f"tool_format: {fmt}" in config and "calculator.py:calculator" in config
+        import eval as evaluation                  # eval.py --run evaluates with the run's tools and format
+        summary, = evaluation.main(["--run", str(run_dir), "--limit", "1", "--n", "1", "--device", "cpu"])
+        assert summary["config"]["tool_format"] == fmt and EXAMPLE + ":calculator" in summary["config"]["tools"]
 
 
 class AddFirst(WrappedGenerator):

@@ -56,10 +56,14 @@ def test_transformers_generator_segments(tokenizer, tiny_model):
     assert [s.token_ids for s in segs] == [s.token_ids for s in again]
 
 
-def test_transformers_generator_cuts_at_stop_strings(tokenizer):
-    """A model that always emits the tokens of a closing tag: the segment ends right after it."""
+@pytest.mark.parametrize("text, stops, ends", [("x </search> tail", None, "</search>"),
+                                               ("x </search> y </tool_call> tail", ("</tool_call>", "</answer>"),
+                                                "</tool_call>")], ids=["tags", "hermes"])
+def test_transformers_generator_cuts_at_stop_strings(tokenizer, text, stops, ends):
+    """A model that always emits the tokens of a closing tag: the segment ends right after it (the run's format's
+    stop strings: in hermes `</search>` is text)."""
     model = make_tiny_model(tokenizer)
-    target = tokenizer.encode("x </search> tail", add_special_tokens=False)
+    target = tokenizer.encode(text, add_special_tokens=False)
 
     def forward_hook(module, args, kwargs, output):
         logits = torch.full_like(output.logits, -1e4)
@@ -74,10 +78,10 @@ def test_transformers_generator_cuts_at_stop_strings(tokenizer):
         count = 0
 
     model.register_forward_hook(forward_hook, with_kwargs=True)
-    gen = TransformersGenerator(model, tokenizer)
+    gen = TransformersGenerator(model, tokenizer, **({"stop_strings": stops} if stops else {}))
     seg = gen.generate([as_ids(chat_prompt(tokenizer, "q"))], [20], seed=0)[0]
     assert seg.finish_reason == "tool"
-    assert seg.text.endswith("</search>")
+    assert seg.text.endswith(ends)
     assert seg.token_ids == target[:len(seg.token_ids)] and "tail" not in seg.text
 
 

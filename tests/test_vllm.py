@@ -279,6 +279,22 @@ def test_stop_string_across_the_two_requests(tokenizer, tiny_model_dir, one_proc
         assert seg.text.endswith("</search>") and seg.h_seg > 0
 
 
+def test_the_run_formats_stop_strings_reach_the_engine(tokenizer, tiny_model_dir, one_process, monkeypatch):
+    """--tool_format hermes: the engine stops at `</tool_call>` (not at a `</search>` written before it), wherever
+    the segment's two requests split, and the segment is a tool call."""
+    context = as_ids(chat_prompt(tokenizer, "q?"))
+    head = '<think> no </search> here </think>\n<tool_call>\n{"name": "search", "arguments": {"query": "x"}}\n</tool_call>'
+    script = tokenizer.encode(head + " then more <answer> x </answer>", add_special_tokens=False)
+    want = tokenizer.encode(head, add_special_tokens=False)
+    assert script[:len(want)] == want
+    for n_entropy in (1, 5, len(want) - 1, len(want) + 1):
+        vgen = VLLMGenerator(str(tiny_model_dir), n_entropy=n_entropy, vllm_module=fake_vllm,
+                             stop_strings=("</tool_call>", "</answer>"))
+        monkeypatch.setattr(vgen.llm, "generate", ScriptedEngine(tokenizer, context, script).generate)
+        seg = vgen.generate([context], [len(script)], seed=0)[0]
+        assert (seg.token_ids, seg.finish_reason) == (want, "tool"), n_entropy
+
+
 def _close_worker(rank, world, port, model_dir, out_dir):
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world),
                       LOCAL_RANK=str(rank))
