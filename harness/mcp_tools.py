@@ -29,11 +29,7 @@ from mcp.shared.exceptions import MCPError
 from mcp.types import CONNECTION_CLOSED
 
 from harness.cli import UserError
-
-try:
-    from tools import Tool
-except ImportError:                                  # a tools.py without the Tool base class
-    Tool = object
+from tools import Tool
 
 
 def connect(spec: str, timeout_s: float = 30.0, call_timeout_s: float = 60.0) -> MCPServer:

@@ -331,6 +331,26 @@ def test_bad_tool_settings_are_one_line_before_any_work(setup, over, says, capsy
     assert not (setup / "runs" / "bad_tools").exists()
 
 
+def test_a_model_whose_template_fails_the_prefix_check_stops_before_any_work(setup, tmp_path, capsys):
+    """train.py --tool_format hermes on a model directory whose chat template drops earlier turns' <think> (Qwen3's
+    shape): one line naming the model and the changed character, no run folder."""
+    import shutil
+    import train
+    model = tmp_path / "qwen3_like"
+    shutil.copytree(setup / "tiny", model)
+    from transformers import AutoTokenizer
+    tok = AutoTokenizer.from_pretrained(model)
+    tok.chat_template = QWEN3_LIKE
+    tok.save_pretrained(model)
+    code = cli.run_cli(lambda argv: train.main(argv, score=fake_score),
+                       flags(setup, "qwen3_like", model=str(model), tool_format="hermes"))
+    err = capsys.readouterr().err
+    said = [line for line in err.splitlines() if line.startswith("error: ")]
+    assert code == 2 and len(said) == 1 and "Traceback" not in err, err
+    assert said[0].startswith(f"error: --tool_format hermes: the chat template of {model} is not prefix-preserving")
+    assert not (setup / "runs" / "qwen3_like").exists()
+
+
 def test_the_worked_example_is_what_docs_tools_md_shows():
     """docs/tools.md's commands name the example's file and factory as they are."""
     doc = (ROOT / "docs" / "tools.md").read_text()
