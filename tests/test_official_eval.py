@@ -525,6 +525,8 @@ def test_eval_official_end_to_end_with_a_tiny_model(setup, tmp_path, monkeypatch
     assert "| qa | 2 | 2 | llm_equal |" in (tmp_path / "out" / "summary.md").read_text()
     with pytest.raises(UserError, match="--protocol official fetches the pages of web results"):
         E.main(argv[:-1] + [str(tmp_path / "other")] + ["--search", "bm25"])
+    with pytest.raises(UserError, match="--protocol official runs the authors' search and python in tags"):
+        E.main(argv[:-1] + [str(tmp_path / "other")] + ["--tool_format", "hermes"])
     assert E.EvalConfig().top_k == 0 and E.EvalConfig().search == "bm25" and not E.EvalConfig().judge
 
 

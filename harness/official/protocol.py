@@ -309,6 +309,9 @@ def main(cfg, datasets: list, out: Path) -> list[dict]:
     from harness.cli import UserError
     from harness.correctness import JUDGE_PLACEHOLDERS, OFFICIAL_JUDGE_PROMPT, OfficialJudge
     from harness.settings import python_isolation, python_limits
+    if list(cfg.tools) != ["search", "python"] or cfg.mcp_server or cfg.tool_format != "tags":
+        raise UserError("--protocol official runs the authors' search and python in tags: --tools, --mcp_server and "
+                        "--tool_format are the training protocol's (drop them, or --protocol training)")
     if cfg.search not in ("brightdata", "web"):
         raise UserError(f"--protocol official fetches the pages of web results: --search brightdata (the official "
                         f"SERP API) or web, not {cfg.search}")
