@@ -221,7 +221,7 @@ class EvalConfig:
                                             "official code)")
     python_limits: dict = like("python_limits")
     tools: list[str] = like("tools")
-    mcp_server: list[str] = like("mcp_server")
+    mcp_server: Union[str, list[str]] = like("mcp_server")
     tool_format: str = like("tool_format")
     python_isolation: str = like("python_isolation")
     device: str = arg("cuda", "torch device (cpu when CUDA is unavailable)")

@@ -135,8 +135,8 @@ class Config:
     tools: list[str] = arg(["search", "python"], "the policy's tools: search, python, and yours as "
                                                  "package.module:factory or file.py:factory (a factory returns a "
                                                  "tools.Tool or a list of them; docs/tools.md)")
-    mcp_server: list[str] = arg([], "MCP servers whose tools join --tools: a command that starts a stdio server, or "
-                                    "a streamable-HTTP URL; e.g. ['python my_server.py']")
+    mcp_server: Union[str, list[str]] = arg([], "MCP servers whose tools join --tools: a command that starts a stdio "
+                                                "server, or a streamable-HTTP URL; several as a list")
     tool_format: str = arg("tags", "how the policy calls tools: tags (the paper's <search> q </search>, results in "
                                    "<result>) or hermes (<tool_call> JSON, results as the chat template's tool turn; "
                                    "Qwen2.5, Hermes) (D45)", valid="tags | hermes")

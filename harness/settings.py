@@ -84,7 +84,7 @@ def make_tools(search, limits: dict, names=("search", "python"), mcp_servers=(),
             else:
                 raise UserError(f"--tools: unknown tool {name!r}; the built-in ones are search and python, and one of "
                                 f"your own is package.module:factory or file.py:factory")
-        for spec in mcp_servers:
+        for spec in [mcp_servers] if isinstance(mcp_servers, str) else mcp_servers:
             from harness import mcp_tools
             servers.append(mcp_tools.connect(spec))
             built += [(f"--mcp_server {spec!r}", tool) for tool in servers[-1].tools]

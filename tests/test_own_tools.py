@@ -266,7 +266,7 @@ def test_an_mcp_servers_tools_join_a_run_and_a_dead_server_is_an_observation(set
     import signal
     import train
     server = f"{sys.executable} {ROOT / 'tests' / 'mcp_server.py'}"
-    run_dir = Path(train.main(flags(setup, "mcp", mcp_server=json.dumps([server]), log_samples=4,
+    run_dir = Path(train.main(flags(setup, "mcp", mcp_server=server, log_samples=4,                # one, as text
                                     max_response_tokens=60), score=fake_score,
                               make_generator=AddFirst.factory())["run_dir"])
     metrics = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
