@@ -84,9 +84,10 @@ class HermesFormat:
         rebuilt = prompt + "".join(c + turn_end + before + r + after for c, r in zip(calls, results))
         if two != rebuilt:
             at = next((i for i, (a, b) in enumerate(zip(two, rebuilt)) if a != b), min(len(two), len(rebuilt)))
+            ctx = max(0, at - 12)
             raise UserError(f"{where} is not prefix-preserving across a tool turn: rendering the conversation after "
-                            f"a second tool call changes character {at} ({rebuilt[at:at + 40]!r} became "
-                            f"{two[at:at + 40]!r}); a template that keeps earlier turns as written is needed")
+                            f"a second tool call changes character {at} ({rebuilt[ctx:at + 30]!r} became "
+                            f"{two[ctx:at + 30]!r}); a template that keeps earlier turns as written is needed")
         return turn_end, before, after
 
     def parse(self, segment_text: str) -> tools.ToolCall | tools.ToolError:
