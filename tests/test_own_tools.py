@@ -258,7 +258,7 @@ class AddFirst(WrappedGenerator):
         return out
 
 
-def test_an_mcp_servers_tools_join_a_run_and_a_dead_server_is_an_observation(setup, tmp_path):
+def test_an_mcp_servers_tools_join_a_run_and_a_dead_server_is_an_observation(setup, tmp_path, capsys):
     """train.py --mcp_server 'python tests/mcp_server.py': its tools join search under their own names, the policy's
     `<add> {"a": 2, "b": 3} </add>` reaches the server and reads 5. The same server killed before the run's second
     step: every later call is an error observation the policy reads, and the run ends normally."""
@@ -269,6 +269,7 @@ def test_an_mcp_servers_tools_join_a_run_and_a_dead_server_is_an_observation(set
     run_dir = Path(train.main(flags(setup, "mcp", mcp_server=server, log_samples=4,                # one, as text
                                     max_response_tokens=60), score=fake_score,
                               make_generator=AddFirst.factory())["run_dir"])
+    assert "tools (tags format): search, python, add, echo, fail, sleep, image, pid" in capsys.readouterr().out
     metrics = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     assert all(m["tools/add/calls"] >= 2 and m["tools/add/errors"] == 0 for m in metrics), metrics
     samples = [json.loads(line) for line in (run_dir / "samples.jsonl").read_text().splitlines()]

@@ -98,6 +98,8 @@ def set_up(cfg: config.Config, rank: int, world: int, device: torch.device, stat
     tool_runner = state.tools = settings.make_tools(search, cfg.python_limits, cfg.tools, cfg.mcp_server,
                                                     cfg.tool_format, tokenizer, cfg.model)
     fmt = tool_runner.format                     # the tool-call format: prompts, stop strings, the format check
+    if fmt.format_tags != tools.TOOLS:           # not the paper's search and python in tags: say what the policy has
+        log(f"tools ({fmt.name} format): " + ", ".join(t.name for t in tool_runner.tools))
     scorer = run_score(cfg, score, fmt)
     train_rows = dataset.load_questions(cfg.train_data, tokenizer, cfg.max_prompt_tokens, "train_data", cfg.skip_bad,
                                         fmt.build_prompt)
