@@ -44,13 +44,13 @@ def plugin_tools(spec: str) -> list[tools.Tool]:
     try:
         made = factory()
     except Exception as err:  # noqa: BLE001 -- the user's factory failing is one line naming it
-        raise UserError(f"--tools {spec}: the factory raised {type(err).__name__}: {err}") from None
+        raise UserError(f"--tools {spec!r}: the factory raised {type(err).__name__}: {err}") from None
     made = list(made) if isinstance(made, (list, tuple)) else [made]
     for tool in made:
         if not isinstance(tool, tools.Tool) or not tool.name:
-            raise UserError(f"--tools {spec}: the factory returned {type(tool).__name__}, not a tools.Tool with a name")
+            raise UserError(f"--tools {spec!r}: the factory returned {type(tool).__name__}, not a tools.Tool with a name")
     if not made:
-        raise UserError(f"--tools {spec}: the factory returned no tools")
+        raise UserError(f"--tools {spec!r}: the factory returned no tools")
     return made
 
 
@@ -59,13 +59,13 @@ def reward_function(spec: str, score):
     function(response_text, golds) -> float (the format check, EM and F1 are still logged)."""
     function = load_object(spec, "--reward")
     if not callable(function):
-        raise UserError(f"--reward {spec}: {type(function).__name__} is not a function")
+        raise UserError(f"--reward {spec!r}: {type(function).__name__} is not a function")
 
     def scored(text: str, golds) -> dict:
         out = score(text, golds)
         value = function(text, list(golds))
         if isinstance(value, bool) or not isinstance(value, (int, float)) or value != value:
-            raise UserError(f"--reward {spec} returned {value!r}, not a number")
+            raise UserError(f"--reward {spec!r} returned {value!r}, not a number")
         return {**out, "reward": float(value)}
     return scored
 

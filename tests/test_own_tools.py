@@ -304,7 +304,7 @@ def test_an_mcp_servers_tools_join_a_run_and_a_dead_server_is_an_observation(set
     ({"tools": f"[search, {EXAMPLE}:nothing]"}, f"--tools '{EXAMPLE}:nothing': {EXAMPLE} has no nothing"),
     ({"tools": "[search, no_such_module_x:f]"}, "--tools 'no_such_module_x:f': importing no_such_module_x failed "
                                                 "(ModuleNotFoundError"),
-    ({"tools": f"[search, {EXAMPLE}:exact_reward]"}, f"--tools {EXAMPLE}:exact_reward: the factory raised TypeError"),
+    ({"tools": f"[search, {EXAMPLE}:exact_reward]"}, f"--tools '{EXAMPLE}:exact_reward': the factory raised TypeError"),
     ({"tools": f"[search, {EXAMPLE}:Calculator.evaluate]"}, "expected package.module:name or file.py:name"),
     ({"tools": f"[search, {EXAMPLE}:calculator, {EXAMPLE}:calculator]"},
      f"two tools are named 'calculate': from --tools {EXAMPLE}:calculator and from --tools {EXAMPLE}:calculator"),
