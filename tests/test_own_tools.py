@@ -352,6 +352,18 @@ def test_a_model_whose_template_fails_the_prefix_check_stops_before_any_work(set
     assert not (setup / "runs" / "qwen3_like").exists()
 
 
+def test_your_reward_replaces_only_the_reward(tmp_path):
+    """--reward's function gives the reward; the format check, EM and F1 stay the deep-research scorer's; a value that
+    is not a number is one line naming the function."""
+    (tmp_path / "mine.py").write_text("def half(text, golds):\n    return 0.5\n\ndef bad(text, golds):\n"
+                                      "    return float('nan')\n")
+    text = "<think> x </think> <answer> \\boxed{Paris} </answer>"
+    scored = plugins.reward_function(f"{tmp_path / 'mine.py'}:half", reward.score_response)(text, ["Paris"])
+    assert scored["reward"] == 0.5 and scored["format_valid"] and scored["em"] == 1.0 and scored["f1"] == 1.0
+    with pytest.raises(cli.UserError, match=r"--reward '.*mine.py:bad' returned nan, not a number"):
+        plugins.reward_function(f"{tmp_path / 'mine.py'}:bad", reward.score_response)(text, ["Paris"])
+
+
 def test_the_worked_example_is_what_docs_tools_md_shows():
     """docs/tools.md's commands name the example's file and factory as they are."""
     doc = (ROOT / "docs" / "tools.md").read_text()
