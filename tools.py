@@ -28,7 +28,8 @@ TOOLS = ("search", "python")
 STOP_STRINGS = ("</search>", "</python>", "</answer>")  # generation stops after any of these
 MAX_QUERY_CHARS = 1_000  # longest search query accepted
 MAX_CODE_CHARS = 20_000  # longest python program accepted
-TOOL_NAME = r"[A-Za-z_][\w.-]{0,40}"  # what a tool may be called (a tag name)
+TOOL_NAME = r"[A-Za-z_][\w.-]{0,40}"  # what a tool may be called (a tag name), except RESERVED
+RESERVED = ("think", "answer", "result", "tool_call")
 
 SYSTEM_PROMPT = """You are a helpful assistant. Answer the user's question step by step, using tools when they help.
 - Think inside <think> </think>.
@@ -225,6 +226,10 @@ class TagFormat:
     def build_prompt(self, tokenizer, question: str) -> list[int]:
         return build_prompt(tokenizer, question, self.system_prompt)
 
+    def prompt_ids(self, tokenizer, messages: list[dict]) -> list[int]:    # the cold start's demonstrations
+        return list(tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True,
+                                                  return_dict=False))
+
     def response_text(self, tokenizer, response_ids: list[int], loss_mask: list[int], observations: list[str]) -> str:
         """A response's text as the reward reads it: here its decoded tokens."""
         return tokenizer.decode(response_ids)
@@ -306,9 +311,9 @@ class Tools:
                  tool_format=None):
         self.tools = list(tools) if tools is not None else \
             [SearchTool(search, search_timeout_s), PythonTool(python_timeout_s, **(python_kw or {}))]
-        if len({t.name for t in self.tools}) < len(self.tools) or \
-                any(not re.fullmatch(TOOL_NAME, t.name) for t in self.tools):
-            raise ValueError(f"tool names must be distinct tag names ({TOOL_NAME}), got {[t.name for t in self.tools]}")
+        names = [t.name for t in self.tools]     # distinct tags, none the format's own
+        if len(set(names)) < len(names) or any(not re.fullmatch(TOOL_NAME, n) or n in RESERVED for n in names):
+            raise ValueError(f"tool names must be distinct tag names ({TOOL_NAME}) but {RESERVED}, got {names}")
         self.search, self.by_name = search, {t.name: t for t in self.tools}
         self.format = tool_format if tool_format is not None else TagFormat(self.tools)
         self.pool = ThreadPoolExecutor(max_workers=max_workers, thread_name_prefix="aepo-tools")

@@ -46,15 +46,15 @@ class HermesFormat:
         template = tokenizer.chat_template or ""
         # a template that lists tools itself (Qwen's) gets them as `tools=`; for another, the prompt lists them
         self.template_tools = [schema(t) for t in self.tools] if "tools" in template else None
+        self.template_kw = {"tools": self.template_tools} if self.template_tools else {}
         self.system_prompt = INSTRUCTIONS if self.template_tools else INSTRUCTIONS + "\n\nThe tools:\n<tools>\n" + \
             "\n".join(json.dumps(schema(t), ensure_ascii=False) for t in self.tools) + "\n</tools>"
         self.tokenizer = tokenizer
         self.turn_end, self.before, self.after = self._check(tokenizer, model)
 
     def _render(self, messages: list[dict], generation_prompt: bool) -> str:
-        extra = {"tools": self.template_tools} if self.template_tools else {}
         return self.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=generation_prompt,
-                                                  **extra)
+                                                  **self.template_kw)
 
     def _check(self, tokenizer, model: str) -> tuple[str, str, str]:
         """(the text after an assistant turn's content, the tool turn's text before the result, after it) read off
@@ -117,10 +117,13 @@ class HermesFormat:
             tokenizer.encode(self.after, add_special_tokens=False)
 
     def build_prompt(self, tokenizer, question: str) -> list[int]:
-        messages = [{"role": "system", "content": self.system_prompt}, {"role": "user", "content": question}]
-        extra = {"tools": self.template_tools} if self.template_tools else {}
+        return self.prompt_ids(tokenizer, [{"role": "system", "content": self.system_prompt},
+                                           {"role": "user", "content": question}])
+
+    def prompt_ids(self, tokenizer, messages: list[dict]) -> list[int]:
+        """Chat-template ids of `messages` up to the assistant header, the tools given as the template lists them."""
         return list(tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True,
-                                                  return_dict=False, **extra))
+                                                  return_dict=False, **self.template_kw))
 
     def response_text(self, tokenizer, response_ids: list[int], loss_mask: list[int], observations: list[str]) -> str:
         """A response as the reward reads it: the policy's text, each tool turn shown as a <result> block."""

@@ -94,9 +94,9 @@ def make_tools(search, limits: dict, names=("search", "python"), mcp_servers=(),
         for source, tool in built:
             if tool.name in first:
                 raise UserError(f"two tools are named {tool.name!r}: from {first[tool.name]} and from {source}")
-            if not re.fullmatch(tools.TOOL_NAME, tool.name) or tool.name in ("think", "answer", "result", "tool_call"):
-                raise UserError(f"{source}: a tool name must be a tag name ({tools.TOOL_NAME}) and not think, "
-                                f"answer, result or tool_call; got {tool.name!r}")
+            if not re.fullmatch(tools.TOOL_NAME, tool.name) or tool.name in tools.RESERVED:
+                raise UserError(f"{source}: a tool name must be a tag name ({tools.TOOL_NAME}) and not one of "
+                                f"{', '.join(tools.RESERVED)}; got {tool.name!r}")
             first[tool.name] = source
         tool_list = [tool for _, tool in built]
         if tool_format == "hermes":

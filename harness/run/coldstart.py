@@ -88,9 +88,7 @@ def demo_tokens(demo: dict, tokenizer, fmt=tools.TAGS) -> tuple[list[int], list[
     head = messages[:first]
     if not any(m["role"] == "system" for m in head):
         head = [{"role": "system", "content": fmt.system_prompt}] + head
-    extra = {"tools": fmt.template_tools} if getattr(fmt, "template_tools", None) else {}
-    prompt = list(tokenizer.apply_chat_template(head, add_generation_prompt=True, tokenize=True, return_dict=False,
-                                                **extra))
+    prompt = fmt.prompt_ids(tokenizer, head)
     response, mask = [], []
     for m in messages[first:]:
         ids = tokenizer.encode(m["content"], add_special_tokens=False) if m["role"] == "assistant" else \
