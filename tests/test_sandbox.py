@@ -17,8 +17,10 @@ import re
 import resource
 import secrets
 import shutil
+import signal
 import socket
 import subprocess
+import sys
 import tempfile
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -452,6 +454,80 @@ def test_nothing_outlives_the_program(monkeypatch, layer):
         assert gone(marker)
     finally:
         for pid in marked_processes(marker):
+            os.kill(pid, 9)
+
+
+def leftovers(trainer_pid: int, marker: str) -> dict:
+    """What a trainer's calls have running or on disk: processes marked `marker` or naming its calls' prefix (the
+    launcher, unshare, the janitor), its call directories and its call cgroups."""
+    prefix = f"{cleanup.PREFIX}{trainer_pid}_"
+    parents = {p for p in (cgroups.parent("pids"), cgroups.parent("memory")) if p}
+    return {"processes": sorted(set(marked_processes(marker) + marked_processes(prefix)) - {trainer_pid}),
+            "directories": sorted(p.name for p in Path(tempfile.gettempdir()).glob(prefix + "*")),
+            "cgroups": sorted(str(p) for parent in parents for p in Path(parent).glob(prefix + "*"))}
+
+
+def start_trainer(code: str, timeout_s: float, marker: str, children: int, layers: str = "None") -> subprocess.Popen:
+    """A process that runs `code` through sandbox.run with `layers` (an expression), as a trainer does; returned once
+    `children` processes marked `marker` (besides itself, whose command line holds the code) run."""
+    trainer = subprocess.Popen([sys.executable, "-c", f"from harness import sandbox\n"
+                                f"print(sandbox.run({code!r}, timeout_s={timeout_s}, layers={layers}))"], cwd=ROOT,
+                               stdout=subprocess.PIPE, text=True)
+    deadline = time.monotonic() + 60
+    while len(set(marked_processes(marker)) - {trainer.pid}) < children and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert len(set(marked_processes(marker)) - {trainer.pid}) >= children, "the program did not start"
+    return trainer
+
+
+def wait_until_clean(trainer_pid: int, marker: str, within_s: float) -> tuple[dict, float]:
+    start = time.monotonic()
+    while any(leftovers(trainer_pid, marker).values()) and time.monotonic() - start < within_s:
+        time.sleep(0.05)
+    return leftovers(trainer_pid, marker), time.monotonic() - start
+
+
+@pytest.mark.parametrize("with_cgroups", (True, False))
+def test_nothing_outlives_a_trainer_killed_mid_call(with_cgroups):
+    """kill -9 of the trainer (or the kernel's OOM killer) while a program runs: the launcher ends the program (alone
+    without cgroups, which the janitor also empties), the janitor removes its directory and cgroups, well within the
+    call's timeout."""
+    if not AVAILABLE["PID namespace"]:
+        pytest.skip("this machine lacks: PID namespace (a child in a session of its own would survive)")
+    marker = f"300.{secrets.randbelow(10**6):06d}"
+    layers = "None" if with_cgroups else "{**sandbox.isolation(), 'process_limit': '', 'memory_limit': ''}"
+    trainer = start_trainer(spawn_and(marker, "time.sleep(3600)"), 30.0, marker, 2, layers)
+    try:
+        before = leftovers(trainer.pid, marker)
+        assert before["processes"] and before["directories"]
+        assert len(before["cgroups"]) == with_cgroups * (AVAILABLE["pids cgroup"] + AVAILABLE["memory cgroup"] - (
+            cgroups.parent("pids") == cgroups.parent("memory") != ""))
+        trainer.kill()  # our own child: SIGKILL, as the OOM killer sends it
+        trainer.wait()
+        after, seconds = wait_until_clean(trainer.pid, marker, 30.0)
+        print(f"before the kill: {before}\n{seconds:.2f} s after it: {after}")
+        assert after == {"processes": [], "directories": [], "cgroups": []} and seconds < 10
+    finally:
+        for pid in set(marked_processes(marker)) - {trainer.pid}:
+            os.kill(pid, 9)
+
+
+def test_the_launcher_ends_the_program_at_the_timeout_itself():
+    """The trainer stopped (SIGSTOP: it cannot keep its own time): the launcher still ends the program at the call's
+    timeout, and the trainer, continued, reports the timeout."""
+    marker = f"300.{secrets.randbelow(10**6):06d}"
+    trainer = start_trainer(spawn_and(marker, "time.sleep(3600)", (False,)), 3.0, marker, 1)
+    try:
+        trainer.send_signal(signal.SIGSTOP)
+        start = time.monotonic()
+        while set(marked_processes(marker)) - {trainer.pid} and time.monotonic() - start < 30:
+            time.sleep(0.05)
+        assert not set(marked_processes(marker)) - {trainer.pid} and time.monotonic() - start < 5
+        trainer.send_signal(signal.SIGCONT)
+        assert "timed_out=True" in trainer.communicate(timeout=60)[0]
+    finally:
+        trainer.send_signal(signal.SIGCONT)
+        for pid in set(marked_processes(marker)) - {trainer.pid}:
             os.kill(pid, 9)
 
 

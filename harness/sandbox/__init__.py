@@ -6,9 +6,9 @@ training step, written by a policy that is being pushed to try things. `run` mak
 cgroups, puts a size-limited tmpfs over the working directory, pivots into a minimal root (rootfs.py) and forks the
 program; the child applies rlimits, a Landlock ruleset (landlock.py; read-only: the interpreter and the system's
 libraries; read-write: its own working directory) and a seccomp filter (seccomp.py) before exec'ing the
-interpreter on the program; on the wall-clock timeout the whole process group dies, and with it the namespaces and
-everything in them; then the cgroups and the call's directory go (cleanup.py: any tree, iteratively, never
-following a link).
+interpreter on the program. The init stays the program's parent: at the wall-clock timeout, or as soon as the
+trainer has died, it exits and the namespaces and everything in them go; then the cgroups and the call's directory
+(cleanup.py: any tree, iteratively, never following a link; after a trainer killed mid-call, its janitor does this).
 
 Layers, each detected once per process (`isolation()`) and used wherever available:
 - PID namespace (`unshare -rpf --mount-proc`): the program sees and can signal only its own processes.
@@ -40,7 +40,7 @@ output or through an exit code it can choose.
 
 Run as a script, this file is the launcher inside the sandbox (`python -I -S harness/sandbox/__init__.py OPTIONS -- PROGRAM`).
 Every call starts it, so the top imports only what the launcher needs; the trainer-side functions import re, subprocess,
-tempfile, cgroups and cleanup where they use them (about 12 ms less per call).
+tempfile and cgroups where they use them (about 12 ms less per call).
 
 What the program meets: it may read only the interpreter, its packages, the system's programs and libraries and its
 own directory: code that reads other files (a data set, the user's home) gets FileNotFoundError (no such path in the
@@ -61,7 +61,7 @@ import sys
 
 if __name__ == "__main__":  # the launcher runs under -I, which leaves the repository off sys.path
     sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
-from harness.sandbox import landlock, rootfs, seccomp  # noqa: E402
+from harness.sandbox import cleanup, landlock, rootfs, seccomp  # noqa: E402
 
 # ---------------------------------------------------------------------------------------------------------------
 # Inside the sandbox: the launcher (joins the cgroups; as init of the PID namespace mounts the working directory's
@@ -90,15 +90,14 @@ def _prctl(option: int, value: int) -> None:
 def launch(argv: list[str]) -> None:
     """The launcher: `key=value ... -- program args`. Keys: memory, cpu, fsize (limits), landlock (ABI, 0 = off),
     tcp (1: block TCP), vsock (1: the seccomp filter), init (1: we are the PID namespace's init), report (the file
-    descriptor of the trainer's pipe), the optional disk (bytes of the working directory's tmpfs, as init), nproc
-    (RLIMIT_NPROC) and root (an empty directory to build the minimal root on, as init), and the repeatable cgroup=
-    (a cgroup to join), ro= and rw= (paths). It joins the cgroups first, so that everything started from then on
-    counts. As init it forks the program, reaps every process until the program has ended and reports "exit N", the
-    program's exit code (negative: killed by that signal), because the init of a PID namespace can neither die of
-    the program's signal nor be killed by its own. Failing to set up reports "sandbox setup failed: ..." and exits:
-    the program is never started with fewer layers than asked. The report pipe is closed on exec, and the init,
-    which holds it, is not dumpable and the program has no CAP_SYS_PTRACE, so the program cannot reach it through
-    /proc/1/fd even without Landlock."""
+    descriptor of the trainer's pipe), timeout (seconds), the optional trainer (the trainer's pidfd), disk (bytes of
+    the working directory's tmpfs, as init), nproc (RLIMIT_NPROC) and root (an empty directory to build the minimal
+    root on, as init), and the repeatable cgroup= (a cgroup to join), ro= and rw= (paths). It joins the cgroups first,
+    so that everything started from then on counts, then forks the program and stays its parent (cleanup.supervise:
+    the timeout, the trainer's death, the orphans, the report). Failing to set up reports "sandbox setup failed: ..."
+    and exits: the program is never started with fewer layers than asked. The report pipe and the trainer's pidfd
+    are closed before the exec, and the launcher, which holds them, is not dumpable and the program has no
+    CAP_SYS_PTRACE, so the program cannot reach them through /proc even without Landlock."""
     split = argv.index("--")
     options, paths = {}, {"ro": [], "rw": [], "cgroup": []}
     for arg in argv[:split]:
@@ -108,6 +107,7 @@ def launch(argv: list[str]) -> None:
         else:
             options[key] = value
     program, fsize, report = argv[split + 1:], int(options["fsize"]), int(options["report"])
+    trainer = int(options.get("trainer", -1))
     os.set_inheritable(report, False)  # closed when the program is executed
     try:
         for cgroup in paths["cgroup"]:
@@ -122,15 +122,13 @@ def launch(argv: list[str]) -> None:
                 paths["rw"].append("/dev/shm")
             elif rootfs.private_shm("/dev/shm", fsize):
                 paths["rw"].append("/dev/shm")
-            _prctl(PR_SET_DUMPABLE, 0)  # the child's exec makes the program dumpable again
-            child = os.fork()
-            if child > 0:
-                while True:
-                    pid, wait_status = os.wait()  # orphans are re-parented to init: reap them too
-                    if pid == child:
-                        break
-                os.write(report, f"exit {os.waitstatus_to_exitcode(wait_status)}\n".encode())
-                os._exit(0)  # every other process of the namespace is killed with its init
+        _prctl(PR_SET_DUMPABLE, 0)  # the child's exec makes the program dumpable again
+        child = os.fork()
+        if child > 0:
+            cleanup.supervise(child, trainer, float(options["timeout"]), report, options["init"] == "1")
+        if trainer >= 0:
+            os.close(trainer)
+        if options["init"] == "1":
             _prctl(PR_CAPBSET_DROP, CAP_SYS_PTRACE)  # root of the user namespace, but no ptrace of its init
         limit_resources(int(options["memory"]), int(options["cpu"]), fsize, int(options.get("nproc", 0)))
         if int(options["landlock"]):
@@ -166,6 +164,7 @@ HINTS = {"PID namespace": "`unshare -rpf --mount-proc` fails: user namespaces di
                           "kernel older than 5.14",
          "memory limit": CGROUP_HINT.format("memory"),
          "disk limit": "its tmpfs is mounted in the PID namespace's mount namespace, so it needs that"}
+GRACE_S = 5.0  # the trainer kills a call this long after its timeout if the launcher has not ended it
 Result = collections.namedtuple("Result", ["output", "size", "returncode", "timed_out", "refused", "oom_kills"])
 Result.__doc__ = """What a program did. output: its stdout + stderr, the first read_bytes bytes decoded (invalid UTF-8
 replaced), the working directory's path removed (tracebacks name "main.py"); size: bytes it wrote in total;
@@ -286,10 +285,12 @@ def read_only_paths() -> tuple[str, ...]:
 
 
 def command(work: str, report: int, layers: dict, memory_mb: int, cpu_s: int, file_size_mb: int, no_network: bool,
-            max_processes: int = 64, cgroups: tuple[str, ...] = (), root: str = "", disk_mb: int = 64) -> list[str]:
+            max_processes: int = 64, cgroups: tuple[str, ...] = (), root: str = "", disk_mb: int = 64,
+            timeout_s: float = 10.0, trainer: int = -1) -> list[str]:
     """The command line: `unshare` into the namespaces in use, the launcher (this file), the program. `report`: the
     write end of the trainer's pipe, `cgroups`: the call's cgroups, `root`: an empty directory for the minimal root
-    ("": none), `disk_mb`: the working directory's tmpfs (with the disk limit)."""
+    ("": none), `disk_mb`: the working directory's tmpfs (with the disk limit), `timeout_s`: when the launcher ends
+    the program, `trainer`: a pidfd of the trainer (-1: none), whose exit ends the program too."""
     network = no_network and layers["network_namespace"]
     pid, ipc = layers["pid_namespace"], layers["ipc_namespace"]
     prefix = []
@@ -298,7 +299,7 @@ def command(work: str, report: int, layers: dict, memory_mb: int, cpu_s: int, fi
     abi = layers["landlock_abi"]
     options = [f"memory={memory_mb << 20}", f"cpu={cpu_s}", f"fsize={file_size_mb << 20}", f"landlock={abi}",
                f"tcp={int(no_network)}", f"vsock={int(layers['vsock_filter'])}", f"init={int(pid)}",
-               f"report={report}"]
+               f"report={report}", f"timeout={timeout_s}"] + [f"trainer={trainer}"] * (trainer >= 0)
     options += [f"cgroup={cgroup}" for cgroup in cgroups] + [f"root={root}"] * bool(root)
     options += [f"disk={disk_mb << 20}"] * (pid and layers["disk_limit"])
     options += [f"nproc={max_processes}"] * (layers["process_limit"] == "RLIMIT_NPROC")
@@ -338,11 +339,12 @@ def run(code: str, timeout_s: float = 10.0, memory_mb: int = 1_024, cpu_s: int =
     directory, or the sandbox's set-up failed (the program is never run with fewer layers than asked)."""
     import subprocess
     import tempfile
-    from harness.sandbox import cgroups, cleanup
+    from harness.sandbox import cgroups
     layers = isolation() if layers is None else layers
-    tmp = tempfile.mkdtemp(prefix="aepo_python_")
+    cleanup.start_janitor()  # removes the call's directory and cgroups if the trainer dies during it
+    tmp = tempfile.mkdtemp(prefix=f"{cleanup.PREFIX}{os.getpid()}_")
     work, output_path = os.path.join(tmp, "work"), os.path.join(tmp, "output.txt")
-    call_cgroups, report = [], -1
+    call_cgroups, report, trainer = [], -1, -1
     try:
         os.mkdir(work)
         with open(os.path.join(work, "main.py"), "w", encoding="utf-8") as f:
@@ -354,23 +356,26 @@ def run(code: str, timeout_s: float = 10.0, memory_mb: int = 1_024, cpu_s: int =
                                        max_processes if layers["process_limit"] == "pids cgroup" else 0,
                                        total_memory_mb << 20 if layers["memory_limit"] else 0)
         report, report_write = os.pipe()  # the launcher's channel to us; the program never holds it
+        trainer = cleanup.own_pidfd()  # the launcher ends the program as soon as this process has died
         cmd = command(work, report_write, layers, memory_mb, cpu_s, file_size_mb, no_network, max_processes,
-                      tuple(call_cgroups), root, disk_mb)
+                      tuple(call_cgroups), root, disk_mb, timeout_s, trainer)
         env = {"PATH": os.environ.get("PATH", "/usr/bin:/bin"), "HOME": work, "TMPDIR": work, "LANG": "C.UTF-8",
                "OMP_NUM_THREADS": "1", "OPENBLAS_NUM_THREADS": "1", "MKL_NUM_THREADS": "1", "MPLBACKEND": "Agg"}
         timed_out = False
         with open(output_path, "wb") as out:  # a file, not a pipe: the file-size limit bounds what we read back
             try:
                 proc = subprocess.Popen(cmd, cwd=work, env=env, stdin=subprocess.DEVNULL, stdout=out,
-                                        stderr=subprocess.STDOUT, start_new_session=True, pass_fds=(report_write,))
+                                        stderr=subprocess.STDOUT, start_new_session=True,
+                                        pass_fds=(report_write,) + (trainer,) * (trainer >= 0))
             finally:
                 os.close(report_write)
             try:
-                proc.wait(timeout=timeout_s)
+                proc.wait(timeout=timeout_s + GRACE_S)  # the launcher ends it at timeout_s; this guards the launcher
             except subprocess.TimeoutExpired:
                 timed_out = True
             cleanup.kill_all(proc, layers["pid_namespace"])
         lines = _read_report(report)
+        timed_out = timed_out or "timeout" in lines
         failures = [line for line in lines if line.startswith("sandbox setup failed: ")]
         if failures:
             raise OSError(failures[0])
@@ -382,8 +387,9 @@ def run(code: str, timeout_s: float = 10.0, memory_mb: int = 1_024, cpu_s: int =
                       cgroups.refused(call_cgroups), cgroups.oom_kills(call_cgroups))
     finally:
         try:
-            if report >= 0:
-                os.close(report)
+            for fd in (report, trainer):
+                if fd >= 0:
+                    os.close(fd)
             cgroups.remove(call_cgroups)
         finally:
             cleanup.remove_tree(tmp)
