@@ -1,7 +1,8 @@
 """The machinery the paper's algorithm runs on (the algorithm itself is in the top-level files), one module per job.
 tests/test_architecture.py checks this map against the tree.
 
-Modules: `cli` (how a command ends), `config` (the flags), `settings` (the settings objects the flags build, one builder
+Modules: `cli` (how a command ends), `config` (the flags; `configfile`: its YAML files, read strictly),
+`settings` (the settings objects the flags build, one builder
 each), `plugins` (your tools and reward from package.module:name), `hermes` (the hermes tool-call format, algorithm.md
 §10), `mcp_tools` (MCP servers as tools), `mismatch` (the generator–trainer mismatch and its correction, algorithm.md
 §4b), `lora` (LoRA adapters, algorithm.md §9), `models` (the embedded model, a directory or a hub id), `dataset`,

@@ -22,6 +22,7 @@ import typing
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from harness import configfile
 from harness.cli import UserError
 from harness.mismatch import MASKS
 from harness.settings import PYTHON_LIMITS, cold_start_settings, python_limits
@@ -272,7 +273,7 @@ def check_renamed(argv, renamed: dict) -> None:
     replaced it."""
     argv = list(argv)
     keys = [item[2:].split("=", 1)[0] for item in argv if item.startswith("--")]
-    for _, _, loaded in _config_files(argv):
+    for _, _, loaded in configfile.config_files(argv):
         keys += list(loaded) if isinstance(loaded, dict) else []
     for key in keys:
         if key in renamed:
@@ -281,9 +282,10 @@ def check_renamed(argv, renamed: dict) -> None:
 
 def parse_args(parser, argv, prog: str) -> dict:
     """The parser's values as a dict; a malformed command line becomes a UserError naming the flag. A --config file
-    that holds nothing (empty, or only comments) is an empty overlay."""
+    that holds nothing (empty, or only comments) is an empty overlay; one that is not UTF-8, not valid YAML, gives a
+    key twice or is not a mapping is a UserError naming it (configfile.load_settings)."""
     from jsonargparse import ArgumentError
-    argv = _without_empty_configs(argv)
+    argv = configfile.without_empty_configs(argv)
     check_renamed(argv, RENAMED)
     try:
         return parser.parse_args(argv).as_dict()
@@ -292,35 +294,7 @@ def parse_args(parser, argv, prog: str) -> dict:
         raise UserError(f"{message} (python {prog} --help lists every flag)") from None
 
 
-def _without_empty_configs(argv):
-    """argv (None: sys.argv[1:]) without the `--config FILE` / `--config=FILE` pairs whose YAML is empty."""
-    import sys
-    argv = list(sys.argv[1:] if argv is None else argv)
-    empty = {i: n for i, n, loaded in _config_files(argv) if loaded is None}
-    out, i = [], 0
-    while i < len(argv):
-        if i not in empty:
-            out.append(argv[i])
-        i += empty.get(i, 1)
-    return out
-
-
-def _config_files(argv: list[str]) -> list[tuple[int, int, object]]:
-    """Each `--config FILE` (2 items) or `--config=FILE` (1) of argv as (its index, its items, the YAML it holds:
-    None when empty, the string "unreadable" when it cannot be read, which the parser then reports)."""
-    import yaml
-    out = []
-    for i, item in enumerate(argv):
-        path = item.split("=", 1)[1] if item.startswith("--config=") else \
-            argv[i + 1] if item == "--config" and i + 1 < len(argv) else None
-        if path is None:
-            continue
-        try:
-            loaded = yaml.safe_load(Path(path).read_text(encoding="utf-8-sig"))
-        except (OSError, ValueError, yaml.YAMLError):
-            loaded = "unreadable"
-        out.append((i, 1 if item.startswith("--config=") else 2, loaded))
-    return out
+NAME_MAX = 255                                   # bytes in one file or folder name (Linux, macOS, Windows)
 
 
 def parse_config(argv=None, defaults: dict | None = None) -> Config:
@@ -339,8 +313,10 @@ def parse_config(argv=None, defaults: dict | None = None) -> Config:
          f"({cfg.mini_batch_size})"),
         (cfg.steps > 0 or cfg.epochs > 0, "give --steps > 0 or --epochs > 0"),
         (cfg.run_name == "" or (cfg.run_name not in (".", "..") and Path(cfg.run_name).name == cfg.run_name and
-                                "\\" not in cfg.run_name),
+                                "\\" not in cfg.run_name and "\0" not in cfg.run_name),
          f"--run_name {cfg.run_name!r}: a plain folder name (no '/', no '..'), created under --out_dir"),
+        (len(cfg.run_name.encode()) <= NAME_MAX, f"--run_name is {len(cfg.run_name.encode())} bytes long: a folder "
+                                                 f"name may have at most {NAME_MAX}"),
         (not (cfg.reinforce_pp and cfg.gigpo), "--reinforce_pp and --gigpo are two different advantages: pick one"),
         (cfg.surrogate != "gppo" or cfg.sg_clip,
          "--surrogate gppo (GPPO's lower bound) needs --sg_clip (its upper one)"),
@@ -387,3 +363,23 @@ def cache_dir(path: str | os.PathLike | None = None) -> Path:
     """The on-disk cache of converted models, cold starts, the corpus and the BM25 index: `path` (--cache_dir), else
     $AEPO_CACHE, else ~/.cache/aepo."""
     return Path(path or os.environ.get("AEPO_CACHE") or Path.home() / ".cache" / "aepo")
+
+
+def read_saved(run_dir: Path, flag: str) -> dict:
+    """The settings a run last started with: the newest document of its config_history.yaml, else its config.yaml.
+    A folder with neither (not a training run) or with either damaged (not YAML, not a mapping) is a UserError
+    naming `flag` (--resume, eval.py's --run) and the file."""
+    history, first = Path(run_dir) / "config_history.yaml", Path(run_dir) / "config.yaml"
+    if not first.is_file():
+        raise UserError(f"{flag} {run_dir}: no config.yaml there (not a training run folder)")
+    where = f"{flag} {run_dir}: its {{}} (the run's settings) is damaged"
+    if history.is_file():
+        documents = [doc for doc in configfile.load_all(history, where.format(history.name)) if doc is not None]
+        for doc in documents:
+            configfile.check_mapping(doc, where.format(history.name))
+        if documents:
+            return documents[-1]
+    saved = configfile.load_settings(first, where.format(first.name))
+    if saved is None:
+        raise UserError(f"{where.format(first.name)}: it is empty")
+    return saved

@@ -1,0 +1,110 @@
+"""Reading the YAML files that hold settings (--config files, a run's config.yaml and config_history.yaml) strictly:
+UTF-8, valid YAML, each key once, a mapping at the top; anything else is one line naming the file and the line."""
+from __future__ import annotations
+
+from collections.abc import Hashable
+from pathlib import Path
+
+import yaml
+
+from harness.cli import UserError
+
+
+class _KeyTwice(yaml.YAMLError):
+    def __init__(self, key, line: int, first: int):
+        super().__init__(f"line {line}: key {key!r} is given twice (first on line {first}); give each key once")
+
+
+class StrictLoader(yaml.SafeLoader):
+    """PyYAML's safe loader, except that a key given twice in one mapping is an error (PyYAML keeps the last value)."""
+
+    def construct_mapping(self, node, deep=False):
+        first = {}
+        for key_node, _ in node.value:
+            if key_node.tag == "tag:yaml.org,2002:merge":      # `<<: *base` merges another mapping: not a key
+                continue
+            key = self.construct_object(key_node, deep=True)
+            if not isinstance(key, Hashable):                  # the base class says what is wrong with it
+                continue
+            if key in first:
+                raise _KeyTwice(key, key_node.start_mark.line + 1, first[key])
+            first[key] = key_node.start_mark.line + 1
+        return super().construct_mapping(node, deep)
+
+
+def load_all(path, where: str) -> list:
+    """Every document of the YAML file `path`, read with StrictLoader. `where` names the file in the UserError that a
+    file that cannot be read, is not UTF-8 or is not valid YAML (a key given twice included) becomes."""
+    path = Path(path)
+    try:
+        raw = path.read_bytes()
+    except OSError as err:
+        raise UserError(f"{where}: cannot be read ({err.strerror or err})") from None
+    try:
+        text = raw.decode("utf-8-sig")                          # a byte-order mark is not data
+    except UnicodeDecodeError as err:
+        line = raw[:err.start].count(b"\n") + 1
+        raise UserError(f"{where}: line {line} is not UTF-8 text (byte {raw[err.start]:#04x}); save the file as "
+                        "UTF-8") from None
+    try:
+        return list(yaml.load_all(text, Loader=StrictLoader))
+    except _KeyTwice as err:
+        raise UserError(f"{where}: {err}") from None
+    except yaml.MarkedYAMLError as err:
+        mark = err.problem_mark
+        raise UserError(f"{where}: not valid YAML: line {mark.line + 1}, column {mark.column + 1}: {err.problem}") \
+            from None
+    except yaml.YAMLError as err:
+        raise UserError(f"{where}: not valid YAML ({' '.join(str(err).split())})") from None
+
+
+def load_settings(path, where: str) -> dict | None:
+    """The settings of the YAML file `path` (load_all): its one document, a mapping; None when it holds nothing
+    (empty, or only comments)."""
+    documents = [doc for doc in load_all(path, where) if doc is not None]
+    if len(documents) > 1:
+        raise UserError(f"{where}: {len(documents)} YAML documents (--- lines) in it; a settings file holds one")
+    if documents:
+        check_mapping(documents[0], where)
+    return documents[0] if documents else None
+
+
+def check_mapping(document, where: str) -> None:
+    """A UserError naming `where` unless `document` is a mapping (setting: value)."""
+    if not isinstance(document, dict):
+        kind = {"list": "a list", "str": "a plain string", "int": "a number", "float": "a number",
+                "bool": "true/false"}.get(type(document).__name__, type(document).__name__)
+        raise UserError(f"{where}: its top level is {kind}, not a mapping of settings (one 'name: value' per line)")
+
+
+def config_files(argv: list[str]) -> list[tuple[int, int, dict | None]]:
+    """Each `--config FILE` (2 items) or `--config=FILE` (1) of argv that names a file, as (its index, its items, its
+    settings: load_settings, None when it holds nothing). A --config that names no file is left to the parser (it
+    reports a missing file, or reads the text itself as YAML)."""
+    out = []
+    for i, item in enumerate(argv):
+        path = item.split("=", 1)[1] if item.startswith("--config=") else \
+            argv[i + 1] if item == "--config" and i + 1 < len(argv) else None
+        if path is not None and _is_file(path):
+            out.append((i, 1 if item.startswith("--config=") else 2, load_settings(path, f"--config {path}")))
+    return out
+
+
+def _is_file(path: str) -> bool:
+    try:
+        return Path(path).is_file()
+    except (OSError, ValueError):                # a name too long for a file, a NUL byte: YAML text, if anything
+        return False
+
+
+def without_empty_configs(argv):
+    """argv (None: sys.argv[1:]) without the `--config FILE` / `--config=FILE` pairs whose YAML holds nothing."""
+    import sys
+    argv = list(sys.argv[1:] if argv is None else argv)
+    empty = {i: n for i, n, loaded in config_files(argv) if loaded is None}
+    out, i = [], 0
+    while i < len(argv):
+        if i not in empty:
+            out.append(argv[i])
+        i += empty.get(i, 1)
+    return out
