@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import ast
 import json
+import math
 import random
 import sys
 from pathlib import Path
@@ -41,6 +42,8 @@ def _literal(value):
 
 def _golds(answer) -> list[str]:
     if isinstance(answer, dict):
+        if "target" not in answer and "ground_truth" not in answer:
+            raise ValueError(f"answer is an object without 'target' or 'ground_truth': {answer!r:.80}")
         answer = answer.get("target", answer.get("ground_truth"))
     if isinstance(answer, str) and answer.strip().startswith("["):
         try:  # a list of aliases written as a string; a math interval like "[0, 1]" stays a string
@@ -51,11 +54,14 @@ def _golds(answer) -> list[str]:
     if isinstance(answer, bool) or answer is None:
         raise ValueError(f"answer has type {type(answer).__name__}")
     if isinstance(answer, (int, float)):
-        answer = str(answer)
+        answer = [answer]
     if isinstance(answer, str):
         answer = [answer.split("\n####")[-1] if "\n####" in answer else answer]  # gsm8k solutions
     if not isinstance(answer, (list, tuple)) or not all(isinstance(a, (str, int, float)) for a in answer):
         raise ValueError(f"answer must be a string or a list of strings, got {answer!r:.80}")
+    for a in answer:
+        if isinstance(a, float) and not math.isfinite(a):
+            raise ValueError(f"the answer {a!r} is a non-finite number (JSON's NaN or Infinity), not a gold answer")
     golds = [str(a).strip() for a in answer if str(a).strip()]
     if not golds:
         raise ValueError("answer is empty")
@@ -96,6 +102,18 @@ def _parquet_row(rec: dict, source: str) -> dict:
     return {"question": question.strip(), "golds": _golds(reward_model["ground_truth"]), "meta": meta}
 
 
+def _text(path: Path) -> str:
+    """The UTF-8 text of `path` (a byte-order mark, as Excel writes, is not data); a UserError naming the line of the
+    first byte that is not UTF-8."""
+    data = path.read_bytes()
+    try:
+        return data.decode("utf-8-sig")
+    except UnicodeDecodeError as err:
+        line = data[:err.start].count(b"\n") + 1
+        raise UserError(f"{path}: line {line} is not UTF-8 text (byte {data[err.start]:#04x}); save the file as "
+                        "UTF-8") from None
+
+
 def load_dataset(path, skip_bad: bool = False) -> Dataset:
     """Rows {"question": str, "golds": list[str], "meta": dict} from a benchmark / QA-set JSONL file
     (`question` | `Question` | `problem`; `answer` a string, number or list of aliases; gsm8k
@@ -104,6 +122,8 @@ def load_dataset(path, skip_bad: bool = False) -> Dataset:
     A malformed row raises a UserError (a ValueError) naming file and line (row); skip_bad=True skips it, warns, and
     records the message in the returned list's `.skipped`."""
     path = Path(path)
+    if path.is_dir():
+        raise UserError(f"{path}: a directory, not a data file (.jsonl or .parquet)")
     if not path.is_file():
         raise UserError(f"dataset file not found: {path}")
     rows, skipped = Dataset(), []
@@ -115,16 +135,18 @@ def load_dataset(path, skip_bad: bool = False) -> Dataset:
             records = [(f"row {i}", lambda r=r: _parquet_row(r, path.stem)) for i, r in
                        enumerate(pq.read_table(path).to_pylist())]
         else:
-            lines = path.read_text(encoding="utf-8-sig").splitlines()     # a byte-order mark (Excel) is not data
             records = [(f"line {i + 1}", lambda raw=raw: _jsonl_row(raw, path.stem))
-                       for i, raw in enumerate(lines) if raw.strip()]
-    except (OSError, UnicodeDecodeError, ValueError) as err:     # pyarrow's ArrowInvalid is a ValueError
+                       for i, raw in enumerate(_text(path).splitlines()) if raw.strip()]
+    except UserError:
+        raise
+    except (OSError, ValueError) as err:                         # pyarrow's ArrowInvalid is a ValueError
         raise UserError(f"{path}: cannot be read as {path.suffix[1:]}: {' '.join(str(err).split())[:200]}") from None
     for where, parse in records:
         try:
             rows.append({**parse(), "id": f"{path.stem}:{where.split()[-1]}"})    # e.g. qa_train:17 (line 17)
-        except (ValueError, SyntaxError, TypeError, AttributeError, KeyError) as err:
-            message = f"{path}: {where}: malformed row: {err}"
+        except (ValueError, SyntaxError, TypeError, AttributeError, KeyError, RecursionError) as err:
+            reason = "nested too deeply to read (Python's recursion limit)" if isinstance(err, RecursionError) else err
+            message = f"{path}: {where}: malformed row: {reason}"
             if not skip_bad:
                 raise UserError(message + " (add --skip_bad to skip such rows with a warning)") from None
             skipped.append(message)
@@ -144,6 +166,9 @@ def load_questions(path: str, tokenizer, max_prompt_tokens: int, what: str, skip
     if not rows:
         raise UserError(f"--{what} {path}: no questions in it")
     kept = [r for r in rows if len(build_prompt(tokenizer, r["question"])) <= max_prompt_tokens]
+    if not kept:
+        raise UserError(f"--{what} {path}: every question's prompt is longer than --max_prompt_tokens "
+                        f"({max_prompt_tokens})")
     if len(kept) < len(rows):
         print(f"warning: {what} {path}: dropped {len(rows) - len(kept)} question(s) whose prompt is longer than "
               f"max_prompt_tokens={max_prompt_tokens}", file=sys.stderr)
