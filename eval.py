@@ -38,7 +38,7 @@ from harness.cli import UserError
 from harness.config import Config, arg
 from harness.correctness import Judge, math_equal
 from harness.dataset import load_dataset
-from harness.models import load_model
+from harness.models import check_run_model, load_model
 from reward import pass_at_k, score_response  # noqa: F401 (eval.pass_at_k: the name other code imports)
 
 # --------------------------------------------------------------------------------------------------
@@ -289,9 +289,7 @@ def eval_settings(cfg: EvalConfig | Config) -> EvalSettings:
 
 def run_settings(run_dir: Path) -> dict:
     """The eval.py flags a training run implies (its config.yaml, newest start), as parser defaults."""
-    saved = rundir.saved_config(run_dir)
-    if not saved:
-        raise UserError(f"--run {run_dir}: no config.yaml there (not a training run folder)")
+    saved = config.read_saved(run_dir, "--run")
     out = {flag: saved[key] for flag, key in FROM_RUN.items() if key in saved}
     if not out.get("data"):
         out.pop("data", None)
@@ -328,7 +326,8 @@ def _settings(argv) -> tuple[EvalConfig, str]:
     if args["run"] or official:
         args = config.parse_args(parser, argv, "eval.py")
     if args["run"]:
-        args["model"] = args["model"] or str(checkpoint.run_checkpoint(Path(args["run"]), args["step"]))
+        model = args["model"] or str(checkpoint.run_checkpoint(Path(args["run"]), args["step"]))
+        args["model"] = check_run_model(model, Path(args["run"]), given=bool(args["model"]))
         source = f"the settings of {args['run']} and the flags"
     cfg = EvalConfig(**{k: v for k, v in args.items() if k != "config"})
     config.check_valid(cfg)                      # before anything is read or written

