@@ -16,6 +16,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
+from harness.cli import UserError
 from harness.run import watchdog
 
 
@@ -23,14 +24,21 @@ def init(device: str = "auto", timeout_min: int = 120) -> tuple[int, int, torch.
     """(rank, world size, device) of this process. Under torchrun (RANK set, any number of processes) joins the
     process group, nccl on GPUs and gloo on CPUs, and pins rank r to cuda:LOCAL_RANK (one process under torchrun thus
     has a group of one, which `--parallel fsdp` shards over), and turns the libraries' progress bars off on ranks other
-    than 0. device: auto (cuda if available) | cpu | cuda."""
+    than 0. device: auto (cuda if available) | cpu | cuda (a UserError where there is no GPU for this process)."""
     use_cuda = device == "cuda" or (device == "auto" and torch.cuda.is_available())
+    if device == "cuda" and not torch.cuda.is_available():
+        why = f"this torch ({torch.__version__}) is built without CUDA" if torch.version.cuda is None else \
+            f"torch {torch.__version__} sees no GPU (CUDA_VISIBLE_DEVICES={os.environ.get('CUDA_VISIBLE_DEVICES')!r})"
+        raise UserError(f"--device cuda: no CUDA device here: {why}; use --device cpu (or auto)")
     if "RANK" not in os.environ and int(os.environ.get("WORLD_SIZE", "1")) <= 1:
         return 0, 1, torch.device("cuda", torch.cuda.current_device()) if use_cuda else torch.device("cpu")
     if int(os.environ.get("RANK", "0")) > 0:    # one set of library progress bars ("Loading weights"): rank 0's
         import transformers
         transformers.utils.logging.disable_progress_bar()
     local_rank = int(os.environ.get("LOCAL_RANK", "0"))
+    if use_cuda and local_rank >= torch.cuda.device_count():
+        raise UserError(f"--device {device}: process {local_rank} of this machine has no GPU of its own (the machine "
+                        f"has {torch.cuda.device_count()}): give torchrun --nproc_per_node at most that many")
     if use_cuda:
         torch.cuda.set_device(local_rank)
     dist.init_process_group("nccl" if use_cuda else "gloo", timeout=datetime.timedelta(minutes=timeout_min))

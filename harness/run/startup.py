@@ -86,6 +86,8 @@ def set_up(cfg: config.Config, rank: int, world: int, device: torch.device, stat
     if note:
         log(note)
     rundir.check_files(cfg)
+    if cfg.model == "embedded" or cfg.search == "bm25" or cfg.cold_start:   # the run writes to the cache what it lacks
+        rundir.check_writable(str(config.cache_dir(cfg.cache_dir)), "cache_dir")
     run_dir, ckpts = rundir.plan_run(cfg)
     search_kw = {"cache": cfg.cache_dir, **cfg.search_kw} if cfg.search == "bm25" and cfg.cache_dir else cfg.search_kw
     search = search_mod.make_search(cfg.search, **search_kw)
