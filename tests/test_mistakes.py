@@ -1,0 +1,266 @@
+"""More mistakes a user makes end in one line: `error: ...` on stderr naming the flag or file and what is wrong, exit
+code 2, no traceback and no run folder (or evaluation folder), before any work: a tokenizer prompts cannot be built
+with, a --config file that is not UTF-8, gives a key twice or is a list, a data row nested too deeply or with a
+non-finite gold, a run name too long for a folder, a cache that cannot be written, --device cuda without CUDA, and
+eval.py --run on a damaged run folder or on a checkpoint of another model."""
+import json
+import os
+import re
+import shutil
+from pathlib import Path
+
+import pytest
+
+import eval as evaluation
+import train
+from harness import cli, config
+from tests.conftest import flags, make_tiny_model
+
+
+def one_line(capsys, main, argv) -> str:
+    """cli.run_cli(main, argv), as the command line runs it: its one stderr line, checked to be `error: ...` with
+    exit code 2 and no traceback."""
+    code = cli.run_cli(main, argv)
+    err = capsys.readouterr().err
+    lines = [line for line in err.splitlines() if line.strip()]
+    assert code == 2 and len(lines) == 1 and lines[0].startswith("error: "), (code, err[-2000:])
+    assert "Traceback" not in err
+    return lines[0]
+
+
+def train_mistake(capsys, setup, name: str, **over) -> str:
+    """train.py with the `setup` flags and `over`: its one error line, checked to leave no run folder."""
+    line = one_line(capsys, train.main, flags(setup, name, **over))
+    assert not (setup / "runs").exists() or name not in os.listdir(setup / "runs"), name
+    return line
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# 1. A tokenizer prompts cannot be built with, or whose responses cannot end
+
+
+def tokenizer_without(setup, tmp_path, what: str) -> Path:
+    """A copy of the setup's model directory whose tokenizer lacks `what`: chat template | eos and pad."""
+    path = tmp_path / what.replace(" ", "_")
+    shutil.copytree(setup / "tiny", path)
+    if what == "chat template":
+        (path / "chat_template.jinja").unlink(missing_ok=True)
+    tokenizer_config = json.loads((path / "tokenizer_config.json").read_text())
+    drop = ("chat_template",) if what == "chat template" else ("eos_token", "pad_token")
+    (path / "tokenizer_config.json").write_text(json.dumps({k: v for k, v in tokenizer_config.items()
+                                                            if k not in drop}))
+    return path
+
+
+@pytest.mark.parametrize("what, says", [("chat template", "its tokenizer has no chat template"),
+                                        ("eos and pad", r"its tokenizer has no eos token \(nor a pad token\)")])
+def test_a_tokenizer_without_template_or_eos_is_one_line(what, says, setup, tmp_path, capsys):
+    path = tokenizer_without(setup, tmp_path, what)
+    line = train_mistake(capsys, setup, f"tokenizer_{what[:3]}", model=path)
+    assert re.search(f"--model {path}: {says}", line), line
+    line = one_line(capsys, evaluation.main, ["--model", str(path), "--data", str(setup / "qa.jsonl"), "--device",
+                                              "cpu", "--out_dir", str(tmp_path / "ev")])
+    assert re.search(says, line) and not (tmp_path / "ev").exists(), line
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# 2. A --config file that is not UTF-8, gives a key twice, or is not a mapping
+
+
+CONFIG_FILES = {
+    "not UTF-8": ("lr: 0.001\nk: 2 # caf\xe9\n".encode("latin-1"), r"line 2 is not UTF-8 text \(byte 0xe9\)"),
+    "a key twice": (b"lr: 0.001\nk: 2\nlr: 0.01\n", "line 3: key 'lr' is given twice \\(first on line 1\\)"),
+    "a nested key twice": (b"search_kw:\n  topk: 1\n  topk: 3\n", "line 3: key 'topk' is given twice"),
+    "a list": (b"- lr: 0.001\n- k: 2\n", "its top level is a list, not a mapping of settings"),
+    "not YAML": (b"lr: [0.001\n", "not valid YAML: line 2, column 1"),
+}
+
+
+@pytest.mark.parametrize("kind", list(CONFIG_FILES))
+def test_a_bad_config_file_is_one_line(kind, setup, tmp_path, capsys):
+    text, says = CONFIG_FILES[kind]
+    path = tmp_path / "settings.yaml"
+    path.write_bytes(text)
+    line = train_mistake(capsys, setup, f"config_{kind.replace(' ', '_')}", config=path)
+    assert re.search(f"--config {path}: {says}", line), line
+    line = one_line(capsys, evaluation.main, ["--config", str(path), "--model", str(setup / "tiny")])
+    assert re.search(says, line), line
+
+
+def test_config_files_that_are_fine():
+    """Merge keys are no duplicates; a --config that is YAML text rather than a file is still the parser's."""
+    assert config.parse_config(["--config", "{k: 3, lr: 0.01}"]).k == 3
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# 3. Data rows: each mistake one line naming the file and the line
+
+
+def data_file(tmp_path, kind: str) -> tuple[Path, str]:
+    """A data file with the mistake `kind` and what the line must say."""
+    path = tmp_path / "data.jsonl"
+    good = json.dumps({"question": "Q?", "answer": "A"}) + "\n"
+    rows = {
+        "nested 100,000 deep": '{"question": "Q?", "answer": ' + "[" * 100_000 + "]" * 100_000 + "}",
+        "answer NaN": '{"question": "Q?", "answer": NaN}',
+        "an answer Infinity": '{"question": "Q?", "answer": ["A", Infinity]}',
+        "no answer": '{"question": "Q?"}',
+        "question not text": '{"question": 7, "answer": "A"}',
+        "answer an object": '{"question": "Q?", "answer": {"text": "A"}}',
+        "10 MB not JSON": '{"question": "' + "word " * 2_000_000 + '", "answer": ',
+    }
+    says = {
+        "nested 100,000 deep": "line 2: malformed row: nested too deeply to read",
+        "answer NaN": "line 2: malformed row: the answer nan is a non-finite number",
+        "an answer Infinity": "line 2: malformed row: the answer inf is a non-finite number",
+        "no answer": "line 2: malformed row: no 'answer' field",
+        "question not text": "line 2: malformed row: no non-empty 'question'",
+        "answer an object": "line 2: malformed row: answer is an object without 'target' or 'ground_truth'",
+        "10 MB not JSON": "line 2: malformed row: Expecting value",
+        "10 MB question": r"every question's prompt is longer than --max_prompt_tokens \(2000\)",
+        "not UTF-8": r"line 2 is not UTF-8 text \(byte 0xe9\)",
+        "empty": "no questions in it",
+        "a directory": "file not found|a directory, not a data file",
+    }[kind]
+    if kind in rows:
+        path.write_text(good + rows[kind] + "\n")
+    elif kind == "10 MB question":
+        path.write_text(json.dumps({"question": "word " * 2_000_000, "answer": "A"}) + "\n")
+    elif kind == "not UTF-8":
+        path.write_bytes(good.encode() + '{"question": "Caf\xe9?", "answer": "A"}\n'.encode("latin-1"))
+    elif kind == "empty":
+        path.write_text("")
+    else:
+        path.mkdir()
+    return path, says
+
+
+DATA_MISTAKES = ["nested 100,000 deep", "answer NaN", "an answer Infinity", "no answer", "question not text",
+                 "answer an object", "10 MB not JSON", "10 MB question", "not UTF-8", "empty", "a directory"]
+
+
+@pytest.mark.parametrize("kind", DATA_MISTAKES)
+def test_a_bad_data_file_is_one_line(kind, setup, tmp_path, capsys):
+    path, says = data_file(tmp_path, kind)
+    line = train_mistake(capsys, setup, f"data_{DATA_MISTAKES.index(kind)}", train_data=path)
+    assert re.search(f"{path}.*: ({says})", line) and len(line) < 500, line[:1000]
+    if kind != "10 MB question":                 # eval.py keeps long questions: it has no prompt limit
+        line = one_line(capsys, evaluation.main, ["--model", str(setup / "tiny"), "--data", str(path), "--out_dir",
+                                                  str(tmp_path / "ev")])
+        assert re.search(f"{path}.*: ({says})", line) and not (tmp_path / "ev").exists(), line[:1000]
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# 4-6. A run name no folder can have, a cache that cannot be written, --device cuda without CUDA
+
+
+RUN_NAMES = {"300 characters": ("x" * 300, "--run_name is 300 bytes long: a folder name may have at most 255"),
+             "a slash": ("a/b", "--run_name 'a/b': a plain folder name"),
+             "a NUL byte": ("a\0b", "--run_name 'a\\\\x00b': a plain folder name")}
+
+
+@pytest.mark.parametrize("kind", list(RUN_NAMES))
+def test_a_run_name_no_folder_can_have_is_one_line(kind, setup, capsys):
+    name, says = RUN_NAMES[kind]
+    line = one_line(capsys, train.main, flags(setup, name))
+    assert re.search(says, line), line
+
+
+def unwritable_cache(tmp_path, kind: str) -> str:
+    if kind == "read-only folder":
+        if os.geteuid() == 0:
+            pytest.skip("root writes in a read-only folder (the /proc cases check the same as root)")
+        (tmp_path / "ro").mkdir()
+        (tmp_path / "ro").chmod(0o555)
+        return str(tmp_path / "ro")
+    return {"read-only /proc": "/proc", "under /proc": "/proc/aepo/cache"}[kind]
+
+
+@pytest.mark.parametrize("kind", ["read-only folder", "read-only /proc", "under /proc"])
+def test_a_cache_that_cannot_be_written_is_one_line(kind, setup, tmp_path, capsys):
+    cache = unwritable_cache(tmp_path, kind)
+    line = train_mistake(capsys, setup, f"cache_{kind[:5]}", cache_dir=cache, cold_start="true")
+    assert re.search(f"--cache_dir {cache}: cannot write in ", line), line
+
+
+def test_device_cuda_without_cuda_is_one_line(setup, capsys):
+    import torch
+    if torch.cuda.is_available():
+        pytest.skip("this machine has CUDA")
+    line = train_mistake(capsys, setup, "cuda", device="cuda")
+    assert "--device cuda: no CUDA device here" in line and "use --device cpu" in line
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# 7. eval.py --run on a damaged run folder, a folder that is no run, a checkpoint of another model
+
+
+def run_folder(setup, tmp_path, config_yaml: str, history: str | None = None, checkpoint_model: Path | None = None):
+    """A run folder as train.py leaves it, made by hand: config.yaml (and config_history.yaml), one checkpoint whose
+    exported model is `checkpoint_model` (default the setup's own tiny model)."""
+    run = tmp_path / "run"
+    step = run / "checkpoints" / "step_000001"
+    shutil.copytree(checkpoint_model or setup / "tiny", step)
+    (step / "trainer_state.pt").write_bytes(b"")
+    (run / "config.yaml").write_text(config_yaml)
+    if history is not None:
+        (run / "config_history.yaml").write_text(history)
+    return run
+
+
+def saved_settings(setup) -> str:
+    return (f"model: {setup / 'tiny'}\ntrain_data: {setup / 'qa.jsonl'}\neval_data: {setup / 'qa.jsonl'}\n"
+            f"search: replay\nsearch_kw: {{path: {setup / 'search.json'}}}\nmax_response_tokens: 4\n")
+
+
+@pytest.fixture(scope="module")
+def wider_model(setup, tokenizer):
+    """Another model: the tiny model twice as wide."""
+    path = setup / "wider"
+    if not path.exists():
+        make_tiny_model(tokenizer, hidden_size=64).save_pretrained(path)
+        tokenizer.save_pretrained(path)
+    return path
+
+
+EVAL_RUNS = {
+    "config.yaml a list": (dict(config_yaml="- model: x\n- k: 2\n"),
+                           "its config.yaml .the run's settings. is damaged: its top level is a list"),
+    "history not YAML": (dict(history="--- # resumed\nk: [2\n"),
+                         "its config_history.yaml .the run's settings. is damaged: not valid YAML: line 3"),
+    "history a list": (dict(history="--- # resumed\n- k: 2\n"),
+                       "its config_history.yaml .the run's settings. is damaged: its top level is a list"),
+    "no run": (None, "no config.yaml there .not a training run folder."),
+    "another model": (dict(checkpoint_model="wider"), "its checkpoint step_000001 is not the model the run trained "
+                                                      r"\(--model .*tiny\): hidden_size 64 \(the run's 32\)"),
+}
+
+
+@pytest.mark.parametrize("kind", list(EVAL_RUNS))
+def test_eval_run_on_a_damaged_run_is_one_line(kind, setup, wider_model, tmp_path, capsys):
+    over, says = EVAL_RUNS[kind]
+    if over is None:
+        run = tmp_path
+    else:
+        over = {"config_yaml": saved_settings(setup), **over}
+        if over.get("checkpoint_model") == "wider":
+            over["checkpoint_model"] = wider_model
+        run = run_folder(setup, tmp_path, **over)
+    line = one_line(capsys, evaluation.main, ["--run", str(run), "--device", "cpu", "--out_dir", str(tmp_path / "ev")])
+    assert re.search(f"--run {run}: {says}", line), line
+    assert not (tmp_path / "ev").exists()
+
+
+def test_eval_of_another_model_with_a_runs_settings_says_so(setup, wider_model, tmp_path, capsys):
+    """--model given by hand with --run (e.g. the base model with the run's settings) is evaluated, with a warning
+    line naming both models; the run's own checkpoint of the run's model gets no warning."""
+    run = run_folder(setup, tmp_path, saved_settings(setup))
+    argv = ["--run", str(run), "--device", "cpu", "--limit", "1", "--n", "1"]
+    evaluation.main(argv + ["--out_dir", str(tmp_path / "a")])
+    assert "warning" not in capsys.readouterr().err
+    evaluation.main(argv + ["--model", str(wider_model), "--out_dir", str(tmp_path / "b")])
+    warnings = [line for line in capsys.readouterr().err.splitlines() if line.startswith("warning: ")]
+    assert warnings == [f"warning: --model {wider_model} is not the model {run} trained (--model {setup / 'tiny'}): "
+                        "hidden_size 64 (the run's 32), intermediate_size 128 (the run's 64); it is evaluated with "
+                        "the run's settings all the same"]
+    assert json.loads((tmp_path / "b" / "config.json").read_text())["model"] == str(wider_model)
