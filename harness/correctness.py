@@ -238,8 +238,9 @@ class OfficialJudge:
     """The official evaluation's judge (llm_equal): `prompt` (OFFICIAL_JUDGE_PROMPT, or a text with the same
     placeholders, JUDGE_PLACEHOLDERS) as one user message to an OpenAI-compatible chat endpoint with the server's own
     sampling defaults (the official client sets none), up to `retries` attempts (waiting retry_delay_s, then twice
-    that, …); the verdict by `official_verdict`; after the last failed attempt, the verdict is the equivalence alone.
-    Not cached: the official evaluator asks again for every run."""
+    that, …); the verdict by `official_verdict`; after the last failed attempt, the verdict is the equivalence alone
+    (`first_error` keeps the first such question's error). Not cached: the official evaluator asks again for every
+    run."""
 
     def __init__(self, url: str, model: str = "", api_key: str = "", prompt: str = OFFICIAL_JUDGE_PROMPT,
                  timeout_s: float = 300.0, retries: int = 3, retry_delay_s: float = 1.0):
@@ -249,7 +250,7 @@ class OfficialJudge:
         self.client, self.url, self.api_key, self.prompt = openai_client, url, api_key, prompt
         self.model = model or openai_client.served_model(url, api_key)
         self.timeout_s, self.retries, self.retry_delay_s = timeout_s, retries, retry_delay_s
-        self.requests = 0
+        self.requests, self.first_error = 0, ""
 
     @classmethod
     def from_env(cls, url=None, model=None, api_key=None, prompt: str = OFFICIAL_JUDGE_PROMPT) -> "OfficialJudge":
@@ -261,13 +262,16 @@ class OfficialJudge:
         golds = as_list(golds)
         prompt = self.prompt.format(question=question, gold=golds[0] if len(golds) == 1 else str(golds),
                                     prediction=prediction)
+        error = ""
         for attempt in range(self.retries):
             self.requests += 1
             try:
                 reply = self.client.chat(self.url, self.model, prompt, {}, self.api_key, self.timeout_s).strip()
-            except self.client.EndpointError:
+            except self.client.EndpointError as err:
+                error = f"{type(err).__name__}: {err}"
                 if attempt + 1 < self.retries:
                     time.sleep(self.retry_delay_s * (attempt + 1))
                 continue
             return official_verdict(reply, prediction, golds), reply, False
+        self.first_error = self.first_error or error
         return any(math_string_equal(prediction, gold) for gold in golds), "Error", True

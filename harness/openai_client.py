@@ -88,13 +88,13 @@ class CompletionsGenerator:
     a seed per request, and the closing tool tags and </answer> as stop strings kept in the output. The segment's ids
     are the reply text encoded here; its H_seg is 0 (an evaluation never reads it). A request that fails `retries`
     times is an empty segment with finish_reason "error" (`last_error` says why), which ends the question, as the
-    official client's None does. A served policy cannot take new weights: update_weights, sleep and close do
-    nothing."""
+    official client's None does (`first_error` keeps the first such request's). A served policy cannot take new
+    weights: update_weights, sleep and close do nothing."""
 
     def __init__(self, url: str, tokenizer, model: str = "", api_key: str | None = None, timeout_s: float = 600.0,
                  max_workers: int = 16, retries: int = 3):
         self.url, self.tokenizer, self.timeout_s, self.max_workers = url, tokenizer, timeout_s, max_workers
-        self.retries, self.last_error = retries, ""
+        self.retries, self.last_error, self.first_error = retries, "", ""
         self.api_key = api_key if api_key is not None else os.environ.get("AEPO_POLICY_API_KEY", "")
         self.model = model or served_model(url, self.api_key)
         self.vocab_size = len(tokenizer)
@@ -118,6 +118,7 @@ class CompletionsGenerator:
             except (EndpointError, KeyError, IndexError, TypeError) as err:
                 self.last_error = f"{type(err).__name__}: {err}"
         else:
+            self.first_error = self.first_error or self.last_error
             return Segment([], "error", 0.0, "")
         stop = rollout.ends_with_stop(text)
         reason = "length" if finish == "length" else rollout.finish_reason(stop) if stop else "eos"

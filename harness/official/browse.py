@@ -269,6 +269,7 @@ class PageCache:
         self.path.parent.mkdir(parents=True, exist_ok=True)
         self._db = sqlite3.connect(str(self.path), check_same_thread=False, timeout=30)
         self._db.execute("CREATE TABLE IF NOT EXISTS entries (key TEXT PRIMARY KEY, value TEXT)")
+        self._db.execute("DELETE FROM entries WHERE key = ''")    # a write: a read-only file or folder fails here
         self._db.commit()
         self._lock = threading.Lock()
 
@@ -318,13 +319,14 @@ class BrowseSearch:
     """The official evaluation's search tool (module docstring): `browse(query, logs, deadline_s, summary_s)` → (the
     result text, counts): deadline_s bounds the page fetches (each also fetch_timeout_s), summary_s the summary.
     serp: a backend with `organic(query)` (search.BrightDataSearch, search.WebSearch); summarizer: a callable
-    (prompt, deadline_s) -> reply text; cache: a PageCache."""
+    (prompt, deadline_s) -> reply text; cache: a PageCache. `first_errors` keeps the first failed SERP request's and
+    summary's error, under their count names."""
 
     def __init__(self, serp, summarizer, cache: PageCache, fetch_timeout_s: float = 20.0, max_workers: int = 10,
                  max_page_bytes: int = 16 << 20, fetch=fetch_page):
         self.serp, self.summarizer, self.cache = serp, summarizer, cache
         self.fetch_timeout_s, self.max_workers, self.max_page_bytes = fetch_timeout_s, max_workers, max_page_bytes
-        self.fetch, self.last_serp_error = fetch, ""
+        self.fetch, self.first_errors = fetch, {}
 
     def __repr__(self):
         return f"BrowseSearch(serp={self.serp!r}, summarizer={self.summarizer!r}, cache={str(self.cache.path)!r})"
@@ -339,7 +341,7 @@ class BrowseSearch:
             results = self.serp.organic(query)
         except Exception as err:  # noqa: BLE001 -- a failed SERP request is the result text, never a crash
             counts["serp_errors"] += 1
-            self.last_serp_error = f"{type(err).__name__}: {err}"
+            self.first_errors.setdefault("serp_errors", f"{type(err).__name__}: {err}")
             return None
         self.cache.put(_query_key(query), results)
         return results
@@ -390,5 +392,6 @@ class BrowseSearch:
             reply = self.summarizer(prompt, summary_s)
         except openai_client.EndpointError as err:
             counts["summary_errors"] += 1
+            self.first_errors.setdefault("summary_errors", f"{type(err).__name__}: {err}")
             return f"The search tool failed: the summariser gave no reply ({err})", counts
         return final_information(reply), counts

@@ -118,12 +118,14 @@ METRICS = ("em", "acc", "f1", "math_equal", "llm_equal", "python_calls", "search
 
 
 def run_summary(records: list[dict], counts: Counter) -> dict:
-    """One run's means over its questions (the official overall metrics) and its counts."""
+    """One run's means over its questions (the official overall metrics), the questions sent to the judge and those
+    whose every attempt failed, and its counts."""
     q = max(1, len(records))
     out = {key: sum(r["metrics"][key] for r in records) / q for key in METRICS if key in records[0]["metrics"]} \
         if records else {}
     out.update(correct=sum(r["correct"] for r in records) / q, valid_answers=sum(r["metrics"]["is_valid_answer"]
                                                                                   for r in records),
+               judge_requests=sum("judge_error" in r["metrics"] and r["metrics"]["is_valid_answer"] for r in records),
                judge_errors=sum(bool(r["metrics"].get("judge_error")) for r in records), counts=dict(counts))
     return out
 
