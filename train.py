@@ -143,7 +143,9 @@ def train(cfg, rank: int, world: int, device: torch.device, state: rundir.RunSta
                             export_dtype=torch.bfloat16 if run.cfg.bf16 else torch.float32,
                             trainer_state=run.cfg.save_trainer_state)
     bar.close()
-    after = evaluate(run, "after") if run.start_step < run.steps else None
+    after = runlog.saved_eval(run.dir, "after") if run.start_step == run.steps else None   # a finished run resumed
+    if after is None:                            # (a run killed during its final evaluation has none: it runs now)
+        after = evaluate(run, "after")
     if after:
         evals["after"] = after["pass@1"]
     if run.master and (run.dir / "metrics.jsonl").exists():
@@ -295,6 +297,8 @@ def main(argv=None, *, score=reward.score_response, make_generator=generation.ma
     finally:
         if state.tools is not None:
             state.tools.close()
+        if state.lock >= 0:                      # a killed run's lock goes with its process
+            rundir.unlock(state.lock)
     parallel.close()
     return out
 

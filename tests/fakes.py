@@ -155,3 +155,10 @@ class HangOnRank1(WrappedGenerator):
                 text = f"<think> compute </think> <python> {code} </python>"
                 out[i] = Segment(self.tokenizer.encode(text, add_special_tokens=False), "tool", 0.5, text)
         return out
+
+
+def varied_reward(response_text, golds):
+    """`--reward tests/fakes.py:varied_reward` for a run in a subprocess: fake_score's reward (a deterministic spread
+    over the texts, so advantages and gradients are not zero)."""
+    import zlib
+    return (zlib.crc32(response_text.encode()) % 97) / 97.0

@@ -230,6 +230,7 @@ def test_crash_while_saving_keeps_the_previous_checkpoint(setup, monkeypatch):
     assert "\n" not in message and "could not write checkpoint step_000002" in message
     assert str(setup / "runs" / "crash" / "checkpoints") in message and "No space left on device" in message
     assert re.search(r"needs about \d+ MB and [\d.]+ (MB|GB) is free", message)
+    assert "the previous checkpoint (step_000001) is intact: --resume continues from it" in message
     assert failure.value.exit_code == 1
     ckpts = checkpoint.checkpoint_dirs(setup / "runs" / "crash")
     assert [p.name for p in ckpts] == ["step_000001"]                       # step 2 never became a checkpoint
@@ -250,8 +251,9 @@ def test_a_full_disk_in_torchs_writer_is_reported_too(setup, monkeypatch):
     usage = checkpoint.shutil.disk_usage
     monkeypatch.setattr(checkpoint.shutil, "disk_usage",
                         lambda path: usage(path)._replace(free=free["bytes"]))
-    with pytest.raises(cli.RunFailure, match="basic_ios::clear.*1 MB is free|basic_ios::clear.*0 MB is free"):
+    with pytest.raises(cli.RunFailure, match="basic_ios::clear.*1 MB is free|basic_ios::clear.*0 MB is free") as first:
         train.main(flags(setup, "full_disk", steps=1), score=fake_score)
+    assert "there is no earlier checkpoint, so this run cannot be resumed" in str(first.value)   # its first one
     free["bytes"] = 10**15
     with pytest.raises(RuntimeError, match="basic_ios") as bug:
         train.main(flags(setup, "not_the_disk", steps=1), score=fake_score)

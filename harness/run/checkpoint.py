@@ -155,10 +155,12 @@ def save(run_dir: Path, step: int, policy, optimizer, tokenizer, *, rank: int, k
         parallel.barrier()
         if not isinstance(failure, OSError) and shutil.disk_usage(final.parent).free >= needed:
             raise failure                                  # not the disk: a bug, with its traceback
+        previous = checkpoint_dirs(run_dir)
+        kept = (f"the previous checkpoint ({previous[-1].name}) is intact: --resume continues from it" if previous else
+                "there is no earlier checkpoint, so this run cannot be resumed: free space and start it again")
         raise RunFailure(f"could not write checkpoint {final.name} in {final.parent}: {failures[0]}; it needs about "
                          f"{_size(needed)} and {_size(shutil.disk_usage(final.parent).free)} is free there (free "
-                         f"space, or use --keep_checkpoints 1 or --save_trainer_state false); the previous checkpoint "
-                         "is intact: --resume continues from it") from None
+                         f"space, or use --keep_checkpoints 1 or --save_trainer_state false); {kept}") from None
     if rank == 0:
         if final.exists():                           # re-saving a step: move the old one aside first
             os.replace(final, final.with_name(f".old_{final.name}"))
@@ -189,6 +191,16 @@ def _write(tmp, step, policy, optimizer, tokenizer, rank, config_yaml, info, exp
         (tmp / "run_info.json").write_text(json.dumps(info, indent=2))
 
 
+def _damaged(path: Path, err: BaseException) -> UserError:
+    """The one line of a checkpoint file that cannot be read back (truncated by a full disk, a missing shard, another
+    model's): which file, why, and what to do."""
+    earlier = [c.name for c in checkpoint_dirs(path.parent.parent) if c.name < path.parent.name]
+    then = (f"move {path.parent} out of the way to resume from {earlier[-1]}" if earlier else
+            "it is the run's only checkpoint, so the run must start again")
+    return UserError(f"--resume: {path} cannot be read ({type(err).__name__}: {_reason(err)}); the checkpoint is "
+                     f"damaged: {then}")
+
+
 def _reason(err: Exception) -> str:
     return err.strerror if isinstance(err, OSError) and err.strerror else " ".join(str(err).split())[:160]
 
@@ -215,7 +227,11 @@ def load(ckpt: Path, policy, optimizer, rank: int) -> int:
     weights as loaded from its export and the optimiser fresh (with a warning)."""
     from torch.distributed.checkpoint import load as dcp_load
     from torch.distributed.checkpoint.state_dict import set_model_state_dict, set_state_dict
-    state = torch.load(Path(ckpt) / "trainer_state.pt", map_location="cpu", weights_only=False)
+    try:
+        state = torch.load(Path(ckpt) / "trainer_state.pt", map_location="cpu", weights_only=False)
+        state["step"], state["rng"]                  # noqa: B018 -- a dict with both, else damaged
+    except Exception as err:                     # truncated, overwritten, another file: pickle's errors are many
+        raise _damaged(Path(ckpt) / "trainer_state.pt", err) from None
     with_optim, adapters = state.get("trainer_state", True), state.get("adapters", False)
     if adapters != lora.is_lora(policy_mod.unwrap(policy).lm):
         raise UserError(f"--resume: {ckpt} was saved {'with' if adapters else 'without'} LoRA adapters, and this "
@@ -223,8 +239,13 @@ def load(ckpt: Path, policy, optimizer, rank: int) -> int:
     if with_optim or adapters:
         model_sd, optim_sd = _trained_state(policy, optimizer if with_optim else None)
         shards = {"model": model_sd, **({"optim": optim_sd} if with_optim else {})}
-        with one_process_quietly():
-            dcp_load(shards, checkpoint_id=str(Path(ckpt) / "trainer"), no_dist=not torch.distributed.is_initialized())
+        from torch.distributed.checkpoint.api import CheckpointException      # a BaseException: the readers' errors
+        try:
+            with one_process_quietly():
+                dcp_load(shards, checkpoint_id=str(Path(ckpt) / "trainer"),
+                         no_dist=not torch.distributed.is_initialized())
+        except (CheckpointException, OSError, RuntimeError, ValueError, KeyError) as err:
+            raise _damaged(Path(ckpt) / "trainer", err) from None
         if with_optim:
             set_state_dict(policy, optimizer, model_state_dict=shards["model"], optim_state_dict=shards["optim"],
                            options=_trained_only())

@@ -34,14 +34,18 @@ def resumed_run(cfg) -> Path:
     return runs[-1]
 
 
-def plan_run(cfg) -> tuple[Path, list[Path]]:
-    """(run directory, its checkpoints), creating nothing. A new run gets <out_dir>/<run_name or model-date-time>
-    (rank 0's clock names it for every rank); --resume takes resumed_run(cfg), whose settings must match."""
+def plan_run(cfg, state: RunState | None = None, rank: int = 0) -> tuple[Path, list[Path]]:
+    """(run directory, its checkpoints), creating nothing but the lock: with `state`, rank 0 first takes the run
+    folder's lock if --out_dir exists (`take_lock`; else create_run's caller takes it). A new run gets
+    <out_dir>/<run_name or model-date-time> (rank 0's clock names it for every rank); --resume takes
+    resumed_run(cfg), whose settings must match."""
     if cfg.resume:
         run_dir = resumed_run(cfg)
     else:
         name = cfg.run_name or parallel.broadcast(f"{Path(cfg.model).name}-{datetime.datetime.now():%Y%m%d-%H%M%S}")
         run_dir = Path(cfg.out_dir) / name
+    if state is not None:                        # before anything else: a second run here ends at once
+        take_lock(run_dir, state, rank, create=False)
     ckpts = checkpoint.checkpoint_dirs(run_dir)
     if cfg.resume and not ckpts:
         raise cli.UserError(f"--resume: no checkpoint in {run_dir}/checkpoints")
@@ -63,7 +67,8 @@ def check_files(cfg) -> None:
              "--cold_start_kw data": cfg.cold_start_kw.get("data", "")}
     for what, path in files.items():
         if path and not Path(path).is_file():
-            raise cli.UserError(f"{what} {path}: file not found")
+            raise cli.UserError(f"{what} {path}: " + ("a directory, not a data file" if Path(path).is_dir() else
+                                                       "file not found"))
     check_writable(cfg.out_dir, "out_dir")
 
 
@@ -83,30 +88,83 @@ def check_writable(directory: str, flag: str) -> None:
 
 
 def saved_config(run_dir: Path) -> dict:
-    """The settings the run last started with: the newest document of config_history.yaml, else config.yaml."""
-    import yaml
-    history = run_dir / "config_history.yaml"
-    if history.exists():
-        return [doc for doc in yaml.safe_load_all(history.read_text()) if doc][-1]
-    return yaml.safe_load((run_dir / "config.yaml").read_text()) if (run_dir / "config.yaml").exists() else {}
+    """The settings the run last started with: the newest document of config_history.yaml, else config.yaml (one
+    line if either is damaged or the folder is not a run: config.read_saved)."""
+    return config.read_saved(run_dir, "--resume")
 
 
 def create_run(cfg, run_dir: Path, world: int, master: bool) -> dict:
-    """Rank 0 writes the run's config.yaml and run_info.json (a new run) or appends this start's settings to
-    config_history.yaml (a resumed run: config.yaml keeps the first start's). Returns the run info."""
+    """Rank 0 writes a new run's config.yaml and run_info.json; the folder of an earlier start of this run that was
+    killed before its first checkpoint (which cannot be resumed) is first moved aside to <name>.partial-<time>, never
+    appended to. A resumed run writes nothing here (`record_resume`, once its checkpoint has loaded). Returns the run
+    info."""
     info = run_info(world)
     if master:
-        run_dir.mkdir(parents=True, exist_ok=True)
-        text = config_yaml(cfg)
-        print(text, flush=True)
-        if cfg.resume:
-            with open(run_dir / "config_history.yaml", "a") as f:
-                f.write(f"--- # resumed {info['started']}, git {info['git_commit']}\n" + text)
-        else:
-            (run_dir / "config.yaml").write_text(text)
+        print(config_yaml(cfg), flush=True)
+        if not cfg.resume:
+            if run_dir.exists() and any(run_dir.iterdir()):
+                aside = run_dir.with_name(f"{run_dir.name}.partial-{datetime.datetime.now():%Y%m%d-%H%M%S}")
+                run_dir.rename(aside)
+                print(f"{run_dir} holds an earlier start of this run that was stopped before its first checkpoint "
+                      f"(it cannot be resumed): moved aside to {aside}; this run starts afresh", flush=True)
+            run_dir.mkdir(parents=True, exist_ok=True)
+            (run_dir / "config.yaml").write_text(config_yaml(cfg))
             (run_dir / "run_info.json").write_text(json.dumps(info, indent=2))
     parallel.barrier()
     return info
+
+
+def record_resume(cfg, run_dir: Path, info: dict, step: int) -> None:
+    """After a resume has loaded its checkpoint (of `step`; nothing is written by a resume that fails before):
+    this start's settings appended to config_history.yaml (config.yaml keeps the first start's), and the logs trimmed
+    to the checkpoint (`trim_logs`). Rank 0."""
+    with open(run_dir / "config_history.yaml", "a") as f:
+        f.write(f"--- # resumed {info['started']}, git {info['git_commit']}\n" + config_yaml(cfg))
+    trim_logs(run_dir, step)
+
+
+def lock(run_dir: Path) -> tuple[int, str]:
+    """One run per folder: an exclusive lock (flock) on <out_dir>/.<run name>.lock, held until the process ends (or
+    `unlock`), which holds a line about its holder. Returns (its file descriptor, the line a run that died holding
+    it left there: "" after a clean end). A lock a killed run held is free (the kernel drops it with the process), so
+    it is taken over. Raises a UserError naming the run that holds it."""
+    import fcntl
+    import os
+    import socket
+    path = run_dir.with_name(f".{run_dir.name}.lock")
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
+    left = os.read(fd, 4096).decode("utf-8", errors="replace").strip()
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        os.close(fd)
+        raise cli.UserError(f"{run_dir} is in use by another run ({left or 'a process starting up'}); wait for it to "
+                            "end, or give another --run_name") from None
+    os.ftruncate(fd, 0)
+    command = " ".join(sys.argv)
+    os.pwrite(fd, f"pid {os.getpid()} on {socket.gethostname()}, started {datetime.datetime.now():%Y-%m-%d %H:%M:%S}"
+                  f": {command[:160] + ' ...' * (len(command) > 160)}".encode(), 0)
+    return fd, left
+
+
+def take_lock(run_dir: Path, state: RunState, rank: int, create: bool) -> None:
+    """Rank 0 takes the run folder's lock (`lock`) unless it holds it already, or (create=False) --out_dir does not
+    exist yet (nothing is created before every input is checked). Its descriptor in state.lock on rank 0 (-1 on the
+    others), the line a killed holder left in state.stale; the error of a lock held by another run on every rank."""
+    def take() -> tuple[int, str]:
+        if state.lock >= 0 or (not create and not run_dir.parent.is_dir()):
+            return state.lock, state.stale
+        return lock(run_dir)
+    fd, state.stale = parallel.on_rank0(take)
+    state.lock = fd if rank == 0 else -1
+
+
+def unlock(fd: int) -> None:
+    """Release a run folder's lock at a clean end (its line emptied: no stale holder to report)."""
+    import os
+    os.ftruncate(fd, 0)
+    os.close(fd)
 
 
 def trim_logs(run_dir: Path, step: int) -> None:
@@ -133,6 +191,7 @@ class RunState:
     def __init__(self):
         self.run_dir, self.created, self.first_step, self.steps_done, self.steps = None, False, 0, 0, 0
         self.tools = None                        # the run's tools.Tools, closed however the run ends
+        self.lock, self.stale = -1, ""           # rank 0: the run folder's lock (`lock`), released however it ends
 
     def stop(self, cfg, rank: int, world: int) -> str:
         """After an interrupt or a failure: rank 0 removes the folder of a new run that finished no step. Returns

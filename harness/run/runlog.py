@@ -166,9 +166,15 @@ def eval_line(summary: dict) -> str:
 
 
 def saved_eval(run_dir: Path, name: str) -> dict | None:
-    """The summary an earlier part of a resumed run wrote for evaluation `name`, if any."""
+    """The summary an earlier part of a resumed run wrote for evaluation `name`, if that evaluation finished (its
+    summary.md, written last, is there and its summary.json reads: a run killed while writing them has none)."""
     path = run_dir / "eval" / f"{name}_summary.json"
-    return json.loads(path.read_text()) if path.exists() else None
+    if not (run_dir / "eval" / f"{name}_summary.md").exists():
+        return None
+    try:
+        return json.loads(path.read_text())
+    except (OSError, ValueError):
+        return None
 
 
 def format_line(step: int, steps: int, m: dict) -> str:
