@@ -267,11 +267,10 @@ class EvalConfig:
     page_cache: str = arg("", "official protocol: SQLite file of SERP replies and pages, kept across runs (default "
                               "<cache_dir>/browse/pages.sqlite)")
     fetch_timeout_s: float = arg(20.0, "official protocol: seconds per page fetch (official 20)", valid="(0, inf)")
+    allow_failures: float = arg(0.05, "official protocol: the share of requests an endpoint may fail", valid="[0, 1]")
+    check_timeout_s: float = arg(60.0, "official protocol: seconds per endpoint check at start-up", valid="(0, inf)")
 
 
-# the official protocol's values of the flags both protocols read (algorithm.md §6); its own flags default to theirs
-OFFICIAL = {"temperature": 0.6, "top_p": 0.95, "top_k": 20, "repetition_penalty": 1.1, "max_response_tokens": 4096,
-            "search": "brightdata", "search_kw": {}, "judge": True, "batch_size": 50}
 # eval.py flag <- the run's config.yaml key
 FROM_RUN = {f.name: f.metadata["train_key"] for f in fields(EvalConfig) if "train_key" in f.metadata}
 
@@ -320,9 +319,9 @@ def _settings(argv) -> tuple[EvalConfig, str]:
     source = "the defaults and flags"
     if args["run"]:                                                   # the run's settings; flags still override
         parser.set_defaults(**{k: v for k, v in run_settings(Path(args["run"])).items()
-                               if not (official and k in OFFICIAL)})
+                               if not (official and k in protocol.OFFICIAL)})
     if official:
-        parser.set_defaults(**OFFICIAL)
+        parser.set_defaults(**protocol.OFFICIAL)
     if args["run"] or official:
         args = config.parse_args(parser, argv, "eval.py")
     if args["run"]:

@@ -15,5 +15,5 @@ embedded model's supervised cold start). `generation/` (the transformers backend
 `generation/vllm`. `sandbox/` (the python tool's isolation) with `sandbox/observation` (a run as the policy reads it),
 `sandbox/cgroups`, `sandbox/seccomp`, `sandbox/cleanup`, `sandbox/landlock`, `sandbox/rootfs`. `official/` (the authors'
 evaluation protocol) with `official/protocol` (its loop), `official/rules` (its scoring), `official/browse` (its
-browsing search).
+browsing search), `official/endpoints` (its servers checked at start-up, their failures counted).
 Nothing is imported here: `python harness/sandbox/__init__.py` starts from a bare interpreter. """

@@ -13,8 +13,10 @@ Routes:
 - POST /v1/chat/completions `chat(prompt)` (default: a summary that opens with "**Final Information**" and quotes
                             the first page's context; a judge's "Correct" when a gold is a whole word or phrase of
                             the prediction, else "Incorrect"); 503 while `chat_down`
-- POST /v1/completions      the next of `completions` (a list of texts), "" when it is empty
-Every request is kept in `requests` as (method, path, headers, body).
+- POST /v1/completions      the next of `completions` (a list of texts), "" when it is empty; a request for one
+                            token (a start-up check) gets "OK" and leaves `completions` alone
+Every request is kept in `requests` as (method, path, headers, body). A `fault` ("500", "not_json" or "slow": HTTP 500,
+a 200 whose body is not JSON, or the reply after `slow_s`) is how every request past the first `fault_after` answers.
 """
 from __future__ import annotations
 
@@ -65,9 +67,25 @@ class _Handler(BaseHTTPRequestHandler):
     def _json(self, status: int, value) -> None:
         self._send(status, json.dumps(value, ensure_ascii=False).encode())
 
+    def _faulty(self) -> bool:
+        """Answer with the server's fault, if it has one for this request (True when that reply is sent)."""
+        site = self.server.site
+        if not site.fault or len(site.requests) <= site.fault_after:
+            return False
+        if site.fault == "slow":
+            time.sleep(site.slow_s)
+            return False
+        if site.fault == "500":
+            self._json(500, {"error": "internal server error"})
+        else:
+            self._send(200, b"<html><body>not JSON</body></html>", "text/html")
+        return True
+
     def do_GET(self):
         site = self.server.site
         site.requests.append(("GET", self.path, dict(self.headers), None))
+        if self._faulty():
+            return
         kind, _, name = self.path.lstrip("/").partition("/")
         if kind == "slow":
             time.sleep(site.slow_s)
@@ -90,6 +108,8 @@ class _Handler(BaseHTTPRequestHandler):
         site = self.server.site
         body = json.loads(self.rfile.read(int(self.headers.get("Content-Length", 0))) or b"{}")
         site.requests.append(("POST", self.path, dict(self.headers), body))
+        if self._faulty():
+            return
         if self.path == "/request":
             if self.headers.get("Authorization") != f"Bearer {KEY}":
                 return self._json(401, {"error": "bad key"})
@@ -102,7 +122,7 @@ class _Handler(BaseHTTPRequestHandler):
             return self._json(200, {"choices": [{"index": 0, "message": {"role": "assistant", "content": reply},
                                                  "finish_reason": "stop"}]})
         if self.path == "/v1/completions":
-            text = site.completions.pop(0) if site.completions else ""
+            text = "OK" if body.get("max_tokens") == 1 else site.completions.pop(0) if site.completions else ""
             return self._json(200, {"choices": [{"index": 0, "text": text, "finish_reason": "stop"}]})
         return self._json(404, {"error": f"no route {self.path}"})
 
@@ -116,6 +136,7 @@ class StandIns:
         self.serp_results: dict[str, list] = {}
         self.completions: list[str] = []
         self.chat, self.chat_down, self.corpus, self.slow_s = default_chat, False, corpus, slow_s
+        self.fault, self.fault_after = "", 0
         self.requests: list[tuple] = []
         self.httpd = ThreadingHTTPServer(("127.0.0.1", port), _Handler)
         self.httpd.daemon_threads, self.httpd.site = True, self

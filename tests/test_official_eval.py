@@ -4,6 +4,8 @@ evaluation protocol, against a scripted policy and real servers on loopback (tes
 SERP API, an OpenAI-compatible chat server as summariser and judge)."""
 import importlib.util
 import json
+import os
+import re
 import socket
 import time
 from collections import Counter
@@ -13,8 +15,8 @@ import pytest
 
 import eval as E
 import tools
-from harness import http_client, openai_client, search
-from harness.official import browse
+from harness import cli, http_client, openai_client, search
+from harness.official import browse, endpoints
 from harness.official import protocol as O
 from harness.official import rules as R
 from harness.cli import UserError
@@ -530,18 +532,20 @@ def test_eval_official_end_to_end_with_a_tiny_model(setup, tmp_path, monkeypatch
     assert E.EvalConfig().top_k == 0 and E.EvalConfig().search == "bm25" and not E.EvalConfig().judge
 
 
-def served(stand, setup, tmp_path, *flags) -> list[str]:
+def served(stand, setup, tmp_path, *flags, queries=("capital of France",), **urls) -> list[str]:
     """eval.py --protocol official over the first question of setup's QA file, one run, with the policy served by the
-    stand-in (its scripted /v1/completions: a search, then the answer) and every other server the stand-in."""
-    stand.completions += ["<think> look it up </think> <search> capital of France </search>",
-                          "<answer> \\boxed{Paris} </answer>"]
+    stand-in (its scripted /v1/completions: a search for each of `queries`, then the answer) and every other server
+    the stand-in, but where `urls` gives another for search, summarizer, judge or policy (the SERP without retries)."""
+    stand.completions += [f"<think> look it up </think> <search> {query} </search>" for query in queries] + \
+        ["<answer> \\boxed{Paris} </answer>"]
     stand.pages["good"] = (200, "text/html", "<p>Intro. Paris is the capital of France. More.</p>")
-    stand.serp_results["capital of France"] = results(stand, "good")
+    stand.serp_results.update({query: results(stand, "good") for query in queries})
+    url = {"search": stand.url("/request"), "summarizer": stand.url("/v1"), "judge": stand.url("/v1"),
+           "policy": stand.url("/v1"), **urls}
     return ["--protocol", "official", "--model", str(setup / "tiny"), "--data", str(setup / "qa.jsonl"), "--limit",
-            "1", "--runs", "1", "--policy_url", stand.url("/v1"), "--search_kw",
-            json.dumps({"url": stand.url("/request")}), "--summarizer_url", stand.url("/v1"), "--judge_url",
-            stand.url("/v1"), "--page_cache", str(tmp_path / "pages.sqlite"), "--out_dir", str(tmp_path / "out"),
-            *flags]
+            "1", "--runs", "1", "--policy_url", url["policy"], "--search_kw",
+            json.dumps({"url": url["search"], "retries": 0}), "--summarizer_url", url["summarizer"], "--judge_url",
+            url["judge"], "--page_cache", str(tmp_path / "pages.sqlite"), "--out_dir", str(tmp_path / "out"), *flags]
 
 
 def test_the_system_and_judge_prompts_come_from_files(setup, tmp_path, monkeypatch):
@@ -554,7 +558,7 @@ def test_the_system_and_judge_prompts_come_from_files(setup, tmp_path, monkeypat
                      "Incorrect? (a brace: {{)")
     with StandIns() as stand:
         summaries = E.main(served(stand, setup, tmp_path, "--system_prompt", str(system), "--judge_prompt", str(judge)))
-    first = stand.posted("/v1/completions")[0]["prompt"]
+    first = [body for body in stand.posted("/v1/completions") if body["max_tokens"] > 1][0]["prompt"]
     assert system.read_text() in first and tools.SYSTEM_PROMPT not in first
     asked = [body["messages"][0]["content"] for body in stand.posted("/v1/chat/completions")
              if body["messages"][0]["content"].startswith("Grade it.")]
@@ -607,18 +611,6 @@ def test_a_slow_summary_arrives_past_the_tool_bound(setup, tmp_path, monkeypatch
     assert "search_timeouts" not in counts and "warning:" not in capsys.readouterr().out
 
 
-def test_failed_summaries_end_the_evaluation_with_a_warning(setup, tmp_path, monkeypatch, capsys):
-    monkeypatch.setenv("BRIGHTDATA_API_KEY", KEY)
-    with StandIns() as stand:
-        stand.chat = slow_summaries(1.0)
-        summaries = E.main(served(stand, setup, tmp_path, "--summary_timeout_s", "0.2"))
-    record = json.loads((tmp_path / "out" / "qa_output_1.jsonl").read_text())
-    assert record["logs"][1].startswith("<result>The search tool failed: the summariser gave no reply")
-    assert summaries[0]["per_run"][0]["counts"]["browse/summary_errors"] == 1
-    last = capsys.readouterr().out.strip().splitlines()[-1]
-    assert last.startswith("warning: 1 of 1 search summaries failed") and "--summary_timeout_s" in last
-
-
 @pytest.mark.parametrize("name, count", [("gaia", 103), ("webwalker", 200), ("xbench", 100), ("hle", None)])
 def test_the_authors_benchmarks_go_through_the_protocol(name, count, tokenizer):
     path = BENCHMARKS / f"{name}.jsonl"
@@ -638,3 +630,191 @@ def test_a_closed_summariser_port_is_named(tmp_path):
         port = s.getsockname()[1]
     with pytest.raises(openai_client.EndpointError, match="unreachable"):
         browse.Summarizer(f"http://127.0.0.1:{port}/v1")
+
+
+# --------------------------------------------------------------------------------------------------
+# Loud failures: every endpoint checked before any work, failures during the runs counted against --allow_failures
+
+
+def closed_url(path: str) -> str:
+    """A loopback URL on a port that was bound and closed again: nothing listens there."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    return f"http://127.0.0.1:{port}{path}"
+
+
+def command(argv, capsys) -> tuple[int, list[str], list[str]]:
+    """eval.py run as on the command line (cli.run_cli): its exit code and its stdout's and stderr's lines."""
+    code = cli.run_cli(E.main, argv)
+    captured = capsys.readouterr()
+    return code, captured.out.splitlines(), [line for line in captured.err.splitlines() if line.strip()]
+
+
+BAD = {"malformed": (2, "not a valid URL"), "closed": (1, r"nothing listens on 127\.0\.0\.1:\d+ \(connection refused\)"),
+       "500": (1, "HTTP 500"), "not_json": (1, "no JSON|invalid JSON"),
+       "slow": (1, r"within 0\.5 s.*--check_timeout_s 0\.5: raise it")}
+
+
+@pytest.mark.parametrize("case", list(BAD))
+@pytest.mark.parametrize("endpoint", ["search", "summarizer", "judge", "policy"])
+def test_a_bad_endpoint_is_one_line_before_any_work(endpoint, case, setup, tmp_path, monkeypatch, capsys):
+    """A malformed URL (exit 2), a closed port, a server that answers 500, one that answers with no JSON, one slower
+    than --check_timeout_s (exit 1): one `error:` line naming the flag, the URL and what was wrong, before the policy
+    is asked anything or a file is written."""
+    monkeypatch.setenv("BRIGHTDATA_API_KEY", KEY)
+    path = "/request" if endpoint == "search" else "/v1"
+    with StandIns() as stand, StandIns(slow_s=3.0) as bad:
+        bad.fault = case if case in ("500", "not_json", "slow") else ""
+        url = {"malformed": f"http://127.0.0.1:80a{path}", "closed": closed_url(path)}.get(case, bad.url(path))
+        code, _, err = command(served(stand, setup, tmp_path, "--check_timeout_s", "0.5", **{endpoint: url}), capsys)
+    flag = "--search_kw url" if endpoint == "search" else f"--{endpoint}_url"
+    assert len(err) == 1 and err[0].startswith(f"error: {flag} {url}: "), err
+    assert re.search(BAD[case][1], err[0]) and code == BAD[case][0], err
+    assert "another process" not in err[0]
+    assert not [body for body in stand.posted("/v1/completions") if body["max_tokens"] > 1]     # no work began
+    assert not stand.requests or case != "malformed"                  # every URL is read before any server is asked
+    assert not (tmp_path / "out").exists()
+
+
+def test_an_endpoint_check_asks_for_the_model_then_one_token():
+    """The check: the model the server lists (when none is named), then one request for 1 token; a server that lists
+    its model but fails that request fails the check. A URL that is not one is refused before any request."""
+    def judge(url, model=""):
+        return endpoints.Endpoint("--judge_url", "the judge", url, model)
+
+    with StandIns() as stand:
+        assert endpoints.check_openai(judge(stand.url("/v1")), "/chat/completions", 5.0).model == "standin"
+        assert endpoints.check_openai(judge(stand.url("/v1"), "named"), "/completions", 5.0).model == "named"
+        endpoints.check_search(*endpoints.search_probe("brightdata", {"url": stand.url("/request"), "api_key": KEY},
+                                                       5.0), 5.0)
+        stand.fault, stand.fault_after = "500", len(stand.requests) + 1                      # /v1/models answers
+        with pytest.raises(cli.RunFailure, match=re.escape(f"{stand.url('/v1/chat/completions')} answered HTTP 500")):
+            endpoints.check_openai(judge(stand.url("/v1")), "/chat/completions", 5.0)
+    sent = stand.posted("/v1/chat/completions")[0]
+    assert sent["max_tokens"] == 1 and sent["messages"][0]["content"] == endpoints.CHECK_PROMPT
+    assert stand.posted("/v1/completions") == [{"model": "named", "max_tokens": 1, "prompt": endpoints.CHECK_PROMPT}]
+    assert "q=connection+check" in stand.posted("/request")[0]["url"]
+    for url in ("localhost:8000/v1", "ftp://127.0.0.1/v1", "http:///v1", "http://127.0.0.1:99999/v1"):
+        with pytest.raises(UserError, match=f"--judge_url {re.escape(url)}: not a valid URL"):
+            endpoints.check_url("--judge_url", url)
+
+
+def test_a_page_cache_in_a_read_only_folder_is_one_line(setup, tmp_path, monkeypatch, capsys):
+    if os.geteuid() == 0:
+        pytest.skip("root writes in a read-only folder")
+    monkeypatch.setenv("BRIGHTDATA_API_KEY", KEY)
+    folder = tmp_path / "readonly"
+    folder.mkdir()
+    folder.chmod(0o555)
+    try:
+        with StandIns() as stand:
+            code, _, err = command(served(stand, setup, tmp_path, "--page_cache", str(folder / "pages.sqlite")),
+                                   capsys)
+    finally:
+        folder.chmod(0o755)
+    assert err == [f"error: --page_cache {folder / 'pages.sqlite'}: its folder {folder} is read-only (SQLite writes "
+                   f"the file and a journal beside it); give a writable --page_cache"] and code == 2
+
+
+def test_a_page_cache_that_cannot_be_made_is_one_line(setup, tmp_path, monkeypatch, capsys):
+    """A folder that is a file (a mistake even root cannot write past), and a cache file that exists but is read-only
+    (tested where the tests do not run as root)."""
+    monkeypatch.setenv("BRIGHTDATA_API_KEY", KEY)
+    (tmp_path / "a_file").write_text("not a folder")
+    with StandIns() as stand:
+        code, _, err = command(served(stand, setup, tmp_path, "--page_cache", str(tmp_path / "a_file" / "p.sqlite")),
+                               capsys)
+        assert err == [f"error: --page_cache {tmp_path / 'a_file' / 'p.sqlite'}: {tmp_path / 'a_file'} is a file, "
+                       f"not a folder"] and code == 2
+        assert not stand.requests                                                   # checked before the servers
+    if os.geteuid() != 0:
+        browse.PageCache(tmp_path / "kept.sqlite").close()
+        (tmp_path / "kept.sqlite").chmod(0o444)
+        with pytest.raises(UserError, match=f"the file {tmp_path / 'kept.sqlite'} is read-only"):
+            endpoints.page_cache(tmp_path / "kept.sqlite")
+
+
+def test_a_serp_api_that_fails_every_request_fails_the_evaluation(setup, tmp_path, monkeypatch, capsys):
+    """The SERP API answers the start-up check, then 500 to every query: the table says which endpoint failed, how
+    many of how many requests and the first error; the results are kept and the exit code is 1."""
+    monkeypatch.setenv("BRIGHTDATA_API_KEY", KEY)
+    with StandIns() as stand, StandIns() as serp:
+        serp.fault, serp.fault_after = "500", 1
+        code, out, err = command(served(stand, setup, tmp_path, search=serp.url("/request")), capsys)
+    failed = [line for line in out if line.startswith("FAILED: ")]
+    assert failed == [f"FAILED: the search backend (--search / --search_kw url) failed 1 of 1 requests (100%, more "
+                      f"than --allow_failures 0.05; browse/serp_errors in the summaries); the first error: "
+                      f"SearchError: {serp.url('/request')} failed after 1 attempts (HTTP 500)"]
+    assert out.index(failed[0]) > out.index(next(line for line in out if line.startswith("| qa |")))
+    assert failed[0] in (tmp_path / "out" / "summary.md").read_text() and code == 1
+    assert err[-1] == (f"error: the search backend failed more than --allow_failures 0.05 of its requests (FAILED "
+                       f"above): these scores do not measure the policy alone; results in {tmp_path / 'out'}")
+    assert (tmp_path / "out" / "qa_output_1.jsonl").exists() and len(serp.posted("/request")) == 2
+
+
+def test_a_judge_that_fails_every_request_fails_the_evaluation(setup, tmp_path, monkeypatch, capsys):
+    monkeypatch.setenv("BRIGHTDATA_API_KEY", KEY)
+    with StandIns() as stand, StandIns() as judge:
+        judge.fault, judge.fault_after = "500", 2                  # its model and the check request answered
+        code, out, err = command(served(stand, setup, tmp_path, judge=judge.url("/v1")), capsys)
+    failed = [line for line in out if line.startswith("FAILED: ")]
+    assert len(failed) == 1 and failed[0].startswith("FAILED: the judge (--judge_url) failed 1 of 1 requests (100%")
+    assert f"the first error: EndpointError: {judge.url('/v1/chat/completions')} answered HTTP 500" in failed[0]
+    assert code == 1 and err[-1].startswith("error: the judge failed more than --allow_failures 0.05")
+    assert len(judge.posted("/v1/chat/completions")) == 1 + 3                   # the check, then 3 attempts
+
+
+def slow_for(query: str, seconds: float):
+    """The stand-in's replies, the summary of a search for `query` only after `seconds`."""
+    def chat(prompt):
+        if f'current search query "{query}"' in prompt:
+            time.sleep(seconds)
+        return default_chat(prompt)
+    return chat
+
+
+@pytest.mark.parametrize("allow, code", [("0.6", 0), ("0.05", 1)])
+def test_failures_within_the_share_are_a_warning(allow, code, setup, tmp_path, monkeypatch, capsys):
+    """One of two summaries fails (past --summary_timeout_s): within --allow_failures 0.6 a warning line and exit code
+    0; past the default 0.05 the evaluation fails."""
+    monkeypatch.setenv("BRIGHTDATA_API_KEY", KEY)
+    with StandIns() as stand:
+        stand.chat = slow_for("query B", 1.0)
+        argv = served(stand, setup, tmp_path, "--summary_timeout_s", "0.3", "--allow_failures", allow,
+                      queries=("capital of France", "query B"))
+        got, out, err = command(argv, capsys)
+    word = {0: "warning", 1: "FAILED"}[code]
+    lines = [line for line in out if line.startswith(("warning: ", "FAILED: "))]
+    assert len(lines) == 1 and lines[0].startswith(f"{word}: the summariser (--summarizer_url) failed 1 of 2 "
+                                                   f"requests (50%, {'within' if code == 0 else 'more than'} "
+                                                   f"--allow_failures {allow}; browse/summary_errors")
+    assert "the first error: EndpointError: " in lines[0] and "within 0.3 s" in lines[0]
+    assert got == code and (not err or not err[-1].startswith("error:")) == (code == 0)
+
+
+def test_with_allow_failures_1_an_unreachable_serp_api_is_a_warning(setup, tmp_path, monkeypatch, capsys):
+    """--allow_failures 1 (a run that replays its searches from the page cache): a SERP API that does not answer is a
+    warning at start-up and its failed searches a warning under the table; the evaluation ends with exit code 0."""
+    monkeypatch.setenv("BRIGHTDATA_API_KEY", KEY)
+    closed = closed_url("/request")
+    with StandIns() as stand:
+        code, out, err = command(served(stand, setup, tmp_path, "--allow_failures", "1", search=closed), capsys)
+    assert out[1].startswith(f"warning: --search_kw url {closed}: nothing listens on ") and code == 0
+    assert any(line.startswith("warning: the search backend (--search / --search_kw url) failed 1 of 1 requests "
+                               "(100%, within --allow_failures 1") for line in out)
+
+
+def test_failures_are_counted_over_every_data_set_and_run():
+    runs = [{"counts": {"browse/serp_requests": 10, "browse/serp_errors": 1, "policy_calls": 4},
+             "judge_requests": 2, "judge_errors": 0}, {"counts": {"browse/serp_requests": 10}, "judge_requests": 2,
+                                                       "judge_errors": 1}]
+    lines, failed = endpoints.failures([{"per_run": runs[:1]}, {"per_run": runs[1:]}],
+                                       {"browse/serp_errors": "SearchError: down", "judge_errors": ""}, 0.05)
+    assert lines == ["warning: the search backend (--search / --search_kw url) failed 1 of 20 requests (5%, within "
+                     "--allow_failures 0.05; browse/serp_errors in the summaries); the first error: SearchError: down",
+                     "FAILED: the judge (--judge_url) failed 1 of 4 requests (25%, more than --allow_failures 0.05; "
+                     "judge_errors in the summaries); the first error: not kept"]
+    assert failed == ["the judge"] and endpoints.failures([{"per_run": runs[1:]}], {}, 0.5) == ([
+        "warning: the judge (--judge_url) failed 1 of 2 requests (50%, within --allow_failures 0.5; judge_errors in "
+        "the summaries); the first error: not kept"], [])

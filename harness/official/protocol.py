@@ -29,6 +29,9 @@ from rollout import Sampling
 PYTHON_LIMIT = "The python tool may not be used any more: its call limit is exceeded."
 SEARCH_LIMIT = "The search tool may not be used any more: its call limit is exceeded."
 REPEATED = "You have already searched this query. Use the results you got for it before."
+# eval.py's flags that both protocols read, at their official values under this one (its own flags default to theirs)
+OFFICIAL = {"temperature": 0.6, "top_p": 0.95, "top_k": 20, "repetition_penalty": 1.1, "max_response_tokens": 4096,
+            "search": "brightdata", "search_kw": {}, "judge": True, "batch_size": 50}
 
 
 @dataclass(frozen=True)
@@ -46,6 +49,7 @@ class OfficialSettings:
     batch_size: int = 50             # questions in flight together (their 50 concurrent requests)
     seed: int = 0
     tool_grace_s: float = 5.0        # past a tool's deadline, for it to report its own timeout
+    allow_failures: float = 0.05     # the share of an endpoint's requests that may fail (more: the evaluation fails)
 
 
 @dataclass
@@ -142,6 +146,7 @@ def infer(rows: list[dict], generator, tokenizer, python, browse, settings: Offi
             jobs = []
             for s, segment in zip(calling, segments):
                 s.seconds["llm"] += clock() - began
+                s.counts["policy_calls"] += 1
                 if segment.finish_reason == "error":  # the policy's server gave no reply: the question ends
                     s.counts["policy_errors"] += 1
                     s.output, s.finish = s.output + s.pending, "policy_error"
@@ -286,27 +291,17 @@ def prompt_file(flag: str, path: str, placeholders: tuple = ()) -> str:
     return text
 
 
-def summary_warning(summaries: list[dict]) -> str:
-    """One warning line when any search summary failed in any run of any data set ("" when none did): each such
-    search gave the policy an error text where the official run would have had a summary."""
-    runs = [r["counts"] for s in summaries for r in s["per_run"]]
-    failed, asked = (sum(c.get(f"browse/{key}", 0) for c in runs) for key in ("summary_errors", "summaries"))
-    if not failed:
-        return ""
-    return (f"warning: {failed} of {asked} search summaries failed (no reply from the summariser within "
-            f"--summary_timeout_s, or an error), so those searches returned an error text to the policy; "
-            f"browse/summary_errors in each <name>_summary.json counts them per run")
-
-
 def main(cfg, datasets: list, out: Path) -> list[dict]:
     """eval.py --protocol official, from its EvalConfig: the prompts (cfg.system_prompt, cfg.judge_prompt: files,
-    checked first), the policy (the endpoint at cfg.policy_url, else cfg.model sampled by transformers), the browsing
-    search over cfg.search's results, the python tool, the judge; then `evaluate` on every data set, summary.{md,json}
-    over them, and a warning line when summaries failed."""
+    checked first), every endpoint and the page cache (harness/official/endpoints.py), the policy (the endpoint at
+    cfg.policy_url, else cfg.model sampled by transformers), the browsing search over cfg.search's results, the python
+    tool, the judge; then `evaluate` on every data set and summary.{md,json} over them, with a line for each endpoint
+    whose requests failed: a RunFailure when one failed more than cfg.allow_failures of them."""
     import tools
     from harness import config, models, openai_client, search as search_mod
-    from harness.official.browse import BrowseSearch, PageCache, Summarizer
-    from harness.cli import UserError
+    from harness.official import endpoints
+    from harness.official.browse import BrowseSearch, Summarizer
+    from harness.cli import RunFailure, UserError
     from harness.correctness import JUDGE_PLACEHOLDERS, OFFICIAL_JUDGE_PROMPT, OfficialJudge
     from harness.settings import python_isolation, python_limits
     if list(cfg.tools) != ["search", "python"] or cfg.mcp_server or cfg.tool_format != "tags":
@@ -318,11 +313,12 @@ def main(cfg, datasets: list, out: Path) -> list[dict]:
     system_prompt = prompt_file("system_prompt", cfg.system_prompt) if cfg.system_prompt else tools.SYSTEM_PROMPT
     judge_prompt = prompt_file("judge_prompt", cfg.judge_prompt, JUDGE_PLACEHOLDERS) if cfg.judge_prompt else \
         OFFICIAL_JUDGE_PROMPT
-    judge = OfficialJudge.from_env(cfg.judge_url, cfg.judge_model, cfg.judge_api_key, judge_prompt) \
-        if cfg.judge else None
-    cache = PageCache(cfg.page_cache or config.cache_dir() / "browse" / "pages.sqlite")
+    checked = endpoints.check(cfg, cfg.page_cache or config.cache_dir() / "browse" / "pages.sqlite")
+    judge = OfficialJudge(checked.judge.url, checked.judge.model, checked.judge.api_key, judge_prompt) \
+        if checked.judge else None
     browse = BrowseSearch(search_mod.make_search(cfg.search, **{"timeout_s": cfg.tool_timeout_s, **cfg.search_kw}),
-                          Summarizer(cfg.summarizer_url, cfg.summarizer_model), cache, cfg.fetch_timeout_s)
+                          Summarizer(checked.summarizer.url, checked.summarizer.model, checked.summarizer.api_key),
+                          checked.cache, cfg.fetch_timeout_s)
     print(f"browsing search: {browse!r}; judge: {getattr(judge, 'model', None)}; system prompt: "
           f"{cfg.system_prompt or 'tools.SYSTEM_PROMPT'}; judge prompt: {cfg.judge_prompt or 'OFFICIAL_JUDGE_PROMPT'}",
           flush=True)
@@ -332,9 +328,10 @@ def main(cfg, datasets: list, out: Path) -> list[dict]:
     def python(code: str, deadline_s: float) -> str:              # the official per-call deadline, not timeout_s
         return tools.run_python(code, timeout_s=deadline_s, **python_kw)
 
-    if cfg.policy_url:
+    if checked.policy:
         tokenizer = models.load_tokenizer(models.model_source(cfg.model))
-        generator = openai_client.CompletionsGenerator(cfg.policy_url, tokenizer)
+        generator = openai_client.CompletionsGenerator(checked.policy.url, tokenizer, checked.policy.model,
+                                                       checked.policy.api_key)
     else:
         from harness.generation import TransformersGenerator
         model, tokenizer = models.load_model(cfg.model, cfg.device, cfg.dtype)
@@ -344,7 +341,7 @@ def main(cfg, datasets: list, out: Path) -> list[dict]:
                                 python_limit=cfg.python_limit, search_limit=cfg.search_limit,
                                 tool_timeout_s=cfg.tool_timeout_s, summary_timeout_s=cfg.summary_timeout_s,
                                 sample_timeout_s=cfg.sample_timeout_s, max_model_len=cfg.max_model_len,
-                                batch_size=cfg.batch_size, seed=cfg.seed)
+                                batch_size=cfg.batch_size, seed=cfg.seed, allow_failures=cfg.allow_failures)
     out.mkdir(parents=True, exist_ok=True)
     (out / "config.json").write_text(json.dumps(asdict(cfg), indent=2))
     summaries = []
@@ -352,11 +349,17 @@ def main(cfg, datasets: list, out: Path) -> list[dict]:
         summaries.append(evaluate(generator, tokenizer, rows[:cfg.limit] if cfg.limit else rows, python, browse,
                                   settings, cfg.runs, judge=judge, name=Path(path).stem, out_dir=out,
                                   system_prompt=system_prompt, config=asdict(cfg)))
-    table = markdown_table(summaries)
+    first_errors = {**{f"browse/{key}": error for key, error in browse.first_errors.items()},
+                    "judge_errors": getattr(judge, "first_error", ""),
+                    "policy_errors": getattr(generator, "first_error", "")}
+    lines, failed = endpoints.failures(summaries, first_errors, settings.allow_failures)
+    table = markdown_table(summaries) + "".join(f"\n{line}\n" for line in lines)
     (out / "summary.md").write_text(table)
     (out / "summary.json").write_text(json.dumps(summaries, indent=2, ensure_ascii=False))
-    print(table + f"results in {out}")
-    if warning := summary_warning(summaries):
-        print(warning, flush=True)
-    cache.close()
+    print(table + f"results in {out}", flush=True)
+    checked.cache.close()
+    if failed:
+        raise RunFailure(f"{' and '.join(failed)} failed more than --allow_failures {settings.allow_failures:g} of "
+                         f"{'its' if len(failed) == 1 else 'their'} requests (FAILED above): these scores do not "
+                         f"measure the policy alone; results in {out}")
     return summaries
