@@ -191,3 +191,8 @@ def test_a_failed_resume_writes_nothing_and_damaged_checkpoints_are_one_line(set
     del files[ckpt / "model.safetensors"]
     resume_fails(r"--resume .*step_000001: no weights")
     (ckpt / "model.safetensors").write_bytes(model)
+    files[ckpt / "model.safetensors"] = model
+    config_json = (ckpt / "config.json").read_text()
+    (ckpt / "config.json").write_text(config_json.replace('"hidden_size": 32', '"hidden_size": 64'))
+    files[ckpt / "config.json"] = (ckpt / "config.json").read_bytes()
+    resume_fails(r"--resume: .*step_000001 holds another model than --model .*tiny: hidden_size 64 \(--model's 32\)")
