@@ -223,6 +223,7 @@ class EvalConfig:
     tools: list[str] = like("tools")
     mcp_server: Union[str, list[str]] = like("mcp_server")
     tool_format: str = like("tool_format")
+    observations_as_data: bool = like("observations_as_data")
     python_isolation: str = like("python_isolation")
     device: str = arg("cuda", "torch device (cpu when CUDA is unavailable)")
     dtype: str = arg("auto", "model dtype", valid="auto | float32 | bfloat16 | float16")
@@ -365,7 +366,7 @@ def main(argv=None) -> list[dict]:
     search_mod.check_reachable(search)
     print(settings_mod.python_isolation(cfg.python_isolation), flush=True)
     tool_runner = settings_mod.make_tools(search, cfg.python_limits, cfg.tools, cfg.mcp_server, cfg.tool_format,
-                                          tokenizer, cfg.model)
+                                          tokenizer, cfg.model, cfg.observations_as_data)
     new_dir = not out.exists()
     out.mkdir(parents=True, exist_ok=True)
     (out / "config.json").write_text(json.dumps(asdict(cfg), indent=2))

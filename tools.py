@@ -3,15 +3,13 @@ running a round of calls concurrently, and the python tool.
 
 Paper: Dong et al., "Agentic Entropy-Balanced Policy Optimization", arXiv:2510.14545, paper §3 (the agentic
 setting: the policy interleaves reasoning with `<search>` / `<python>` calls whose results come back in `<result>`
-blocks); algorithm.md §0. Generation stops at a closing tool tag; this module parses the call out of the segment,
-runs every call of a round concurrently, and returns observation text that the format (`TagFormat`) renders for
-appending with loss mask 0. The search backends are in harness/search.py, the python tool's sandbox in
-harness/sandbox/, imported only when a program runs: this file copies alone with rollout.py (without harness/ a
-program runs in a plain subprocess with a timeout, and its observation says it was not sandboxed).
+blocks); algorithm.md §0. Generation stops at a closing tool tag; the format (`TagFormat`) renders each result for
+appending with loss mask 0. Search backends: harness/search.py; the python sandbox: harness/sandbox/, imported only
+when a program runs, so this file copies alone with rollout.py (then a program runs in a plain subprocess, and says so).
 
 Deviations from the paper / official code (algorithm.md §8): D11 (malformed calls become `Error: ...`
 observations), D12 (the python tool runs in a sandbox; results cached by tool and argument), D14 (generation also
-stops at `</answer>`), D15 (the result wrapper), D45 (tools beyond search and python, another tool-call format).
+stops at `</answer>`), D15 (the result wrapper), D45 (other tools and formats), D46 (observations are data).
 """
 from __future__ import annotations
 
@@ -64,13 +62,12 @@ class ToolError:
 
 
 class Tool:
-    """A tool the policy can call; subclass it and pass it to `Tools`. name: what the policy calls it by;
-    description: for the system prompt; parameters: a JSON schema of its arguments (a tool whose only parameter is
-    text takes the text between its tags, any other a JSON object there); run(calls): per call (its arguments as a
-    dict) the observation text, or (text, "ok" | "error" | "timeout"), only "ok" cached (an exception from run, or an
-    answer of the wrong shape, is an "Error: ..." observation for each call); batch: run gets all the round's calls
-    at once (else one each, run concurrently); timeout_s: how long the round waits for a run (None: run enforces its
-    own limit); max_chars: the longest argument accepted; what: how an error names the argument."""
+    """A tool the policy can call; subclass it and pass it to `Tools`. name: what the policy calls it by; description:
+    for the system prompt; parameters: a JSON schema of its arguments (only one, text: the text between its tags; else
+    a JSON object there); run(calls): per call (its arguments as a dict) the observation text or (text, "ok" | "error"
+    | "timeout"), only "ok" cached (an exception or a wrong shape: "Error: ..." observations); batch: run gets all the
+    round's calls at once (else one each, concurrently); timeout_s: how long the round waits for a run (None: run
+    enforces its own); max_chars: the longest argument accepted; what: how an error names the argument."""
     name, description = "", ""
     parameters: dict = {"type": "object", "properties": {"input": {"type": "string"}}, "required": ["input"]}
     batch: bool = False
@@ -120,12 +117,6 @@ class PythonTool(Tool):
 # ---- The tags format: parsing a call, the prompt, the result ---------------------------------------------------------
 _TAG_AT_END = re.compile(rf"<(/?)({TOOL_NAME})>\s*$")
 _FENCE = re.compile(r"^```[\w+-]*\n(.*?)\n?```$", re.DOTALL)
-
-
-def parse_tool_call(segment_text: str, max_query_chars: int = MAX_QUERY_CHARS,
-                    max_code_chars: int = MAX_CODE_CHARS) -> ToolCall | ToolError:
-    """The search or python call a generated segment ends with (`parse_tags` with the two built-in tools)."""
-    return parse_tags(segment_text, (SearchTool(None, max_chars=max_query_chars), PythonTool(max_chars=max_code_chars)))
 
 
 def parse_tags(segment_text: str, tools: tuple[Tool, ...] | list[Tool]) -> ToolCall | ToolError:
@@ -194,8 +185,7 @@ def listed(names: tuple[str, ...]) -> str:
 
 
 def build_prompt(tokenizer, question: str, system_prompt: str = SYSTEM_PROMPT) -> list[int]:
-    """Chat-template token ids of (system prompt, question), ending with the assistant header: what the policy sees
-    before its first segment, in training and in evaluation."""
+    """Chat-template ids of (system prompt, question) and the assistant header: the context of the first segment."""
     messages = [{"role": "system", "content": system_prompt}, {"role": "user", "content": question}]
     return list(tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True,
                                               return_dict=False))
@@ -206,13 +196,21 @@ def format_result(text: str) -> str:
     return "\n<result>\n" + text + "\n</result>\n"
 
 
+def as_data(text: str) -> str:
+    """A tool's output as the policy reads it (D46): line ends as newlines (CR LF and a lone CR), every other control
+    character removed (escape sequences lose their ESC, NUL, bells), text that is not UTF-8 (lone surrogates) U+FFFD."""
+    text = text.replace("\r\n", "\n").replace("\r", "\n").encode("utf-8", "surrogatepass").decode("utf-8", "replace")
+    return re.sub("[\x00-\x08\x0b-\x1f\x7f-\x9f]", "", text)       # C0 but tab and newline, DEL, C1
+
+
 class TagFormat:
     """The paper's tool-call format: `<name> argument </name>` in the policy's text, each result appended as a
     `<result>` block (format_result), generation stopping at a closing tool tag or `</answer>`."""
     name = "tags"
 
-    def __init__(self, tools: list[Tool], system_prompt: str = SYSTEM_PROMPT):
+    def __init__(self, tools: list[Tool], system_prompt: str = SYSTEM_PROMPT, as_data: bool = True):
         self.tools, self.system_prompt = list(tools), system_prompt    # your own tools: harness/plugins.py's prompt
+        self.as_data = as_data                   # D46: observations are data (else the authors' tokenisation)
         self.stop_strings = tuple(f"</{t.name}>" for t in self.tools) + ("</answer>",)
         self.format_tags = tuple(t.name for t in self.tools)   # the tags the reward's format check scans
 
@@ -220,8 +218,10 @@ class TagFormat:
         return parse_tags(segment_text, self.tools)
 
     def observation_ids(self, tokenizer, text: str) -> list[int]:
-        """The token ids appended after a call (loss mask 0)."""
-        return tokenizer.encode(format_result(text), add_special_tokens=False)
+        """The token ids appended after a call (loss mask 0). As data (D46) they hold no special token: text that
+        spells one (`<|im_end|>`) is split into ordinary tokens; else (the authors' code) it becomes that token."""
+        split = {"split_special_tokens": True} if self.as_data and hasattr(tokenizer, "all_special_ids") else {}
+        return tokenizer.encode(format_result(text), add_special_tokens=False, **split)
 
     def build_prompt(self, tokenizer, question: str) -> list[int]:
         return build_prompt(tokenizer, question, self.system_prompt)
@@ -357,8 +357,8 @@ class Tools:
                     self.cache.move_to_end(key)
             while len(self.cache) > self.cache_size:
                 self.cache.popitem(last=False)
-        counts = {f"{t}/{c}": 0 for t in self.by_name for c in ("calls", "errors", "timeouts", "cache_hits")}
-        counts["invalid/calls"] = 0
+        counts = {f"{t}/{c}": 0 for t in self.by_name for c in ("calls", "errors", "timeouts", "cache_hits")} | {
+            "invalid/calls": 0}
         observations = []
         for call in calls:
             if isinstance(call, ToolError) or call.tool not in self.by_name:
@@ -372,7 +372,7 @@ class Tools:
             counts[f"{call.tool}/timeouts"] += status == "timeout"
             counts[f"{call.tool}/cache_hits"] += status == "cache"
             observations.append(text)
-        return observations, counts
+        return [as_data(text) for text in observations] if self.format.as_data else observations, counts
 
 
 def _run(tool: Tool, arguments: list[str]) -> list:

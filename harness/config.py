@@ -141,6 +141,9 @@ class Config:
     tool_format: str = arg("tags", "how the policy calls tools: tags (the paper's <search> q </search>, results in "
                                    "<result>) or hermes (<tool_call> JSON, results as the chat template's tool turn; "
                                    "Qwen2.5, Hermes) (D45)", valid="tags | hermes")
+    observations_as_data: bool = arg(True, "tool results are data: tokenised so that no special token appears in "
+                                           "them, control characters removed (D46); false: the authors' "
+                                           "tokenisation (the tags format)")
     python_isolation: str = arg("auto", "python tool sandbox: auto (every isolation layer this machine has, logged "
                                         "at start) or strict (refuse to start unless every layer is active: PID, IPC "
                                         "and network namespaces, minimal root, Landlock, vsock filter, process, "

@@ -38,6 +38,7 @@ class HermesFormat:
     prefix-preserving across one, is a UserError naming the model."""
     name = "hermes"
     stop_strings = ("</tool_call>", "</answer>")
+    as_data = True                               # results are data (D46): tools.as_data, special tokens split
     format_tags = ("tool_call",)                 # the tags the reward's format check scans
 
     def __init__(self, tokenizer, tool_list: list[tools.Tool], model: str = "the model"):

@@ -108,8 +108,8 @@ class OwnTags(tools.TagFormat):
     """The tags format for your own set of tools: a prompt that lists them (tag_prompt), and the JSON arguments of a
     tool of several checked against its schema (call_of)."""
 
-    def __init__(self, tool_list: list[tools.Tool]):
-        super().__init__(tool_list, tag_prompt(tool_list))
+    def __init__(self, tool_list: list[tools.Tool], as_data: bool = True):
+        super().__init__(tool_list, tag_prompt(tool_list), as_data)
         self.by_name = {t.name: t for t in self.tools}
 
     def parse(self, segment_text: str) -> tools.ToolCall | tools.ToolError:

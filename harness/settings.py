@@ -64,11 +64,12 @@ def python_limits(limits: dict) -> dict:
 
 
 def make_tools(search, limits: dict, names=("search", "python"), mcp_servers=(), tool_format: str = "tags",
-               tokenizer=None, model: str = "the model") -> tools.Tools:
+               tokenizer=None, model: str = "the model", as_data: bool = True) -> tools.Tools:
     """The tool runner of a run or an evaluation: --tools (search; python with --python_limits; yours from
-    package.module:factory), the tools of each --mcp_server, in --tool_format. Each problem is one UserError before
-    any work: an unknown tool, a factory that fails or returns no Tool, a server that does not start or lists no
-    tools, two tools of one name, a chat template that cannot carry the hermes format."""
+    package.module:factory), the tools of each --mcp_server, in --tool_format, its results as data unless
+    --observations_as_data false (D46; the tags format's). Each problem is one UserError before any work: an unknown
+    tool, a factory that fails or returns no Tool, a server that does not start or lists no tools, two tools of one
+    name, a chat template that cannot carry the hermes format."""
     kw = python_limits(limits)
     timeout_s = kw.pop("timeout_s")
     built: list[tuple[str, tools.Tool]] = []             # (where it came from, the tool)
@@ -99,13 +100,16 @@ def make_tools(search, limits: dict, names=("search", "python"), mcp_servers=(),
                                 f"{', '.join(tools.RESERVED)}; got {tool.name!r}")
             first[tool.name] = source
         tool_list = [tool for _, tool in built]
+        if tool_format == "hermes" and not as_data:
+            raise UserError("--observations_as_data false reproduces the authors' tags format; the hermes format's "
+                            "results are always data (the chat template's tool turn)")
         if tool_format == "hermes":
             from harness.hermes import HermesFormat
             fmt = HermesFormat(tokenizer, tool_list, model)
         elif [t.name for t in tool_list] == list(tools.TOOLS):
-            fmt = tools.TagFormat(tool_list)     # the paper's
+            fmt = tools.TagFormat(tool_list, as_data=as_data)     # the paper's
         else:
-            fmt = plugins.OwnTags(tool_list)
+            fmt = plugins.OwnTags(tool_list, as_data)
         return tools.Tools(search, tools=tool_list, tool_format=fmt)
     except BaseException:
         for server in servers:

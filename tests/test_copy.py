@@ -122,7 +122,7 @@ USES = {
                 raise ConnectionError("the index is gone")
 
         runner = tools.Tools(Search())
-        assert isinstance(tools.parse_tool_call("<search> q </search>"), tools.ToolCall)
+        assert isinstance(tools.TAGS.parse("<search> q </search>"), tools.ToolCall)
         trajectories, stats = rollout.tree_rollout([[1, 2, 3], [4, 5]], Generator(), runner, Tokenizer(), k=4,
                                                    max_response_tokens=400, seed=0)
         assert len(trajectories) == 8 and all(t.finish_reason == "answer" for t in trajectories)

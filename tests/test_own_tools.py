@@ -68,8 +68,8 @@ def test_the_default_tools_keep_the_papers_prompt_stops_and_errors():
     runner = settings.make_tools(None, {}, ["search", "python"])
     assert runner.format.system_prompt == tools.SYSTEM_PROMPT and runner.format.stop_strings == tools.STOP_STRINGS
     for text in ("<search></search>", "hello", "<searc> x </searc>", "<python> 1", "x" * 5 + "</search>"):
-        assert runner.format.parse(text) == tools.parse_tool_call(text)
-    assert tools.parse_tool_call("<search> </search>") == tools.ToolError("empty search query")
+        assert runner.format.parse(text) == tools.TAGS.parse(text)
+    assert tools.TAGS.parse("<search> </search>") == tools.ToolError("empty search query")
     runner.close()
 
 

@@ -15,6 +15,7 @@ from pathlib import Path
 
 import torch
 
+import tools
 from harness.run import parallel
 from harness import trees
 
@@ -204,7 +205,7 @@ def last_error(trajectories, tool: str) -> str:
         for (name, _), text in zip(t.tool_calls, t.observations):
             if name == tool and text.startswith("Error:"):
                 found = text
-    return " ".join(found.split())[:300]
+    return " ".join(tools.as_data(found).split())[:300]         # no escape sequence reaches the terminal
 
 
 def log_step(run_dir: Path, metrics: dict, batch: StepBatch, steps: int, n_samples: int, search, log) -> None:

@@ -98,7 +98,7 @@ def set_up(cfg: config.Config, rank: int, world: int, device: torch.device, stat
         check_targets(models.skeleton(base_path), cfg.lora_target_modules)
     log(settings.python_isolation(cfg.python_isolation))              # every rank runs its own python calls
     tool_runner = state.tools = settings.make_tools(search, cfg.python_limits, cfg.tools, cfg.mcp_server,
-                                                    cfg.tool_format, tokenizer, cfg.model)
+                                                    cfg.tool_format, tokenizer, cfg.model, cfg.observations_as_data)
     fmt = tool_runner.format                     # the tool-call format: prompts, stop strings, the format check
     if fmt.format_tags != tools.TOOLS:           # not the paper's search and python in tags: say what the policy has
         log(f"tools ({fmt.name} format): " + ", ".join(t.name for t in tool_runner.tools))
