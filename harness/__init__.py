@@ -13,7 +13,8 @@ on 1..N processes, micro-batches), `run/checkpoint`, `run/rundir` (the run folde
 (metrics, plots, the step's clock), `run/probe` (the policy's entropy on fixed trajectories), `run/coldstart` (the
 embedded model's supervised cold start). `generation/` (the transformers backend, make_generator) with
 `generation/vllm`. `sandbox/` (the python tool's isolation) with `sandbox/observation` (a run as the policy reads it),
+`sandbox/launcher` (the process that sets up a call inside it), `sandbox/budget` (how many calls at once),
 `sandbox/cgroups`, `sandbox/seccomp`, `sandbox/cleanup`, `sandbox/landlock`, `sandbox/rootfs`. `official/` (the authors'
 evaluation protocol) with `official/protocol` (its loop), `official/rules` (its scoring), `official/browse` (its
 browsing search), `official/endpoints` (its servers checked at start-up, their failures counted).
-Nothing is imported here: `python harness/sandbox/__init__.py` starts from a bare interpreter. """
+Nothing is imported here: the sandbox's launcher starts from a bare interpreter. """

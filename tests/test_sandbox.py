@@ -12,6 +12,7 @@ namespaces or Landlock) skips, naming the layer. No test sends a real signal to 
 sandbox that does not hold, that would end every process of the user, the test runner included."""
 import ast
 import ctypes
+import errno
 import os
 import re
 import resource
@@ -22,14 +23,16 @@ import socket
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
 
-from harness import sandbox
-from harness.sandbox import cgroups, cleanup
+from harness import sandbox, settings
+from harness.cli import UserError
+from harness.sandbox import budget, cgroups, cleanup
 import tools
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -168,6 +171,129 @@ def test_cannot_reach_the_trainers_ipc_objects(monkeypatch, layer):
         LIBC.shmctl(segment, 0, None)  # IPC_RMID
         mq.mq_close(queue)
         mq.mq_unlink(name)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# The kernel's state that no mount or PID namespace divides: keyrings, inotify, the launcher's command line
+# ---------------------------------------------------------------------------------------------------------------
+KEYRING_CALLS = {"x86_64": (248, 250), "aarch64": (217, 219), "riscv64": (217, 219), "ppc64le": (269, 271),
+                 "s390x": (278, 280)}  # add_key, keyctl
+KEYS = ("import ctypes, errno, os\nlibc = ctypes.CDLL(None, use_errno=True)\nlibc.syscall.restype = ctypes.c_long\n"
+        "def keys(*args):\n    result = libc.syscall(*[ctypes.c_long(a) if isinstance(a, int) else a for a in args])\n"
+        "    if result < 0:\n        raise OSError(ctypes.get_errno(), errno.errorcode.get(ctypes.get_errno(), '?'))\n"
+        "    return result\n"
+        "def add(description, payload):  # a user key in the session keyring (KEY_SPEC_SESSION_KEYRING, -3)\n"
+        "    return keys(ADD_KEY, b'user', description.encode(), payload, len(payload), -3)\n"
+        "def search(description):  # KEYCTL_SEARCH (10) of the session keyring\n"
+        "    return keys(KEYCTL, 10, -3, b'user', description.encode(), 0)\n"
+        "def read(serial):  # KEYCTL_READ (11): a key's payload, a keyring's serials\n"
+        "    buffer = ctypes.create_string_buffer(256)\n    size = keys(KEYCTL, 11, serial, buffer, 256)\n"
+        "    return buffer.raw[:size]\n"
+        "def outcome(what, action):\n    try:\n        return f'{what}: reached {action()!r}'\n"
+        "    except OSError as e:\n        return f'{what}: blocked {errno.errorcode.get(e.errno, e.errno)}'\n")
+
+
+def keys_source() -> str:
+    """KEYS for this machine: helpers for a program (and the test) to add, search and read keys."""
+    return "ADD_KEY, KEYCTL = {}, {}\n".format(*KEYRING_CALLS[os.uname().machine]) + KEYS
+
+
+@pytest.fixture
+def trainer_keys() -> dict:
+    """KEYS' functions in this process, the trainer; skips where the kernel or the machine has no keyrings."""
+    if os.uname().machine not in KEYRING_CALLS:
+        pytest.skip(f"no keyctl syscall numbers for {os.uname().machine}")
+    helpers: dict = {}
+    exec(keys_source(), helpers)
+    try:
+        helpers["search"]("aepo_no_such_key")
+    except OSError as e:
+        if e.errno == errno.ENOSYS:
+            pytest.skip("this kernel has no keyrings (CONFIG_KEYS): nothing to share")
+    return helpers
+
+
+def key_lines(out: str) -> list[str]:
+    return [" ".join(line.split()[:3]) for line in out.splitlines()]
+
+
+@pytest.mark.parametrize("layer", ("all", "vsock filter", "none"))
+def test_cannot_reach_the_trainers_keys(monkeypatch, trainer_keys, layer):
+    """A key in the trainer's session keyring (a token a library keeps there) is neither found nor read by a call:
+    the seccomp filter refuses the keyring's calls (ENOSYS), and without it ("none": no layer but the session keyring
+    every call joins) the call's own keyring does not hold it and the key is not possessed, so not readable."""
+    if layer == "none":
+        monkeypatch.setattr(sandbox, "isolation", lambda: {**LAYERS, **OFF})
+    else:
+        use(monkeypatch, layer, ("vsock filter",))
+    description = f"aepo_test_{secrets.token_hex(4)}"
+    serial = trainer_keys["add"](description, b"trainer secret")
+    try:
+        assert trainer_keys["search"](description) == serial  # the probe works: the trainer finds and reads it
+        assert trainer_keys["read"](serial) == b"trainer secret"
+        out = tools.run_python(keys_source() + f"print(outcome('search', lambda: search({description!r})))\n"
+                                               f"print(outcome('read', lambda: read({serial})))")
+        print(out)
+        refused = "ENOSYS" if layer != "none" else None
+        assert key_lines(out)[0] == f"search: blocked {refused or 'ENOKEY'}", out
+        assert key_lines(out)[1] == f"read: blocked {refused or 'EACCES'}", out
+    finally:
+        trainer_keys["keys"](KEYRING_CALLS[os.uname().machine][1], 21, serial)  # KEYCTL_INVALIDATE
+
+
+@pytest.mark.parametrize("layer", ("namespaces", "none"))
+def test_a_calls_keyring_is_its_own_and_goes_with_it(monkeypatch, trainer_keys, layer):
+    """Where keys may be used (no seccomp filter), a call starts with an empty session keyring of its own; the key it
+    adds is found neither by the trainer nor by the next call, and is gone once the call has ended."""
+    monkeypatch.setattr(sandbox, "isolation", lambda: {**LAYERS, "vsock_filter": False} if layer == "namespaces"
+                        else {**LAYERS, **OFF})
+    description = f"aepo_test_{secrets.token_hex(4)}"
+    first = tools.run_python(keys_source() + f"print(outcome('own keyring', lambda: read(-3)))\n"
+                                             f"print(add({description!r}, b'call secret'))\n"
+                                             f"print(outcome('search', lambda: search({description!r})))")
+    print(first)
+    own, serial, found = first.splitlines()
+    assert own == "own keyring: reached b''" and found == f"search: reached {serial}", first  # empty; its key
+    for action in (lambda: trainer_keys["search"](description), lambda: trainer_keys["read"](int(serial))):
+        with pytest.raises(OSError):  # the trainer
+            action()
+    second = tools.run_python(keys_source() + f"print(outcome('search', lambda: search({description!r})))\n"
+                                              f"print(outcome('read', lambda: read({serial})))")
+    print(second)
+    assert [line.split()[1] for line in second.splitlines()] == ["blocked", "blocked"], second
+    start = time.monotonic()
+    while f"{int(serial):08x} " in Path("/proc/keys").read_text() and time.monotonic() - start < 10:
+        time.sleep(0.05)  # the kernel collects an unreferenced keyring's keys in the background
+    assert f"{int(serial):08x} " not in Path("/proc/keys").read_text()
+
+
+@pytest.mark.parametrize("layer", ("all", "vsock filter"))
+def test_cannot_watch_the_trainers_file_opens(monkeypatch, layer):
+    """inotify on a read-only bound directory (/usr, the venv) would show when the trainer opens files there."""
+    use(monkeypatch, layer, ("vsock filter",))
+    code = ("import ctypes, errno\nlibc = ctypes.CDLL(None, use_errno=True)\ndef check(result):\n"
+            "    if result < 0:\n        raise OSError(ctypes.get_errno(), errno.errorcode[ctypes.get_errno()])\n"
+            "    return result\nfor name, watch in (('inotify_init1', lambda: libc.inotify_init1(0)),\n"
+            "                    ('fanotify_init', lambda: libc.fanotify_init(0, 0))):\n    try:\n"
+            "        fd = check(watch())\n        if name == 'inotify_init1':\n"
+            "            check(libc.inotify_add_watch(fd, b'/usr', 0x20))  # IN_OPEN\n"
+            "        print(name, 'reached')\n    except OSError as e:\n"
+            "        print(name, 'blocked', type(e).__name__, e.strerror)\n")
+    assert tools.run_python(code) == "inotify_init1 blocked OSError ENOSYS\nfanotify_init blocked OSError ENOSYS"
+    # the control: without the filter a watch on /usr is set
+    monkeypatch.setattr(sandbox, "isolation", lambda: {**LAYERS, **ALONE.get(layer, {}), "vsock_filter": False})
+    assert tools.run_python(code).startswith("inotify_init1 reached")
+
+
+def test_the_launchers_command_line_names_no_host_path():
+    """/proc/1/cmdline, the launcher's, names neither the venv nor the checkout nor the limits."""
+    if not AVAILABLE["PID namespace"]:
+        pytest.skip("this machine lacks: PID namespace (/proc/1 is the machine's init)")
+    out = tools.run_python("print(open('/proc/1/cmdline', 'rb').read().replace(b'\\0', b' ').decode())")
+    print(out)
+    assert "-I -S -c import os, sys" in out  # the probe works: it is the launcher's
+    for host in (sys.prefix, str(ROOT), cleanup.PREFIX, "memory=", "cpu=", "timeout=", "report=", "ro=", "cgroup="):
+        assert host not in out, (host, out)
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -318,6 +444,17 @@ def test_cpu_limit():
     assert status == "error" and out.endswith("Error: killed by SIGXCPU (CPU time limit)")
 
 
+def test_cpu_limit_cannot_be_raised_and_ends_a_program_that_catches_sigxcpu():
+    code = ("import resource\nprint(resource.getrlimit(resource.RLIMIT_CPU))\ntry:\n"
+            "    resource.setrlimit(resource.RLIMIT_CPU, (3, resource.RLIM_INFINITY))\n    print('raised')\n"
+            "except ValueError as e:\n    print('raise: blocked', e)")
+    assert tools.run_python(code, cpu_s=3) == "(3, 4)\nraise: blocked not allowed to raise maximum limit"
+    catcher = ("import signal\nsignal.signal(signal.SIGXCPU, lambda *a: print('caught SIGXCPU', flush=True))\n"
+               "while True:\n    pass")
+    out, status = tools._run_python(catcher, timeout_s=120.0, cpu_s=1)  # the hard limit, a second later
+    assert out.startswith("caught SIGXCPU") and out.endswith("Error: killed by SIGKILL") and status == "error", out
+
+
 def test_memory_limit_holds_for_all_processes_together():
     if not AVAILABLE["memory cgroup"]:
         pytest.skip("this machine has no memory cgroup the trainer may create (cgroup v1's memory hierarchy as root, "
@@ -327,8 +464,25 @@ def test_memory_limit_holds_for_all_processes_together():
             "        block = b'x' * (64 << 20)\n        time.sleep(1)\n        os._exit(0)\n    children.append(pid)\n"
             "print([os.waitstatus_to_exitcode(os.waitpid(pid, 0)[1]) for pid in children])")
     result = sandbox.run(code, total_memory_mb=192)
-    assert result.oom_kills > 0 and (result.returncode == -9 or -9 in ast.literal_eval(result.output)), result
+    assert result.oom_kills > 0 and result.returncode == -9, result  # the launcher ends the program at the first kill
     assert not list(Path(cgroups.parent("memory")).glob("aepo_python_*"))  # removed after the call
+
+
+def test_a_call_stopped_by_its_memory_limit_says_so_at_once():
+    """A multiprocessing.Pool whose worker the kernel kills waits for its result forever: the call ends at the kill,
+    with the memory limit named, not at the timeout (before: "Error: timed out after 10 s" after 10.2 s)."""
+    if not AVAILABLE["memory cgroup"]:
+        pytest.skip("this machine has no memory cgroup the trainer may create")
+    # scaled down from 6 workers of 400 MiB against 2,048 MB: 6 of 64 MiB against 192 MB
+    code = ("import multiprocessing as mp, time\ndef hold(i):\n    block = b'x' * (64 << 20)\n    time.sleep(1)\n"
+            "    return i\nif __name__ == '__main__':\n    with mp.Pool(6) as pool:\n"
+            "        print(pool.map(hold, range(6)))")
+    start = time.monotonic()
+    out, status = tools._run_python(code, timeout_s=10.0, total_memory_mb=192)
+    seconds = time.monotonic() - start
+    print(f"{seconds:.2f} s: {out!r}")
+    assert re.fullmatch(r"Error: the program hit the memory limit \(192 MB for all its processes\): \d+ "
+                        r"process\(es\) killed", out) and status == "error" and seconds < 5, (out, seconds)
 
 
 def test_disk_use_is_bounded_and_another_call_still_starts():
@@ -342,8 +496,53 @@ def test_disk_use_is_bounded_and_another_call_still_starts():
         other = pool.submit(tools._run_python, "print('started')")
         out, status = filling.result()
         assert other.result() == ("started", "ok")
-    written = re.fullmatch(r"stopped after (\d+) MiB: No space left on device", out)
-    assert written and int(written[1]) <= 64 and status == "ok", out  # the working directory's 64 MiB
+    written = re.fullmatch(r"stopped after (\d+) MiB: No space left on device\n"
+                           r"Error: the program hit the disk limit \(64 MB for its working directory\)", out)
+    assert written and int(written[1]) <= 64 and status == "error", out  # the working directory's 64 MiB
+
+
+
+def test_a_rounds_calls_fit_in_half_the_memory_available(tmp_path):
+    """How many calls of total_memory_mb a process runs at once: half of MemAvailable (or of what the trainer's memory
+    cgroup leaves, if less) over the trainer processes on the machine; one error when not even one fits."""
+    meminfo = tmp_path / "meminfo"
+    meminfo.write_text("MemTotal:       24683664 kB\nMemFree:        14274584 kB\nMemAvailable:   23763248 kB\n")
+    assert budget.available_mb(str(meminfo), cgroup_dirs=[]) == 23206
+    assert budget.Budget(23206).line(2048) == ("python calls: at most 5 at once (2,048 MB each, total_memory_mb; 50% "
+                                               "of the 23,206 MB of memory available)")
+    assert budget.Budget(23206, processes=8).line(512).startswith("python calls: at most 2 at once (512 MB each")
+    cgroup = tmp_path / "trainer"  # cgroup v1: a 4 GiB limit, 1 GiB used
+    cgroup.mkdir()
+    (cgroup / "memory.limit_in_bytes").write_text(f"{4 << 30}\n")
+    (cgroup / "memory.usage_in_bytes").write_text(f"{1 << 30}\n")
+    assert budget.available_mb(str(meminfo), cgroup_dirs=[str(cgroup)]) == 3072
+    with pytest.raises(ValueError, match="total_memory_mb 2,048 does not fit: a python call may use that much, and "
+                                         "this process's calls may hold 1,536 MB \\(50% of the 3,072 MB"):
+        budget.Budget(3072).line(2048)
+    with pytest.raises(UserError, match="^--python_limits: total_memory_mb 1,000,000,000.0 does not fit"):
+        settings.python_isolation("auto", {"total_memory_mb": 1e9})
+    assert settings.python_isolation("auto", {}).splitlines()[1].startswith("python calls: at most")
+
+
+def test_calls_wait_for_their_memory():
+    """Calls of 1,024 MB in a budget of 2,048 MB: two run at once, the third once one has ended."""
+    held = budget.Budget(4096)
+    running, most, lock = [0], [0], threading.Lock()
+
+    def call():
+        with held.hold(1024):
+            with lock:
+                running[0] += 1
+                most[0] = max(most[0], running[0])
+            time.sleep(0.2)
+            with lock:
+                running[0] -= 1
+
+    with ThreadPoolExecutor(6) as pool:
+        list(pool.map(lambda _: call(), range(6)))
+    assert most[0] == 2 and held.held_mb == 0
+    with held.hold(10_000):  # larger than the budget: alone
+        assert held.held_mb == 2048
 
 
 TREE = ("import os\nprint(os.getcwd(), flush=True)\nfor i in range(3000):\n    os.mkdir('d')\n    os.chdir('d')\n"
@@ -619,7 +818,8 @@ def test_describe_and_strict_mode(monkeypatch):
                     "rlimits AS, CPU, FSIZE")
     for key, off, said in (("landlock_abi", 0, "Landlock NO"), ("minimal_root", False, "minimal root NO"),
                            ("process_limit", "", "process limit NO"), ("ipc_namespace", False, "IPC namespace NO"),
-                           ("vsock_filter", False, "vsock filter NO (AF_VSOCK and io_uring are open)"),
+                           ("vsock_filter", False,
+                            "vsock filter NO (AF_VSOCK, io_uring, inotify and keyctl are open)"),
                            ("memory_limit", "", "memory limit NO (RLIMIT_AS per process only)"),
                            ("disk_limit", False, "disk limit NO (RLIMIT_FSIZE per file only)")):
         assert said in sandbox.describe({**LAYERS, key: off})
@@ -651,7 +851,12 @@ def test_strict_mode_passes_on_a_machine_with_every_layer():
 
 def test_setup_failure_raises_and_becomes_an_observation(monkeypatch):
     command = sandbox.command
-    monkeypatch.setattr(sandbox, "command", lambda *a: command(*a)[:-4] + ["/nonexistent/python", "main.py"])
+
+    def without_interpreter(*args):  # the program's interpreter, the last settings but "main.py", is not there
+        argv, settings = command(*args)
+        return argv, settings[:-4] + ["/nonexistent/python", "main.py"]
+
+    monkeypatch.setattr(sandbox, "command", without_interpreter)
     with pytest.raises(OSError, match="sandbox setup failed: .*No such file"):
         tools.run_python("print(1)")
     runner = tools.Tools(search=None)
@@ -671,8 +876,9 @@ def test_the_program_cannot_forge_the_sandboxs_status(monkeypatch, layer):
 @pytest.mark.parametrize("layer", ("all", "PID namespace"))
 def test_the_program_cannot_write_the_report_pipe_through_proc(monkeypatch, layer):
     use(monkeypatch, layer, ("PID namespace",))  # alone: no Landlock to refuse ptrace access to the init
-    code = ("import os\nargs = open('/proc/1/cmdline', 'rb').read().split(b'\\0')\n"
-            "fd = [a for a in args if a.startswith(b'report=')][0][7:].decode()\n"
-            + attempt("report pipe", "os.write(os.open('/proc/1/fd/' + fd, os.O_WRONLY), "
-                                     "b'sandbox setup failed: forged\\n')"))
-    assert tools.run_python(code) == "report pipe: blocked PermissionError"
+    code = ("import os\noutcomes = set()\nfor fd in range(64):  # the pipe's number is on no command line\n"
+            "    try:\n        os.write(os.open(f'/proc/1/fd/{fd}', os.O_WRONLY), b'sandbox setup failed: forged\\n')\n"
+            "        outcomes.add('reached')\n    except OSError as e:\n        outcomes.add(type(e).__name__)\n"
+            "print('report pipe:', sorted(outcomes))")
+    out = tools.run_python(code)  # PermissionError for the init's open descriptors; FileNotFoundError for others
+    assert "PermissionError" in out and "reached" not in out, out

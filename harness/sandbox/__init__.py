@@ -2,13 +2,15 @@
 
 The policy's `<python>` calls run during every rollout (the agentic setting of paper §3), thousands of times per
 training step, written by a policy that is being pushed to try things. `run` makes the call's cgroups
-(cgroups.py) and starts the program through `unshare` into new namespaces, where a small init process joins the
-cgroups, puts a size-limited tmpfs over the working directory, pivots into a minimal root (rootfs.py) and forks the
-program; the child applies rlimits, a Landlock ruleset (landlock.py; read-only: the interpreter and the system's
-libraries; read-write: its own working directory) and a seccomp filter (seccomp.py) before exec'ing the
-interpreter on the program. The init stays the program's parent: at the wall-clock timeout, or as soon as the
-trainer has died, it exits and the namespaces and everything in them go; then the cgroups and the call's directory
-(cleanup.py: any tree, iteratively, never following a link; after a trainer killed mid-call, its janitor does this).
+(cgroups.py) and starts the program through `unshare` into new namespaces, where a small init process, the launcher
+(launcher.py), joins the cgroups and a new session keyring, puts a size-limited tmpfs over the working directory,
+pivots into a minimal root (rootfs.py) and forks the program; the child applies rlimits, a Landlock ruleset
+(landlock.py; read-only: the interpreter and the system's libraries; read-write: its own working directory) and a
+seccomp filter (seccomp.py) before exec'ing the interpreter on the program. The init stays the program's parent: at
+the wall-clock timeout, as soon as the trainer has died, or at the first process killed at the memory limit, it
+ends the program and the namespaces and everything in them go; then the cgroups and the call's directory (cleanup.py:
+any tree, iteratively, never following a link; after a trainer killed mid-call, its janitor does this). A process
+runs at most as many calls at once as their memory limits fit in its share of the machine's memory (budget.py).
 
 Layers, each detected once per process (`isolation()`) and used wherever available:
 - PID namespace (`unshare -rpf --mount-proc`): the program sees and can signal only its own processes.
@@ -20,126 +22,50 @@ Layers, each detected once per process (`isolation()`) and used wherever availab
   read-only but the last); nothing else has a path, so no unix socket at a path (Docker's, D-Bus's, a database's),
   which Landlock does not guard.
 - disk limit (in the same mount namespace): the working directory is a tmpfs of `disk_mb` (and /dev/shm one of the
-  file-size limit), so the call's files are bounded together and vanish with it.
+  file-size limit), so the call's files are bounded together and vanish with it (`Result.disk_full`: it filled up).
 - Landlock (kernel ABI >= 1): file access outside the allowed paths is refused; ABI >= 4 also refuses TCP bind and
   connect, ABI >= 6 refuses signals and abstract unix sockets to processes outside the sandbox.
 - vsock filter (seccomp, x86_64, aarch64, riscv64): AF_VSOCK sockets (no namespace or Landlock rule covers the
-  virtual machine's vsock) and io_uring (whose socket operation no filter sees) are refused.
+  virtual machine's vsock), io_uring (whose socket operation no filter sees), inotify and fanotify (a watch on a
+  read-only bound directory shows the trainer's file opens there) and the keyring's calls are refused.
 - process limit: at most `max_processes` tasks (processes and threads, the sandbox's own counted) at once. A pids
   cgroup per call where the trainer may create one (as root: cgroup v1's pids hierarchy, or v2 with the pids
   controller given to its cgroup's children), which also counts the refused forks; else, for a trainer that is not
   root, RLIMIT_NPROC, which a kernel >= 5.14 counts per user namespace (root is exempt from it).
 - memory limit: a memory cgroup per call (found as the pids cgroup is), `total_memory_mb` for all its processes and
-  its tmpfs files together; beyond it the kernel kills the largest of them (`Result.oom_kills`).
-- rlimits: address space (RLIMIT_AS), CPU time (RLIMIT_CPU), size of a written file (RLIMIT_FSIZE).
+  its tmpfs files together; beyond it the kernel kills the largest of them (`Result.oom_kills`) and the launcher
+  then the program.
+- rlimits: address space (RLIMIT_AS), CPU time (RLIMIT_CPU; SIGXCPU, a second later SIGKILL), size of a written
+  file (RLIMIT_FSIZE), soft and hard.
+Always, where the kernel has keyrings: a session keyring of the call's own, empty, gone with the call (the trainer's
+keys are not possessed, so neither found nor read), and the launcher's command line (the program's /proc/1/cmdline)
+names no host path: its settings come on a file descriptor.
 `require("strict")` refuses to start a run unless every layer is there (the rlimits always are).
 
 The sandbox's own status (a set-up failure, the program's exit code as its init saw it) comes back on a pipe that the
 launcher closes before it executes the program (and whose holder, the init, it cannot ptrace), never on the program's
 output or through an exit code it can choose.
 
-Run as a script, this file is the launcher inside the sandbox (`python -I -S harness/sandbox/__init__.py OPTIONS -- PROGRAM`).
-Every call starts it, so the top imports only what the launcher needs; the trainer-side functions import re, subprocess,
-tempfile and cgroups where they use them (about 12 ms less per call).
+Every call starts the launcher, which imports this package first, so the top imports only what it needs; the
+trainer-side functions import re, subprocess, tempfile and cgroups where they use them (about 12 ms less per call).
 
 What the program meets: it may read only the interpreter, its packages, the system's programs and libraries and its
 own directory: code that reads other files (a data set, the user's home) gets FileNotFoundError (no such path in the
 minimal root) or PermissionError (Landlock) where the official code would read them; multiprocessing works only with
 the PID namespace (which gives it a private /dev/shm); a program that starts more than `max_processes` processes and
 threads gets BlockingIOError from fork and "Error: the program hit the process limit" after its output; one that
-writes more than `disk_mb` in its directory gets OSError ENOSPC.
+writes more than `disk_mb` in its directory gets OSError ENOSPC and "Error: the program hit the disk limit"; one whose
+processes together use more than `total_memory_mb` ends with "Error: the program hit the memory limit".
 
 Deviations from the paper / official code (algorithm.md §8): D12 (the official code runs the program in a plain
 subprocess with a timeout; here every layer above that the machine allows, logged at start).
 """
 import collections
-import ctypes
 import functools
 import os
-import resource
 import sys
 
-if __name__ == "__main__":  # the launcher runs under -I, which leaves the repository off sys.path
-    sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
-from harness.sandbox import cleanup, landlock, rootfs, seccomp  # noqa: E402
-
-# ---------------------------------------------------------------------------------------------------------------
-# Inside the sandbox: the launcher (joins the cgroups; as init of the PID namespace mounts the working directory's
-# tmpfs, enters the minimal root and forks; then limits, Landlock and seccomp, then exec). It runs in the child, not
-# as Popen's preexec_fn, which is unsafe in the trainer's threads.
-# ---------------------------------------------------------------------------------------------------------------
-def limit_resources(memory_bytes: int, cpu_s: int, file_size_bytes: int, processes: int = 0) -> None:
-    """Lower RLIMIT_AS, RLIMIT_CPU (the soft limit only: the kernel sends SIGXCPU), RLIMIT_FSIZE and, when
-    `processes` > 0, RLIMIT_NPROC, never above the hard limit."""
-    limits = [("RLIMIT_AS", memory_bytes), ("RLIMIT_CPU", cpu_s), ("RLIMIT_FSIZE", file_size_bytes)]
-    for name, value in limits + [("RLIMIT_NPROC", processes)] * (processes > 0):
-        limit = getattr(resource, name)
-        hard = resource.getrlimit(limit)[1]
-        value = value if hard == resource.RLIM_INFINITY else min(value, hard)
-        resource.setrlimit(limit, (value, hard if name == "RLIMIT_CPU" else value))
-
-
-PR_SET_DUMPABLE, PR_CAPBSET_DROP, CAP_SYS_PTRACE = 4, 24, 19
-
-
-def _prctl(option: int, value: int) -> None:
-    if landlock.LIBC.prctl(option, ctypes.c_ulong(value), *[ctypes.c_ulong(0)] * 3) != 0:
-        raise OSError(ctypes.get_errno(), f"prctl({option}, {value}) failed")
-
-
-def launch(argv: list[str]) -> None:
-    """The launcher: `key=value ... -- program args`. Keys: memory, cpu, fsize (limits), landlock (ABI, 0 = off),
-    tcp (1: block TCP), vsock (1: the seccomp filter), init (1: we are the PID namespace's init), report (the file
-    descriptor of the trainer's pipe), timeout (seconds), the optional trainer (the trainer's pidfd), disk (bytes of
-    the working directory's tmpfs, as init), nproc (RLIMIT_NPROC) and root (an empty directory to build the minimal
-    root on, as init), and the repeatable cgroup= (a cgroup to join), ro= and rw= (paths). It joins the cgroups first,
-    so that everything started from then on counts, then forks the program and stays its parent (cleanup.supervise:
-    the timeout, the trainer's death, the orphans, the report). Failing to set up reports "sandbox setup failed: ..."
-    and exits: the program is never started with fewer layers than asked. The report pipe and the trainer's pidfd
-    are closed before the exec, and the launcher, which holds them, is not dumpable and the program has no
-    CAP_SYS_PTRACE, so the program cannot reach them through /proc even without Landlock."""
-    split = argv.index("--")
-    options, paths = {}, {"ro": [], "rw": [], "cgroup": []}
-    for arg in argv[:split]:
-        key, value = arg.split("=", 1)
-        if key in paths:
-            paths[key].append(value)
-        else:
-            options[key] = value
-    program, fsize, report = argv[split + 1:], int(options["fsize"]), int(options["report"])
-    trainer = int(options.get("trainer", -1))
-    os.set_inheritable(report, False)  # closed when the program is executed
-    try:
-        for cgroup in paths["cgroup"]:
-            with open(os.path.join(cgroup, "cgroup.procs"), "w") as f:
-                f.write("0")  # this process
-        if options["init"] == "1":  # our own PID and mount namespace: /proc shows only the sandbox's processes
-            paths["ro"].append("/proc")
-            if "disk" in options:
-                rootfs.private_directory(os.getcwd(), int(options["disk"]))
-            if "root" in options:  # multiprocessing's semaphores live in /dev/shm
-                rootfs.enter(options["root"], paths["ro"], paths["rw"], fsize)
-                paths["rw"].append("/dev/shm")
-            elif rootfs.private_shm("/dev/shm", fsize):
-                paths["rw"].append("/dev/shm")
-        _prctl(PR_SET_DUMPABLE, 0)  # the child's exec makes the program dumpable again
-        child = os.fork()
-        if child > 0:
-            cleanup.supervise(child, trainer, float(options["timeout"]), report, options["init"] == "1")
-        if trainer >= 0:
-            os.close(trainer)
-        if options["init"] == "1":
-            _prctl(PR_CAPBSET_DROP, CAP_SYS_PTRACE)  # root of the user namespace, but no ptrace of its init
-        limit_resources(int(options["memory"]), int(options["cpu"]), fsize, int(options.get("nproc", 0)))
-        if int(options["landlock"]):
-            landlock.restrict(int(options["landlock"]), paths["ro"], paths["rw"], options["tcp"] == "1")
-        if options["vsock"] == "1":
-            seccomp.close_vsock(os.uname().machine)
-        os.execv(program[0], program)
-    except OSError as e:
-        os.write(report, f"sandbox setup failed: {e}\n".encode())
-        os._exit(125)
-
+from harness.sandbox import cleanup, landlock, seccomp
 
 # ---------------------------------------------------------------------------------------------------------------
 # In the trainer: which layers this machine offers, and running one program
@@ -165,12 +91,15 @@ HINTS = {"PID namespace": "`unshare -rpf --mount-proc` fails: user namespaces di
          "memory limit": CGROUP_HINT.format("memory"),
          "disk limit": "its tmpfs is mounted in the PID namespace's mount namespace, so it needs that"}
 GRACE_S = 5.0  # the trainer kills a call this long after its timeout if the launcher has not ended it
-Result = collections.namedtuple("Result", ["output", "size", "returncode", "timed_out", "refused", "oom_kills"])
+REPOSITORY = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # on the launcher's sys.path
+Result = collections.namedtuple("Result", ["output", "size", "returncode", "timed_out", "refused", "oom_kills",
+                                           "disk_full"])
 Result.__doc__ = """What a program did. output: its stdout + stderr, the first read_bytes bytes decoded (invalid UTF-8
 replaced), the working directory's path removed (tracebacks name "main.py"); size: bytes it wrote in total;
 returncode: its exit code, negative when a signal killed it (None if timed_out); timed_out: killed at the timeout;
 refused: process creations refused at the process limit (counted by the pids cgroup only, else 0); oom_kills:
-processes the kernel killed at the memory limit (with the memory cgroup only, else 0)."""
+processes the kernel killed at the memory limit (with the memory cgroup only, else 0); disk_full: its working
+directory's tmpfs was found full (with the disk limit only, else False)."""
 
 
 class IsolationError(RuntimeError):
@@ -246,7 +175,7 @@ def describe(layers: dict | None = None) -> str:
     rules = f"Landlock ABI {abi} ({', '.join(scopes)})" if abi else "Landlock NO"
     yes_no = {True: "yes", False: "NO"}
     root = "yes" if layers["minimal_root"] else "NO (unix sockets at a path are reachable)"
-    vsock = "yes (seccomp)" if layers["vsock_filter"] else "NO (AF_VSOCK and io_uring are open)"
+    vsock = "yes (seccomp)" if layers["vsock_filter"] else "NO (AF_VSOCK, io_uring, inotify and keyctl are open)"
     processes = f"yes ({layers['process_limit']})" if layers["process_limit"] else "NO"
     memory = f"yes ({layers['memory_limit']})" if layers["memory_limit"] else "NO (RLIMIT_AS per process only)"
     disk = "yes (tmpfs)" if layers["disk_limit"] else "NO (RLIMIT_FSIZE per file only)"
@@ -286,27 +215,32 @@ def read_only_paths() -> tuple[str, ...]:
 
 def command(work: str, report: int, layers: dict, memory_mb: int, cpu_s: int, file_size_mb: int, no_network: bool,
             max_processes: int = 64, cgroups: tuple[str, ...] = (), root: str = "", disk_mb: int = 64,
-            timeout_s: float = 10.0, trainer: int = -1) -> list[str]:
-    """The command line: `unshare` into the namespaces in use, the launcher (this file), the program. `report`: the
-    write end of the trainer's pipe, `cgroups`: the call's cgroups, `root`: an empty directory for the minimal root
-    ("": none), `disk_mb`: the working directory's tmpfs (with the disk limit), `timeout_s`: when the launcher ends
-    the program, `trainer`: a pidfd of the trainer (-1: none), whose exit ends the program too."""
+            timeout_s: float = 10.0, trainer: int = -1, options: int = -1) -> tuple[list[str], list[str]]:
+    """(the command line: `unshare` into the namespaces in use, then the launcher (launcher.py) started from the
+    interpreter's base executable, which the program sees as its own sys.base_prefix, with a bootstrap that reads the
+    rest from the file descriptor `options`; the launcher's settings, ending in the program, which travel on it).
+    `report`: the write end of the trainer's pipe, `cgroups`: the call's cgroups, `root`: an empty directory for the
+    minimal root ("": none), `disk_mb`: the working directory's tmpfs (with the disk limit), `timeout_s`: when the
+    launcher ends the program, `trainer`: a pidfd of the trainer (-1: none), whose exit ends the program too."""
+    from harness.sandbox import launcher
     network = no_network and layers["network_namespace"]
     pid, ipc = layers["pid_namespace"], layers["ipc_namespace"]
     prefix = []
     if network or pid or ipc:
         prefix = ["unshare", "-r" + "n" * network + "i" * ipc + "pf" * pid] + ["--mount-proc"] * pid
     abi = layers["landlock_abi"]
-    options = [f"memory={memory_mb << 20}", f"cpu={cpu_s}", f"fsize={file_size_mb << 20}", f"landlock={abi}",
-               f"tcp={int(no_network)}", f"vsock={int(layers['vsock_filter'])}", f"init={int(pid)}",
-               f"report={report}", f"timeout={timeout_s}"] + [f"trainer={trainer}"] * (trainer >= 0)
-    options += [f"cgroup={cgroup}" for cgroup in cgroups] + [f"root={root}"] * bool(root)
-    options += [f"disk={disk_mb << 20}"] * (pid and layers["disk_limit"])
-    options += [f"nproc={max_processes}"] * (layers["process_limit"] == "RLIMIT_NPROC")
+    settings = [f"memory={memory_mb << 20}", f"cpu={cpu_s}", f"fsize={file_size_mb << 20}", f"landlock={abi}",
+                f"tcp={int(no_network)}", f"seccomp={int(layers['vsock_filter'])}", f"init={int(pid)}",
+                f"report={report}", f"timeout={timeout_s}"] + [f"trainer={trainer}"] * (trainer >= 0)
+    settings += [f"cgroup={cgroup}" for cgroup in cgroups] + [f"root={root}"] * bool(root)
+    settings += [f"disk={disk_mb << 20}"] * (pid and layers["disk_limit"])
+    settings += [f"nproc={max_processes}"] * (layers["process_limit"] == "RLIMIT_NPROC")
     if abi or root:
-        options += [f"ro={path}" for path in read_only_paths()] + [f"rw={path}" for path in (work, *SYSTEM_READ_WRITE)]
+        settings += [f"ro={path}" for path in read_only_paths()]
+        settings += [f"rw={path}" for path in (work, *SYSTEM_READ_WRITE)]
     program = [sys.executable, "-I", "-u", "main.py"]
-    return prefix + [sys.executable, "-I", "-S", os.path.abspath(__file__), *options, "--", *program]
+    interpreter = os.path.realpath(getattr(sys, "_base_executable", sys.executable))
+    return prefix + [interpreter, "-I", "-S", "-c", launcher.BOOTSTRAP, str(options)], settings + ["--", *program]
 
 
 def _read_report(fd: int) -> list[str]:
@@ -332,19 +266,33 @@ def run(code: str, timeout_s: float = 10.0, memory_mb: int = 1_024, cpu_s: int =
     there) with a minimal environment, under every layer in `layers` (default: isolation()): RLIMIT_AS = memory_mb,
     RLIMIT_CPU = cpu_s, RLIMIT_FSIZE = file_size_mb per file (the output is captured in a file under the same
     limit), at most max_processes tasks at once (processes and threads, the sandbox's own included), at most
-    total_memory_mb for all its processes and tmpfs files together, at most disk_mb in its working directory;
-    no_network=False skips the network namespace and Landlock's TCP rules. At timeout_s, and after the program ends,
-    its process group is killed (SIGKILL), and with the PID namespace's init or the pids cgroup everything it
-    started; the cgroups are removed. Raises OSError only when the program cannot be started: no temporary
-    directory, or the sandbox's set-up failed (the program is never run with fewer layers than asked)."""
-    import subprocess
+    total_memory_mb for all its processes and tmpfs files together (the program is killed at the first process the
+    kernel kills for it), at most disk_mb in its working directory; no_network=False skips the network namespace and
+    Landlock's TCP rules. The call first waits until total_memory_mb fits in what this process's other calls leave of
+    its memory budget (budget.py). At timeout_s, and after the program ends, its process group is killed (SIGKILL),
+    and with the PID namespace's init or the pids cgroup everything it started; the cgroups are removed. Raises
+    OSError only when the program cannot be started: no temporary directory, or the sandbox's set-up failed (the
+    program is never run with fewer layers than asked)."""
     import tempfile
-    from harness.sandbox import cgroups
+    from harness.sandbox import budget
     layers = isolation() if layers is None else layers
     cleanup.start_janitor()  # removes the call's directory and cgroups if the trainer dies during it
-    tmp = tempfile.mkdtemp(prefix=f"{cleanup.PREFIX}{os.getpid()}_")
+    with budget.process_budget().hold(total_memory_mb):
+        tmp = tempfile.mkdtemp(prefix=f"{cleanup.PREFIX}{os.getpid()}_")
+        try:
+            return _run(tmp, code, timeout_s, memory_mb, cpu_s, file_size_mb, no_network, max_processes, read_bytes,
+                        layers, total_memory_mb, disk_mb)
+        finally:
+            cleanup.remove_tree(tmp)
+
+
+def _run(tmp: str, code: str, timeout_s: float, memory_mb: int, cpu_s: int, file_size_mb: int, no_network: bool,
+         max_processes: int, read_bytes: int, layers: dict, total_memory_mb: int, disk_mb: int) -> Result:
+    """run() in the call's directory `tmp`, which the caller removes."""
+    import subprocess
+    from harness.sandbox import cgroups, launcher
     work, output_path = os.path.join(tmp, "work"), os.path.join(tmp, "output.txt")
-    call_cgroups, report, trainer = [], -1, -1
+    call_cgroups, report, trainer, options = [], -1, -1, -1
     try:
         os.mkdir(work)
         with open(os.path.join(work, "main.py"), "w", encoding="utf-8") as f:
@@ -353,12 +301,15 @@ def run(code: str, timeout_s: float = 10.0, memory_mb: int = 1_024, cpu_s: int =
         if root:
             os.mkdir(root)  # the mount point of the minimal root's tmpfs
         call_cgroups = cgroups.make(os.path.basename(tmp),  # named as the call's directory
-                                       max_processes if layers["process_limit"] == "pids cgroup" else 0,
-                                       total_memory_mb << 20 if layers["memory_limit"] else 0)
+                                    max_processes if layers["process_limit"] == "pids cgroup" else 0,
+                                    total_memory_mb << 20 if layers["memory_limit"] else 0)
         report, report_write = os.pipe()  # the launcher's channel to us; the program never holds it
         trainer = cleanup.own_pidfd()  # the launcher ends the program as soon as this process has died
-        cmd = command(work, report_write, layers, memory_mb, cpu_s, file_size_mb, no_network, max_processes,
-                      tuple(call_cgroups), root, disk_mb, timeout_s, trainer)
+        options = os.memfd_create("aepo_launcher")  # the launcher's settings: not on its command line
+        cmd, settings = command(work, report_write, layers, memory_mb, cpu_s, file_size_mb, no_network,
+                                max_processes, tuple(call_cgroups), root, disk_mb, timeout_s, trainer, options)
+        os.write(options, launcher.options(REPOSITORY, settings))
+        os.lseek(options, 0, os.SEEK_SET)
         env = {"PATH": os.environ.get("PATH", "/usr/bin:/bin"), "HOME": work, "TMPDIR": work, "LANG": "C.UTF-8",
                "OMP_NUM_THREADS": "1", "OPENBLAS_NUM_THREADS": "1", "MKL_NUM_THREADS": "1", "MPLBACKEND": "Agg"}
         timed_out = False
@@ -366,7 +317,7 @@ def run(code: str, timeout_s: float = 10.0, memory_mb: int = 1_024, cpu_s: int =
             try:
                 proc = subprocess.Popen(cmd, cwd=work, env=env, stdin=subprocess.DEVNULL, stdout=out,
                                         stderr=subprocess.STDOUT, start_new_session=True,
-                                        pass_fds=(report_write,) + (trainer,) * (trainer >= 0))
+                                        pass_fds=(report_write, options) + (trainer,) * (trainer >= 0))
             finally:
                 os.close(report_write)
             try:
@@ -384,16 +335,9 @@ def run(code: str, timeout_s: float = 10.0, memory_mb: int = 1_024, cpu_s: int =
         with open(output_path, "rb") as f:
             output = f.read(read_bytes).decode("utf-8", errors="replace")
         return Result(output.replace(work + os.sep, ""), os.path.getsize(output_path), returncode, timed_out,
-                      cgroups.refused(call_cgroups), cgroups.oom_kills(call_cgroups))
+                      cgroups.refused(call_cgroups), cgroups.oom_kills(call_cgroups), "disk full" in lines)
     finally:
-        try:
-            for fd in (report, trainer):
-                if fd >= 0:
-                    os.close(fd)
-            cgroups.remove(call_cgroups)
-        finally:
-            cleanup.remove_tree(tmp)
-
-
-if __name__ == "__main__":
-    launch(sys.argv[1:])
+        for fd in (report, trainer, options):
+            if fd >= 0:
+                os.close(fd)
+        cgroups.remove(call_cgroups)

@@ -15,24 +15,31 @@ import signal
 import time
 
 
+def own(controller: str) -> list[str]:
+    """The trainer's own cgroup for `controller` ("pids" or "memory"): its directory in each mounted hierarchy that
+    has the controller (cgroup v1's hierarchy of that name, or v2's; the caller checks that v2 gives it)."""
+    with open("/proc/self/cgroup") as f:  # "id:controllers:path"; cgroup v2's line names no controllers
+        paths = {name: path for _, names, path in (line.rstrip("\n").split(":", 2) for line in f)
+                 for name in names.split(",")}
+    with open("/proc/self/mountinfo") as f:  # "... root mount-point ... - fstype source super-options"
+        mounts = [line.split() for line in f]
+    found = []
+    for fields in mounts:
+        fstype, options = fields[fields.index("-") + 1], fields[-1].split(",")
+        key = "" if fstype == "cgroup2" else controller if fstype == "cgroup" and controller in options else None
+        if key in paths:
+            found.append(os.path.normpath(os.path.join(fields[4], os.path.relpath(paths[key], fields[3]))))
+    return found
+
+
 @functools.cache
 def parent(controller: str) -> str:
     """Where a call's cgroup for `controller` ("pids" or "memory") is made: the trainer's own cgroup in the hierarchy
     that has the controller (cgroup v1's hierarchy of that name, or v2's when its cgroup.subtree_control lists it), if
     the trainer may create a cgroup there (as root, or in a delegated v2 subtree); "" if there is none."""
-    with open("/proc/self/cgroup") as f:  # "id:controllers:path"; cgroup v2's line names no controllers
-        own = {name: path for _, names, path in (line.rstrip("\n").split(":", 2) for line in f)
-               for name in names.split(",")}
-    with open("/proc/self/mountinfo") as f:  # "... root mount-point ... - fstype source super-options"
-        mounts = [line.split() for line in f]
-    for fields in mounts:
-        fstype, options = fields[fields.index("-") + 1], fields[-1].split(",")
-        key = "" if fstype == "cgroup2" else controller if fstype == "cgroup" and controller in options else None
-        if key not in own:
-            continue
-        path = os.path.normpath(os.path.join(fields[4], os.path.relpath(own[key], fields[3])))
+    for path in own(controller):
         try:
-            if key == "":
+            if os.path.exists(os.path.join(path, "cgroup.subtree_control")):  # cgroup v2
                 with open(os.path.join(path, "cgroup.subtree_control")) as f:
                     if controller not in f.read().split():
                         continue
@@ -80,14 +87,19 @@ def make(name: str, max_processes: int = 0, memory_bytes: int = 0) -> list[str]:
     return made
 
 
+def _value(text: str, key: str) -> int:
+    """`key`'s value in `text` of "key value" lines (0 if absent)."""
+    return int(dict(line.split() for line in text.splitlines() if line.strip()).get(key, 0))
+
+
 def _counter(directories: list[str], file: str, key: str) -> int:
-    """The sum of `key`'s value in `file` ("key value" lines) over the directories that have the file."""
+    """The sum of `key`'s value in `file` over the directories that have the file."""
     total = 0
     for directory in directories:
         path = os.path.join(directory, file)
         if os.path.exists(path):
             with open(path) as f:
-                total += int(dict(line.split() for line in f if line.strip()).get(key, 0))
+                total += _value(f.read(), key)
     return total
 
 
@@ -96,9 +108,27 @@ def refused(directories: list[str]) -> int:
     return _counter(directories, "pids.events", "max")
 
 
+OOM_COUNTERS = ("memory.events", "memory.oom_control")  # v2, v1: each has a line "oom_kill N"
+
+
 def oom_kills(directories: list[str]) -> int:
     """Processes the kernel killed at the memory limit (v2: memory.events, v1: memory.oom_control, "oom_kill N")."""
-    return _counter(directories, "memory.events", "oom_kill") + _counter(directories, "memory.oom_control", "oom_kill")
+    return sum(_counter(directories, file, "oom_kill") for file in OOM_COUNTERS)
+
+
+def open_oom_counter(directories: list[str]) -> int:
+    """A file descriptor of the OOM-kill counter of the memory cgroup among `directories`, to read again and again
+    with read_oom_kills (also once the cgroup has no path: after the launcher changes its root); -1 if none."""
+    for directory in directories:
+        for file in OOM_COUNTERS:
+            if os.path.exists(os.path.join(directory, file)):
+                return os.open(os.path.join(directory, file), os.O_RDONLY | os.O_CLOEXEC)
+    return -1
+
+
+def read_oom_kills(fd: int) -> int:
+    """The counter open as `fd` (open_oom_counter), read now."""
+    return _value(os.pread(fd, 4096, 0).decode(), "oom_kill")
 
 
 def remove(directories: list[str]) -> None:

@@ -5,9 +5,10 @@ The policy's `<python>` calls run during every rollout (the agentic setting of p
 `kill_all` at the timeout or once the program has ended, and `remove_tree` on the call's temporary directory last.
 Neither depends on what the program did: the wait takes any file-descriptor number, and the removal any tree (depth,
 permissions, links). Inside the sandbox the launcher stays the program's parent (`supervise`) and ends it at the
-timeout or when the trainer has died (a kill -9, the kernel's out-of-memory killer), so no program outlives its
-trainer; and each trainer process has a janitor (`start_janitor`, this file run as a script), a process of its own
-that waits for the trainer to die and then removes what its calls left: their directories and cgroups.
+timeout, at the call's first out-of-memory kill, or when the trainer has died (a kill -9, the kernel's out-of-memory
+killer), so no program outlives its trainer; and each trainer process has a janitor (`start_janitor`, this file run as a
+script), a process of its own that waits for the trainer to die and then removes what its calls left: their directories
+and cgroups.
 
 Deviations from the paper / official code (algorithm.md §8): D12 (the sandbox as a whole; the official code kills
 the program's process and leaves its files).
@@ -17,6 +18,10 @@ import os
 import select
 import signal
 import sys
+
+if __name__ == "__main__":  # the janitor runs under -I, which leaves the repository off sys.path
+    sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
+from harness.sandbox import cgroups  # noqa: E402
 
 PREFIX = "aepo_python_"  # a call's directory: <temp>/aepo_python_<trainer pid>_<random>, its cgroups named the same
 _janitors: set[int] = set()  # the processes (pids) that have started theirs
@@ -47,13 +52,17 @@ def kill_all(proc, pid_namespace: bool) -> None:
         os.close(fd)
 
 
-def supervise(child: int, trainer: int, timeout_s: float, report: int, init: bool) -> None:
+def supervise(child: int, trainer: int, timeout_s: float, report: int, init: bool, memory_events: int = -1,
+              disk: str = "") -> None:
     """The launcher's part once the program runs (never returns): wait for `child` while reaping orphans (as init);
     at `timeout_s`, or when the trainer's pidfd `trainer` (-1: none) turns readable because the trainer has exited,
     end the program: as init by exiting, which ends every process of the PID namespace, else by killing the process
-    group. Reports "exit N" or "timeout" on `report`."""
+    group. Every tick (0.1 s) it also reads the call's OOM-kill counter (`memory_events`, cgroups.open_oom_counter;
+    -1: none) and kills the program at the first kill (a program waiting on a killed worker, as multiprocessing.Pool
+    does, would wait until the timeout), and checks whether the working directory `disk`, a tmpfs ("": none), is
+    full. Reports "exit N", "timeout" and "disk full" on `report`."""
     import time
-    deadline, waiter = time.monotonic() + timeout_s, select.poll()
+    deadline, waiter, disk_full = time.monotonic() + timeout_s, select.poll(), False
     try:
         waiter.register(os.pidfd_open(child), select.POLLIN)  # readable once the program has exited
     except (AttributeError, OSError):  # no pidfd: the orphans' tick below sees the program end too
@@ -63,12 +72,20 @@ def supervise(child: int, trainer: int, timeout_s: float, report: int, init: boo
     while True:
         left = deadline - time.monotonic()
         ready = {fd for fd, _ in waiter.poll(max(0.0, min(left, 0.1)) * 1000)} if left > 0 else set()
+        if disk and not disk_full and _full(disk):
+            disk_full = True
+            os.write(report, b"disk full\n")
+        if memory_events >= 0 and cgroups.read_oom_kills(memory_events):
+            os.kill(child, signal.SIGKILL)  # reaped below: "exit -9"
+            memory_events = -1
         while True:
             try:
                 pid, wait_status = os.waitpid(-1, os.WNOHANG)  # orphans are re-parented to init: reap them too
             except ChildProcessError:
                 pid = 0
             if pid == child:
+                if disk and not disk_full and _full(disk):
+                    os.write(report, b"disk full\n")
                 os.write(report, f"exit {os.waitstatus_to_exitcode(wait_status)}\n".encode())
                 os._exit(0)  # as init, every other process of the namespace is killed with it
             if pid == 0:
@@ -79,6 +96,13 @@ def supervise(child: int, trainer: int, timeout_s: float, report: int, init: boo
             if not init:
                 os.killpg(0, signal.SIGKILL)  # the launcher's own group (a session of its own): it too
             os._exit(0)
+
+
+def _full(directory: str) -> bool:
+    """Whether the filesystem of `directory` has no block or no inode left (a write that hits ENOSPC on a tmpfs
+    fills it to the last block first)."""
+    stats = os.statvfs(directory)
+    return stats.f_bavail == 0 or stats.f_favail == 0
 
 
 def remove_tree(path: str) -> None:
@@ -158,7 +182,6 @@ def start_janitor() -> None:
         own = own_pidfd()
         if own < 0:
             return
-        from harness.sandbox import cgroups
         parents = dict.fromkeys(p for p in (cgroups.parent("pids"), cgroups.parent("memory")) if p)
         try:
             subprocess.run([sys.executable, "-I", "-S", os.path.abspath(__file__), str(own), tempfile.gettempdir(),
@@ -173,7 +196,6 @@ def janitor(trainer: int, temp: str, prefix: str, cgroup_parents: list[str]) -> 
     """The janitor's body: wait until the pidfd `trainer` is readable (the trainer has exited), then remove every
     directory `prefix`* under `temp` and the cgroups of the same name under `cgroup_parents` (cgroups first: that
     kills what a call still runs, then its files go). Errors are skipped: it removes what it can."""
-    from harness.sandbox import cgroups
     waiter = select.poll()
     waiter.register(trainer, select.POLLIN)
     waiter.poll()
@@ -189,7 +211,6 @@ def janitor(trainer: int, temp: str, prefix: str, cgroup_parents: list[str]) -> 
 
 
 if __name__ == "__main__":  # the janitor: python -I -S cleanup.py PIDFD TEMP PREFIX [CGROUP_PARENT ...]
-    sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
     if os.fork() > 0:
         os._exit(0)  # start_janitor waits for this one; the janitor lives on, a child of no trainer
     janitor(int(sys.argv[1]), sys.argv[2], sys.argv[3], sys.argv[4:])

@@ -5,7 +5,7 @@ that sandbox.py's launcher uses to restrict itself before it executes the progra
 version it offers; `restrict` creates a ruleset (the paths that may be read, the paths that may be written, optionally
 no TCP, and with ABI >= 6 no signals or abstract unix sockets to processes outside), adds one rule per path and applies
 it to the calling process and everything it executes afterwards, irrevocably. No ABI up to 7 has rules for socket
-families (vsock, for one): sandbox_seccomp.py closes that.
+families (vsock, for one): seccomp.py closes that.
 
 Deviations from the paper / official code (algorithm.md §8): D12 (the sandbox as a whole; the official code has no
 Landlock).
