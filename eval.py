@@ -364,7 +364,7 @@ def main(argv=None) -> list[dict]:
     model, tokenizer = load_model(cfg.model, cfg.device, cfg.dtype)
     search = search_mod.make_search(cfg.search, **cfg.search_kw)
     search_mod.check_reachable(search)
-    print(settings_mod.python_isolation(cfg.python_isolation), flush=True)
+    print(settings_mod.python_isolation(cfg.python_isolation, cfg.python_limits), flush=True)
     tool_runner = settings_mod.make_tools(search, cfg.python_limits, cfg.tools, cfg.mcp_server, cfg.tool_format,
                                           tokenizer, cfg.model, cfg.observations_as_data)
     new_dir = not out.exists()

@@ -322,7 +322,7 @@ def main(cfg, datasets: list, out: Path) -> list[dict]:
     print(f"browsing search: {browse!r}; judge: {getattr(judge, 'model', None)}; system prompt: "
           f"{cfg.system_prompt or 'tools.SYSTEM_PROMPT'}; judge prompt: {cfg.judge_prompt or 'OFFICIAL_JUDGE_PROMPT'}",
           flush=True)
-    print(python_isolation(cfg.python_isolation), flush=True)
+    print(python_isolation(cfg.python_isolation, cfg.python_limits), flush=True)
     python_kw = {key: value for key, value in python_limits(cfg.python_limits).items() if key != "timeout_s"}
 
     def python(code: str, deadline_s: float) -> str:              # the official per-call deadline, not timeout_s

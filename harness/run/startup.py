@@ -96,7 +96,7 @@ def set_up(cfg: config.Config, rank: int, world: int, device: torch.device, stat
     tokenizer = models.load_tokenizer(base_path)
     if cfg.lora_rank:                            # the targets checked on the model's skeleton, before any work
         check_targets(models.skeleton(base_path), cfg.lora_target_modules)
-    log(settings.python_isolation(cfg.python_isolation))              # every rank runs its own python calls
+    log(settings.python_isolation(cfg.python_isolation, cfg.python_limits))  # every rank runs its own python calls
     tool_runner = state.tools = settings.make_tools(search, cfg.python_limits, cfg.tools, cfg.mcp_server,
                                                     cfg.tool_format, tokenizer, cfg.model, cfg.observations_as_data)
     fmt = tool_runner.format                     # the tool-call format: prompts, stop strings, the format check
