@@ -241,6 +241,22 @@ def test_cannot_reach_the_trainers_keys(monkeypatch, trainer_keys, layer):
         trainer_keys["keys"](KEYRING_CALLS[os.uname().machine][1], 21, serial)  # KEYCTL_INVALIDATE
 
 
+@pytest.mark.parametrize("layer", ("all", "PID namespace"))
+def test_the_keyrings_listing_names_none_of_the_trainers_keys(monkeypatch, trainer_keys, layer):
+    """/proc/keys lists every key the user may view by name, the trainer's too: the launcher covers it."""
+    use(monkeypatch, layer, ("PID namespace",))
+    description = f"aepo_test_{secrets.token_hex(4)}"
+    serial = trainer_keys["add"](description, b"trainer secret")
+    code = "print(open('/proc/keys').read().count({!r}), 'listed')".format(description)
+    try:
+        assert tools.run_python(code) == "0 listed"
+        # the control: without the PID namespace's mounts the program reads the machine's listing
+        monkeypatch.setattr(sandbox, "isolation", lambda: {**LAYERS, **OFF})
+        assert tools.run_python(code) == "1 listed"
+    finally:
+        trainer_keys["keys"](KEYRING_CALLS[os.uname().machine][1], 21, serial)  # KEYCTL_INVALIDATE
+
+
 @pytest.mark.parametrize("layer", ("namespaces", "none"))
 def test_a_calls_keyring_is_its_own_and_goes_with_it(monkeypatch, trainer_keys, layer):
     """Where keys may be used (no seccomp filter), a call starts with an empty session keyring of its own; the key it

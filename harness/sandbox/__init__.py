@@ -38,8 +38,9 @@ Layers, each detected once per process (`isolation()`) and used wherever availab
 - rlimits: address space (RLIMIT_AS), CPU time (RLIMIT_CPU; SIGXCPU, a second later SIGKILL), size of a written
   file (RLIMIT_FSIZE), soft and hard.
 Always, where the kernel has keyrings: a session keyring of the call's own, empty, gone with the call (the trainer's
-keys are not possessed, so neither found nor read), and the launcher's command line (the program's /proc/1/cmdline)
-names no host path: its settings come on a file descriptor.
+keys are not possessed, so neither found nor read; with the PID namespace /proc/keys, which names them, is covered).
+Always: the launcher's command line (the program's /proc/1/cmdline) names no host path: its settings come on a file
+descriptor.
 `require("strict")` refuses to start a run unless every layer is there (the rlimits always are).
 
 The sandbox's own status (a set-up failure, the program's exit code as its init saw it) comes back on a pipe that the

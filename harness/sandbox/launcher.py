@@ -97,6 +97,7 @@ def launch(args: list[str]) -> None:
         join_new_session_keyring()
         if init:  # our own PID and mount namespace: /proc shows only the sandbox's processes
             paths["ro"].append("/proc")
+            rootfs.hide(["/proc/keys", "/proc/key-users"])  # the keys' names and owners' counts, the trainer's too
             if "disk" in settings:
                 rootfs.private_directory(os.getcwd(), int(settings["disk"]))
             if "root" in settings:  # multiprocessing's semaphores live in /dev/shm

@@ -6,7 +6,8 @@ size-limited tmpfs over the working directory, which bounds the call's disk use 
 mounts a small tmpfs, binds into it the paths the program may use (the interpreter, the system's libraries, a few
 devices, its own /proc and working directory), recreates the symlinks on their way (/bin -> usr/bin), mounts a private
 /dev/shm, makes it the namespace's root with pivot_root and detaches the old root. Whatever else exists on the machine
-(/tmp, /run, /var, home directories, and the unix sockets listening there) no longer has a path.
+(/tmp, /run, /var, home directories, and the unix sockets listening there) no longer has a path. `hide` covers a
+file of /proc with /dev/null.
 
 Deviations from the paper / official code (algorithm.md §8): D12 (the sandbox as a whole; the official code has no
 root of its own for the program).
@@ -53,6 +54,14 @@ def private_directory(path: str, size_bytes: int) -> None:
     for name, data in files.items():
         with open(os.path.join(path, name), "wb") as f:
             f.write(data)
+
+
+def hide(paths: list[str]) -> None:
+    """Bind /dev/null over each of the files `paths` that exists, in this mount namespace only (the keyring's listing
+    /proc/keys shows every key the user may view, the trainer's too, by name)."""
+    for path in paths:
+        if os.path.exists(path):
+            _mount("/dev/null", path, None, MS_BIND)
 
 
 def resolve(paths: list[str]) -> tuple[dict[str, str], list[str]]:
