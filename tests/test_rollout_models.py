@@ -191,3 +191,24 @@ def test_generator_log_probs_equal_the_trainers(tokenizer, temperature):
     with torch.no_grad():
         old, _ = policy_mod.Policy(model)(batch.input_ids, batch.attention_mask, batch.mask, temperature)
     torch.testing.assert_close(torch.tensor(seg.logprobs), old[0][batch.mask[0].bool()], atol=1e-4, rtol=0)
+
+
+@pytest.mark.parametrize("sampling", [Sampling(), Sampling(temperature=0.7, top_p=0.9, top_k=50),
+                                      Sampling(repetition_penalty=1.3), Sampling(temperature=0.0)],
+                         ids=["plain", "warped", "penalty", "greedy"])
+def test_a_single_context_samples_what_model_generate_does(tokenizer, sampling):
+    """The generator decodes by itself (rows leave the batch as they end); with one row nothing leaves early, so its
+    draws are model.generate's with the same seed and processors: the same tokens."""
+    model = peaked(tokenizer, seed=2)
+    context = as_ids(chat_prompt(tokenizer, "Name a planet."))
+    seg = TransformersGenerator(model, tokenizer, stop_strings=("</nothing>",)).generate(
+        [context], [24], seed=5, sampling=sampling)[0]
+    torch.manual_seed(5)
+    sample = sampling.temperature > 0
+    with torch.no_grad():
+        ref = model.generate(torch.tensor([context]), attention_mask=torch.ones(1, len(context), dtype=torch.long),
+                             max_new_tokens=24, do_sample=sample, temperature=sampling.temperature if sample else None,
+                             top_p=sampling.top_p if sample else None, top_k=sampling.top_k,
+                             repetition_penalty=sampling.repetition_penalty, pad_token_id=tokenizer.pad_token_id,
+                             eos_token_id=tokenizer.eos_token_id)[0, len(context):].tolist()
+    assert seg.token_ids == ref[:len(seg.token_ids)] and len(seg.token_ids) >= min(len(ref), 24) - 1

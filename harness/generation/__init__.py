@@ -43,59 +43,16 @@ def make_generator(cfg, init_path: str, policy, tokenizer, rank: int, device,
     return TransformersGenerator(lm, tokenizer, batch_size=cfg.gen_batch_size, stop_strings=stop_strings)
 
 
-class _Recorder:
-    """A logits processor that changes nothing and records, from the logits it receives, the top-k log-probs (T = 1)
-    of the first n steps (H_seg) and the log-prob at temperature T of every sampled token (the mismatch metrics of
-    docs/reference.md: what the trainer's old log-probs are compared with). Custom processors run after transformers'
-    own ones (which `_raw_generation_config` leaves out) and before temperature, top-k and top-p, so it sees the
-    model's own distribution. The token sampled at a step is known at the next call (the last one in `finish`): one
-    (B, V) row of log-probs is kept, never the whole history."""
-
-    def __init__(self, k: int, n: int, temperature: float, on_step=None):
-        self.k, self.n, self.temperature, self.on_step = k, n, temperature, on_step
-        self.steps, self.sampled, self.previous = [], [], None
-
-    def __call__(self, input_ids, scores):
-        z = scores.float()
-        if self.previous is not None:
-            self.sampled.append(self.previous.gather(1, input_ids[:, -1:].to(z.device)).squeeze(1).cpu())
-        if len(self.steps) < self.n:
-            self.steps.append(torch.log_softmax(z, -1).topk(self.k, -1).values.cpu())
-        self.previous = torch.log_softmax(z / self.temperature, -1)
-        if self.on_step is not None:
-            self.on_step(scores.shape[0])
-        return scores
-
-    def finish(self, last_ids) -> torch.Tensor:
-        """(steps, B) log-probs of the sampled tokens, given the last step's tokens."""
-        if self.previous is not None:
-            self.sampled.append(self.previous.gather(1, last_ids[:, None].to(self.previous.device)).squeeze(1).cpu())
-            self.previous = None
-        return torch.stack(self.sampled) if self.sampled else torch.empty(0, len(last_ids))
-
-
-@contextlib.contextmanager
-def _raw_generation_config(model):
-    """For one `generate` call, the model's generation_config replaced by one holding only its special tokens (and
-    put back after): transformers fills every setting a call leaves unset from it (a checkpoint's repetition_penalty,
-    no_repeat_ngram_size, min_p, suppress_tokens, ...), which would change what is sampled and what H_seg reads."""
-    from transformers import GenerationConfig
-    saved = model.generation_config
-    model.generation_config = GenerationConfig(bos_token_id=saved.bos_token_id, eos_token_id=saved.eos_token_id,
-                                               pad_token_id=saved.pad_token_id)
-    try:
-        yield
-    finally:
-        model.generation_config = saved
-
-
 class TransformersGenerator:
-    """All contexts of a round in batched `model.generate` calls (left padding), stopping at the closing tool tags,
-    `</answer>` and EOS, sampling the model's own distribution shaped only by the call's `Sampling` (a checkpoint's
-    generation_config is not applied). Each segment carries the log-prob of its tokens at the sampling temperature. H_seg uses the top-10 log-probs of the raw logits (T=1, before any repetition
-    penalty), the same quantity vLLM returns, so trees do not depend on the backend. It samples from `model`, which
-    is the policy's own LM with one process or DDP (update_weights then has nothing to copy) and an unsharded copy
-    under FSDP2 (D41)."""
+    """All contexts of a round decoded together, token by token with the model's KV cache, each row leaving the batch
+    as soon as its segment ends (a closing tool tag, `</answer>`, EOS or its own token budget) so that the others go on
+    without it: `model.generate` would run the padded batch until its longest row ends. It samples the model's own
+    distribution shaped only by the call's `Sampling` (a checkpoint's generation_config is not applied), with
+    transformers' own processors in generate's order (repetition penalty, temperature, top-k, top-p), and each
+    segment carries the log-prob of its tokens at the sampling temperature. H_seg uses the top-10 log-probs of the raw
+    logits (T=1, before any repetition penalty), the same quantity vLLM returns, so trees do not depend on the backend.
+    It samples from `model`, which is the policy's own LM with one process or DDP (update_weights then has nothing to
+    copy) and an unsharded copy under FSDP2 (D41)."""
 
     def __init__(self, model, tokenizer, batch_size: int = 64, topk: int = 10, n_entropy: int = 20,
                  stop_strings: tuple[str, ...] = tools.STOP_STRINGS):
@@ -107,6 +64,8 @@ class TransformersGenerator:
         self.eos_ids = set(eos if isinstance(eos, (list, tuple)) else [eos])
         self.pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else min(self.eos_ids)
         self.takes_adapter = any(".lora_A." in name for name, _ in model.named_parameters())   # LoRA layers in it
+        import inspect                           # transformers 5.25 renamed forward's past_key_values to cache
+        self.cache_kw = "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
 
     @torch.no_grad()
     def update_weights(self, named_tensors) -> None:
@@ -133,7 +92,11 @@ class TransformersGenerator:
         return out
 
     def _generate_batch(self, contexts, max_new_tokens, seed, sampling: Sampling, on_step):
-        from transformers import LogitsProcessorList, RepetitionPenaltyLogitsProcessor
+        """One batch: a prefill of the left-padded contexts, then one forward per step over the rows still running.
+        A row that ends leaves the batch, its KV cache rows and attention mask with it. The draws are generate's
+        (one multinomial over the running rows per step, after the same processors), so a batch whose rows end
+        together samples what `model.generate` would; once rows have left, the later draws differ from its."""
+        from transformers import DynamicCache
         device = next(self.model.parameters()).device
         width = max(len(c) for c in contexts)
         ids = torch.full((len(contexts), width), self.pad_id, dtype=torch.long)
@@ -141,41 +104,85 @@ class TransformersGenerator:
         for i, c in enumerate(contexts):
             ids[i, width - len(c):] = torch.tensor(c)
             attn[i, width - len(c):] = 1
+        ids, attn = ids.to(device), attn.to(device)
         torch.manual_seed(seed)
-        sample = sampling.temperature > 0
-        recorder = _Recorder(self.topk, self.n_entropy, sampling.temperature if sample else 1.0, on_step)
-        processors = LogitsProcessorList([recorder])
-        if sampling.repetition_penalty != 1.0:       # after the recorder: H_seg reads the raw logits
-            processors.append(RepetitionPenaltyLogitsProcessor(sampling.repetition_penalty,
-                                                               prompt_ignore_length=(attn != 0).int().argmax(1)))
-        with _raw_generation_config(self.model):
-            gen = self.model.generate(
-                input_ids=ids.to(device), attention_mask=attn.to(device), max_new_tokens=max(max_new_tokens),
-                do_sample=sample, temperature=sampling.temperature if sample else None,
-                top_p=sampling.top_p if sample else None, top_k=sampling.top_k, logits_processor=processors,
-                stop_strings=list(self.stop_strings), tokenizer=self.tokenizer, eos_token_id=sorted(self.eos_ids),
-                pad_token_id=self.pad_id, return_dict_in_generate=True)
-        new = gen.sequences[:, width:].tolist()
-        n_ent = len(recorder.steps)
-        topk = torch.stack(recorder.steps) if n_ent else torch.empty(0, len(contexts), self.topk)  # (n, B, topk)
-        sampled = recorder.finish(gen.sequences[:, -1]) if new and new[0] else torch.empty(0, len(contexts))
-        segments = []
-        for i, row in enumerate(new):
-            token_ids, reason, text = self._cut(row, max_new_tokens[i])
-            per_pos = topk[:min(len(token_ids), n_ent), i].tolist()
-            segments.append(Segment(token_ids, reason, segment_entropy(per_pos, self.vocab_size), text,
-                                    sampled[:len(token_ids), i].tolist()))
-        return segments
+        sample, temperature = sampling.temperature > 0, sampling.temperature if sampling.temperature > 0 else 1.0
+        rows = [_Row(limit) for limit in max_new_tokens]
+        running = [i for i, row in enumerate(rows) if not row.finish_if_empty()]
+        pads = width - attn.sum(-1)                  # the repetition penalty ignores the padding
+        cache, seqs = DynamicCache(config=self.model.config), ids
+        step_ids, positions = ids, (attn.cumsum(-1) - 1).clamp(min=0)
+        if len(running) < len(contexts):             # budget 0: never decoded
+            index = torch.tensor(running, device=device)
+            seqs, attn, pads, step_ids, positions = seqs[index], attn[index], pads[index], ids[index], positions[index]
+        while running:
+            logits = self.model(input_ids=step_ids, attention_mask=attn, position_ids=positions, use_cache=True,
+                                logits_to_keep=1, **{self.cache_kw: cache}).logits[:, -1].float()
+            scores = self._processors(sampling, pads)(seqs, logits.clone())
+            chosen = torch.multinomial(torch.softmax(scores, -1), 1)[:, 0] if sample else scores.argmax(-1)
+            logp = torch.log_softmax(logits / temperature, -1).gather(1, chosen[:, None])[:, 0].tolist()
+            needs_top = any(len(rows[i].token_ids) < self.n_entropy for i in running)
+            top = torch.log_softmax(logits, -1).topk(self.topk, -1).values.tolist() if needs_top else None
+            for j, i in enumerate(running):
+                rows[i].add(int(chosen[j]), logp[j], top[j] if top is not None else None, self)
+            if on_step is not None:
+                on_step(len(running))
+            keep = [j for j, i in enumerate(running) if not rows[i].reason]
+            seqs = torch.cat([seqs, chosen[:, None]], 1)
+            attn = torch.cat([attn, torch.ones_like(attn[:, :1])], 1)
+            if len(keep) < len(running):             # finished rows leave the batch and its cache
+                index = torch.tensor(keep, dtype=torch.long, device=device)
+                cache.batch_select_indices(index)
+                seqs, attn, pads, chosen = seqs[index], attn[index], pads[index], chosen[index]
+                running = [running[j] for j in keep]
+            step_ids, positions = chosen[:, None], attn.sum(-1, keepdim=True) - 1
+        return [Segment(row.token_ids, row.reason, segment_entropy(row.top, self.vocab_size), row.text, row.logprobs)
+                for row in rows]
 
-    def _cut(self, row: list[int], limit: int) -> tuple[list[int], str, str]:
-        """Keep tokens up to the first stop string / EOS (inclusive) or `limit` tokens."""
-        text = ""
-        for j, tok in enumerate(row[:limit]):
-            if tok in self.eos_ids:
-                return row[:j + 1], "eos", text
-            text += self.tokenizer.decode([tok])
-            hit = rollout.first_stop(text[-64:], self.stop_strings)   # (end offset, stop string) or None
-            if hit is not None:
-                return row[:j + 1], rollout.finish_reason(hit[1]), self.tokenizer.decode(row[:j + 1])
-        kept = row[:limit]
-        return kept, "length", self.tokenizer.decode(kept)
+    def _processors(self, sampling: Sampling, pads):
+        """generate's logits processors for `sampling`, in its order: repetition penalty (after the raw logits that
+        H_seg and the log-probs read), then temperature, top-k and top-p when sampling."""
+        from transformers import (LogitsProcessorList, RepetitionPenaltyLogitsProcessor, TemperatureLogitsWarper,
+                                  TopKLogitsWarper, TopPLogitsWarper)
+        out = LogitsProcessorList()
+        if sampling.repetition_penalty != 1.0:
+            out.append(RepetitionPenaltyLogitsProcessor(sampling.repetition_penalty, prompt_ignore_length=pads))
+        if sampling.temperature > 0:
+            if sampling.temperature != 1.0:
+                out.append(TemperatureLogitsWarper(sampling.temperature))
+            if sampling.top_k:
+                out.append(TopKLogitsWarper(sampling.top_k))
+            if sampling.top_p < 1.0:
+                out.append(TopPLogitsWarper(sampling.top_p))
+        return out
+
+
+class _Row:
+    """One context's segment as it is decoded: its tokens, their log-probs, the top-k log-probs of its first
+    positions (H_seg), its text, and why it ended ("" while it runs)."""
+
+    def __init__(self, limit: int):
+        self.limit, self.token_ids, self.logprobs, self.top, self.text, self.reason = limit, [], [], [], "", ""
+
+    def finish_if_empty(self) -> bool:
+        if self.limit <= 0:
+            self.reason = "length"
+        return bool(self.reason)
+
+    def add(self, token: int, logprob: float, top: list[float] | None, gen: TransformersGenerator) -> None:
+        """Append a sampled token and end the segment at EOS, a stop string (inclusive) or the token budget."""
+        self.token_ids.append(token)
+        self.logprobs.append(logprob)
+        if len(self.token_ids) <= gen.n_entropy and top is not None:
+            self.top.append(top)
+        if token in gen.eos_ids:
+            self.reason = "eos"
+            return
+        self.text += gen.tokenizer.decode([token])
+        hit = rollout.first_stop(self.text[-64:], gen.stop_strings)   # (end offset, stop string) or None
+        if hit is not None:
+            self.reason = rollout.finish_reason(hit[1])
+        elif len(self.token_ids) >= self.limit:
+            self.reason = "length"
+        if self.reason:
+            self.text = gen.tokenizer.decode(self.token_ids)
