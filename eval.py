@@ -37,8 +37,8 @@ from harness.official import protocol
 from harness.cli import UserError
 from harness.config import Config, arg
 from harness.correctness import Judge, math_equal
-from harness.dataset import load_dataset
-from harness.models import check_run_model, load_model
+from harness.dataset import check_prompts, load_files
+from harness.models import check_run_model, load_model, load_tokenizer, model_source
 from reward import pass_at_k, score_response  # noqa: F401 (eval.pass_at_k: the name other code imports)
 
 # --------------------------------------------------------------------------------------------------
@@ -351,22 +351,21 @@ def main(argv=None) -> list[dict]:
           f"max_tool_calls {cfg.max_tool_calls}, search {cfg.search} {cfg.search_kw}", flush=True)
     if not cfg.run and (note := _training_note(cfg.model, cfg)):
         print(note, flush=True)
-    datasets = [(path, load_dataset(path, skip_bad=cfg.skip_bad))          # every input checked before any output
-                for path in ([cfg.data] if isinstance(cfg.data, str) else cfg.data)]
-    for path, rows in datasets:
-        if not rows:
-            raise UserError(f"--data {path}: no questions in it")
+    datasets = load_files(cfg.data, cfg.skip_bad)                          # every input checked before any output
     rundir.check_writable(str(out), "out_dir")
     if official:
         return protocol.main(cfg, datasets, out)
     judge = Judge.from_env(cfg.judge_url, cfg.judge_model, cfg.judge_api_key,
                            cfg.judge_cache or out / "judge_cache.json") if cfg.judge else None
-    model, tokenizer = load_model(cfg.model, cfg.device, cfg.dtype)
     search = search_mod.make_search(cfg.search, **cfg.search_kw)
     search_mod.check_reachable(search)
+    source = model_source(cfg.model)             # the tokenizer, then the prompts checked, then the weights
+    tokenizer = load_tokenizer(source)
     print(settings_mod.python_isolation(cfg.python_isolation, cfg.python_limits), flush=True)
     tool_runner = settings_mod.make_tools(search, cfg.python_limits, cfg.tools, cfg.mcp_server, cfg.tool_format,
                                           tokenizer, cfg.model, cfg.observations_as_data)
+    check_prompts(datasets, cfg.limit, tokenizer, tool_runner.format.build_prompt, source)
+    model = load_model(source, cfg.device, cfg.dtype)[0]
     new_dir = not out.exists()
     out.mkdir(parents=True, exist_ok=True)
     (out / "config.json").write_text(json.dumps(asdict(cfg), indent=2))

@@ -141,9 +141,17 @@ def load_dataset(path, skip_bad: bool = False) -> Dataset:
         raise
     except (OSError, ValueError) as err:                         # pyarrow's ArrowInvalid is a ValueError
         raise UserError(f"{path}: cannot be read as {path.suffix[1:]}: {' '.join(str(err).split())[:200]}") from None
+    first = {}                                   # a row's own "id" field -> where it was first given
     for where, parse in records:
         try:
-            rows.append({**parse(), "id": f"{path.stem}:{where.split()[-1]}"})    # e.g. qa_train:17 (line 17)
+            row = parse()
+            if row["meta"].get("id") is not None:        # results are kept per question: an id names one
+                given = json.dumps(row["meta"]["id"], sort_keys=True)
+                if given in first:
+                    raise ValueError(f"id {given} is given twice (first on {first[given]}); give each question its "
+                                     "own id")
+                first[given] = where
+            rows.append({**row, "id": f"{path.stem}:{where.split()[-1]}"})    # e.g. qa_train:17 (line 17)
         except (ValueError, SyntaxError, TypeError, AttributeError, KeyError, RecursionError) as err:
             reason = "nested too deeply to read (Python's recursion limit)" if isinstance(err, RecursionError) else err
             message = f"{path}: {where}: malformed row: {reason}"
@@ -155,6 +163,34 @@ def load_dataset(path, skip_bad: bool = False) -> Dataset:
         print(f"warning: {path}: skipped {len(skipped)} malformed row(s), kept {len(rows)}", file=sys.stderr)
     rows.skipped = skipped
     return rows
+
+
+def load_files(paths: str | list[str], skip_bad: bool = False) -> list[tuple[str, Dataset]]:
+    """eval.py's --data: (path, rows) of each file (load_dataset), every file read and checked, none empty."""
+    datasets = [(path, load_dataset(path, skip_bad)) for path in ([paths] if isinstance(paths, str) else paths)]
+    for path, rows in datasets:
+        if not rows:
+            raise UserError(f"--data {path}: no questions in it")
+    return datasets
+
+
+def check_prompts(datasets: list[tuple[str, Dataset]], limit: int, tokenizer, build_prompt, model_dir: str) -> None:
+    """eval.py: the prompt (build_prompt: the tool-call format's) of each question evaluated (the first `limit` of
+    each file; 0: all) leaves room for a response in the model's context (max_position_embeddings in model_dir's
+    config.json; not checked where there is none), else a UserError naming the file and line: a longer prompt would
+    be sampled for hours (a 10 MB question is some 2,000,000 tokens)."""
+    try:
+        context = json.loads(Path(model_dir, "config.json").read_text(encoding="utf-8"))["max_position_embeddings"]
+    except (OSError, ValueError, KeyError, TypeError):
+        return
+    for path, rows in datasets:
+        for row in rows[:limit or None]:
+            tokens = len(build_prompt(tokenizer, row["question"]))
+            if tokens >= context:
+                where = ("row " if str(path).endswith(".parquet") else "line ") + row["id"].rsplit(":", 1)[1]
+                raise UserError(f"--data {path}: {where}: the question's prompt is {tokens:,} tokens, no shorter than "
+                                f"the model's context ({context:,}, max_position_embeddings): shorten the question "
+                                "or leave it out")
 
 
 def load_questions(path: str, tokenizer, max_prompt_tokens: int, what: str, skip_bad: bool = False,
