@@ -294,7 +294,9 @@ def parse_args(parser, argv, prog: str) -> dict:
         return parser.parse_args(argv).as_dict()
     except ArgumentError as err:
         message = " ".join(str(err).split())
-        raise UserError(f"{message} (python {prog} --help lists every flag)") from None
+        unknown = re.match(r"Option '([^']+)' is not accepted", message)        # a key of a --config file
+        where = configfile.where_given(argv, unknown.group(1)) if unknown else ""
+        raise UserError(f"{where}{message} (python {prog} --help lists every flag)") from None
 
 
 NAME_MAX = 255                                   # bytes in one file or folder name (Linux, macOS, Windows)

@@ -90,6 +90,18 @@ def config_files(argv: list[str]) -> list[tuple[int, int, dict | None]]:
     return out
 
 
+def where_given(argv: list[str], key: str) -> str:
+    """'--config FILE: line N: ' for the first --config file of argv whose top level gives `key`, '' when none does:
+    where a message about the key points."""
+    for i, n, settings in config_files(argv):
+        if settings and key in settings:
+            path = argv[i].split("=", 1)[1] if n == 1 else argv[i + 1]
+            top = yaml.compose(Path(path).read_text(encoding="utf-8-sig"), Loader=StrictLoader)
+            lines = [key_node.start_mark.line + 1 for key_node, _ in top.value if key_node.value == key]
+            return f"--config {path}: " + (f"line {lines[0]}: " if lines else "")
+    return ""
+
+
 def _is_file(path: str) -> bool:
     try:
         return Path(path).is_file()
