@@ -33,6 +33,7 @@ from tools import SearchError
 
 TOPK = 10  # snippets per search result
 SNIPPET_CHARS = 1_000  # each snippet is cut to this many characters
+API_KEY_ENV = {"web": "SERPER_API_KEY", "brightdata": "BRIGHTDATA_API_KEY"}  # the web backends' keys, unless api_key
 
 
 def format_pages(snippets: list[str], topk: int = TOPK, max_chars: int = SNIPPET_CHARS) -> str:
@@ -232,7 +233,7 @@ class WebSearch:
     def __init__(self, api_key: str | None = None, url: str = "https://google.serper.dev/search", topk: int = TOPK,
                  timeout_s: float = 20.0, retries: int = 3, backoff_s: float = 1.0, max_workers: int = 8,
                  max_bytes: int = 16 << 20):
-        self._key = api_key or os.environ.get("SERPER_API_KEY")
+        self._key = api_key or os.environ.get(API_KEY_ENV["web"])
         if not self._key:
             raise UserError("--search web needs a Serper.dev API key: set SERPER_API_KEY (or --search bm25, offline)")
         self.url, self.topk, self.timeout_s, self.retries, self.backoff_s = url, topk, timeout_s, retries, backoff_s
@@ -279,7 +280,7 @@ class BrightDataSearch:
                  url: str = "https://api.brightdata.com/request", topk: int = TOPK, location: str = "cn",
                  timeout_s: float = 20.0, retries: int = 2, backoff_s: float = 1.0, max_workers: int = 8,
                  max_bytes: int = 16 << 20):
-        self._key = api_key or os.environ.get("BRIGHTDATA_API_KEY")
+        self._key = api_key or os.environ.get(API_KEY_ENV["brightdata"])
         if not self._key:
             raise UserError("--search brightdata needs a Bright Data API key: set BRIGHTDATA_API_KEY (or --search "
                             "bm25, offline)")

@@ -127,7 +127,11 @@ def check_openai(endpoint: Endpoint, route: str, timeout_s: float) -> Endpoint:
 
 def search_probe(search: str, search_kw: dict, timeout_s: float) -> tuple[Endpoint, object]:
     """The SERP API of `--search search --search_kw search_kw` as an Endpoint, and a client of it that asks once (no
-    retries) within timeout_s."""
+    retries) within timeout_s. Without its API key, one line (the offline --search bm25 has no pages to browse)."""
+    if not search_kw.get("api_key") and not os.environ.get(search_mod.API_KEY_ENV[search]):
+        raise UserError(f"--protocol official --search {search} needs its API key: set "
+                        f"{search_mod.API_KEY_ENV[search]} (offline: the stand-ins of tests/standins.py, README: "
+                        "Evaluation)")
     serp = search_mod.make_search(search, **{**search_kw, "timeout_s": timeout_s, "retries": 0})
     return Endpoint("--search_kw url" if "url" in search_kw else f"--search {search}", "the search backend",
                     serp.url), serp
