@@ -47,6 +47,8 @@ def plan_run(cfg, state: RunState | None = None, rank: int = 0) -> tuple[Path, l
     if state is not None:                        # before anything else: a second run here ends at once
         take_lock(run_dir, state, rank, create=False)
     ckpts = checkpoint.checkpoint_dirs(run_dir)
+    if cfg.resume:
+        check_newest(run_dir, ckpts)
     if cfg.resume and not ckpts:
         raise cli.UserError(f"--resume: no checkpoint in {run_dir}/checkpoints")
     if not cfg.resume and ckpts:
@@ -58,6 +60,18 @@ def plan_run(cfg, state: RunState | None = None, rank: int = 0) -> tuple[Path, l
             raise cli.UserError(f"--resume: settings differ from {run_dir}'s: " + "; ".join(changes) +
                                    " (use the run's values, or add --allow_config_change to resume with these)")
     return run_dir, ckpts
+
+
+def check_newest(run_dir: Path, ckpts: list[Path]) -> None:
+    """--resume: a checkpoint folder newer than the newest complete one (trainer_state.pt, which a checkpoint gets
+    before its folder takes its name, is missing: deleted, or lost to the disk) is one line naming it, rather than a
+    resume from an older checkpoint that silently replaces it."""
+    newest = ckpts[-1].name if ckpts else ""
+    damaged = [p for p in sorted((run_dir / "checkpoints").glob("step_*")) if p.is_dir() and p.name > newest]
+    if damaged:
+        then = f"move it out of the way to resume from {newest}" if newest else \
+            "it is the run's newest checkpoint and no complete one is older, so the run must start again"
+        raise cli.UserError(f"--resume: {damaged[-1]} has no trainer_state.pt, so the checkpoint is damaged: {then}")
 
 
 def check_files(cfg) -> None:
@@ -169,12 +183,33 @@ def unlock(fd: int) -> None:
 
 def trim_logs(run_dir: Path, step: int) -> None:
     """On resume: drop the lines metrics.jsonl, samples.jsonl and trees.jsonl got after the checkpoint of `step`, and
-    a last line torn by a crash or Ctrl-C mid-write."""
+    lines torn by a crash or Ctrl-C mid-write. One warning line per file names the torn lines dropped and the steps
+    up to `step` metrics.jsonl lacks (cut short, emptied or removed): the run goes on, its log without them."""
     for name in ("metrics.jsonl", "samples.jsonl", "trees.jsonl"):
         path = run_dir / name
+        lines = path.read_text(errors="replace").splitlines() if path.exists() else []
+        kept = [line for line in lines if _step_of(line) <= step]
         if path.exists():
-            kept = [line for line in path.read_text().splitlines() if _step_of(line) <= step]
             path.write_text("".join(line + "\n" for line in kept))
+        torn = sum(_step_of(line) == float("inf") for line in lines)
+        lacks = sorted(set(range(1, step + 1)) - {_step_of(line) for line in kept}) if name == "metrics.jsonl" else []
+        said = [f"dropped {torn} line(s) cut mid-write (not JSON with a step)"] if torn else []
+        if lacks:
+            said.append(f"no line of step(s) {_spans(lacks)} (cut short, emptied or removed): the run goes on, its "
+                        "log without them")
+        if said:
+            print(f"warning: --resume: {path}: " + "; ".join(said), file=sys.stderr, flush=True)
+
+
+def _spans(steps: list[int]) -> str:
+    """[1, 2, 3, 7] -> '1-3, 7'."""
+    spans = []
+    for step in steps:
+        if spans and step == spans[-1][1] + 1:
+            spans[-1][1] = step
+        else:
+            spans.append([step, step])
+    return ", ".join(f"{first}-{last}" if last > first else f"{first}" for first, last in spans)
 
 
 def _step_of(line: str) -> float:
