@@ -1,8 +1,10 @@
 """More mistakes a user makes end in one line: `error: ...` on stderr naming the flag or file and what is wrong, exit
 code 2, no traceback and no run folder (or evaluation folder), before any work: a tokenizer prompts cannot be built
-with, a --config file that is not UTF-8, gives a key twice or is a list, a data row nested too deeply or with a
-non-finite gold, a run name too long for a folder, a cache that cannot be written, --device cuda without CUDA, and
-eval.py --run on a damaged run folder or on a checkpoint of another model."""
+with, a --config file that is not UTF-8, gives a key twice or one that is no setting, or is a list, a data row nested
+too deeply, with a non-finite gold or an id given twice, a question longer than the model's context, a run name too
+long for a folder, a cache or --out_dir that cannot be written, --device cuda without CUDA, eval.py --run on a damaged
+run folder or on a checkpoint of another model, a web search without its API key, and --resume on a checkpoint that
+lacks its trainer state. A --resume on logs cut short is one warning line, and the run goes on."""
 import json
 import os
 import re
@@ -13,8 +15,9 @@ import pytest
 
 import eval as evaluation
 import train
-from harness import cli, config
+from harness import cli, config, models
 from tests.conftest import flags, make_tiny_model
+from tests.fakes import fake_score
 
 
 def one_line(capsys, main, argv) -> str:
@@ -40,13 +43,13 @@ def train_mistake(capsys, setup, name: str, **over) -> str:
 
 
 def tokenizer_without(setup, tmp_path, what: str) -> Path:
-    """A copy of the setup's model directory whose tokenizer lacks `what`: chat template | eos and pad."""
+    """A copy of the setup's model directory whose tokenizer lacks `what`: chat template | eos and pad | pad."""
     path = tmp_path / what.replace(" ", "_")
     shutil.copytree(setup / "tiny", path)
     if what == "chat template":
         (path / "chat_template.jinja").unlink(missing_ok=True)
     tokenizer_config = json.loads((path / "tokenizer_config.json").read_text())
-    drop = ("chat_template",) if what == "chat template" else ("eos_token", "pad_token")
+    drop = {"chat template": ("chat_template",), "eos and pad": ("eos_token", "pad_token"), "pad": ("pad_token",)}[what]
     (path / "tokenizer_config.json").write_text(json.dumps({k: v for k, v in tokenizer_config.items()
                                                             if k not in drop}))
     return path
@@ -63,6 +66,15 @@ def test_a_tokenizer_without_template_or_eos_is_one_line(what, says, setup, tmp_
     assert re.search(says, line) and not (tmp_path / "ev").exists(), line
 
 
+def test_a_tokenizer_without_a_pad_token_is_no_mistake(setup, tmp_path):
+    """Its eos token pads (as most chat models' tokenizers are used)."""
+    from transformers import AutoTokenizer
+    path = tokenizer_without(setup, tmp_path, "pad")
+    assert AutoTokenizer.from_pretrained(path).pad_token is None
+    tokenizer = models.load_tokenizer(str(path))
+    assert tokenizer.pad_token == tokenizer.eos_token == "<|im_end|>"
+
+
 # ---------------------------------------------------------------------------------------------------------------------
 # 2. A --config file that is not UTF-8, gives a key twice, or is not a mapping
 
@@ -72,6 +84,7 @@ CONFIG_FILES = {
     "a key twice": (b"lr: 0.001\nk: 2\nlr: 0.01\n", "line 3: key 'lr' is given twice \\(first on line 1\\)"),
     "a nested key twice": (b"search_kw:\n  topk: 1\n  topk: 3\n", "line 3: key 'topk' is given twice"),
     "a list": (b"- lr: 0.001\n- k: 2\n", "its top level is a list, not a mapping of settings"),
+    "an unknown key": (b"seed: 1\nbogus: 3\n", "line 2: Option 'bogus' is not accepted"),
     "not YAML": (b"lr: [0.001\n", "not valid YAML: line 2, column 1"),
 }
 
@@ -108,6 +121,7 @@ def data_file(tmp_path, kind: str) -> tuple[Path, str]:
         "question not text": '{"question": 7, "answer": "A"}',
         "answer an object": '{"question": "Q?", "answer": {"text": "A"}}',
         "10 MB not JSON": '{"question": "' + "word " * 2_000_000 + '", "answer": ',
+        "an id twice": '{"id": 7, "question": "Q2?", "answer": "B"}\n{"id": 7, "question": "Q3?", "answer": "C"}',
     }
     says = {
         "nested 100,000 deep": "line 2: malformed row: nested too deeply to read",
@@ -118,6 +132,7 @@ def data_file(tmp_path, kind: str) -> tuple[Path, str]:
         "answer an object": "line 2: malformed row: answer is an object without 'target' or 'ground_truth'",
         "10 MB not JSON": "line 2: malformed row: Expecting value",
         "10 MB question": r"every question's prompt is longer than --max_prompt_tokens \(2000\)",
+        "an id twice": r"line 3: malformed row: id 7 is given twice \(first on line 2\); give each question its own id",
         "not UTF-8": r"line 2 is not UTF-8 text \(byte 0xe9\)",
         "empty": "no questions in it",
         "a directory": "file not found|a directory, not a data file",
@@ -136,22 +151,31 @@ def data_file(tmp_path, kind: str) -> tuple[Path, str]:
 
 
 DATA_MISTAKES = ["nested 100,000 deep", "answer NaN", "an answer Infinity", "no answer", "question not text",
-                 "answer an object", "10 MB not JSON", "10 MB question", "not UTF-8", "empty", "a directory"]
+                 "answer an object", "10 MB not JSON", "10 MB question", "not UTF-8", "empty", "a directory",
+                 "an id twice"]
+# eval.py has no --max_prompt_tokens: a prompt must leave room for a response in the model's context
+EVAL_SAYS = {"10 MB question": r"line 1: the question's prompt is 2,000,\d{3} tokens, no shorter than the model's "
+                               r"context \(4,096, max_position_embeddings\)"}
 
 
+@pytest.mark.parametrize("command", ["train", "eval"])
 @pytest.mark.parametrize("kind", DATA_MISTAKES)
-def test_a_bad_data_file_is_one_line(kind, setup, tmp_path, capsys):
+def test_a_bad_data_file_is_one_line(kind, command, setup, tmp_path, capsys):
     path, says = data_file(tmp_path, kind)
-    line = train_mistake(capsys, setup, f"data_{DATA_MISTAKES.index(kind)}", train_data=path)
+    if command == "train":
+        line = train_mistake(capsys, setup, f"data_{DATA_MISTAKES.index(kind)}", train_data=path)
+    else:
+        says = EVAL_SAYS.get(kind, says)
+        quick = ["--search", "replay", "--search_kw", json.dumps({"path": str(setup / "search.json")}), "--n", "1",
+                 "--max_response_tokens", "4", "--device", "cpu"]       # (a file taken by mistake: evaluated quickly)
+        line = one_line(capsys, evaluation.main, ["--model", str(setup / "tiny"), "--data", str(path), *quick,
+                                                  "--out_dir", str(tmp_path / "ev")])
+        assert not (tmp_path / "ev").exists()
     assert re.search(f"{path}.*: ({says})", line) and len(line) < 500, line[:1000]
-    if kind != "10 MB question":                 # eval.py keeps long questions: it has no prompt limit
-        line = one_line(capsys, evaluation.main, ["--model", str(setup / "tiny"), "--data", str(path), "--out_dir",
-                                                  str(tmp_path / "ev")])
-        assert re.search(f"{path}.*: ({says})", line) and not (tmp_path / "ev").exists(), line[:1000]
 
 
 # ---------------------------------------------------------------------------------------------------------------------
-# 4-6. A run name no folder can have, a cache that cannot be written, --device cuda without CUDA
+# 4-6. A run name no folder can have, a cache or --out_dir that cannot be written, --device cuda without CUDA
 
 
 RUN_NAMES = {"300 characters": ("x" * 300, "--run_name is 300 bytes long: a folder name may have at most 255"),
@@ -166,21 +190,36 @@ def test_a_run_name_no_folder_can_have_is_one_line(kind, setup, capsys):
     assert re.search(says, line), line
 
 
-def unwritable_cache(tmp_path, kind: str) -> str:
+UNWRITABLE = ["read-only folder", "read-only /proc", "under /proc", "under /sys"]
+
+
+def unwritable(tmp_path, kind: str, name: str) -> str:
+    """A folder no file can be written in (one of UNWRITABLE; as root, which writes in a read-only folder, the /proc
+    and /sys ones stand in for it)."""
     if kind == "read-only folder":
         if os.geteuid() == 0:
-            pytest.skip("root writes in a read-only folder (the /proc cases check the same as root)")
+            pytest.skip("root writes in a read-only folder (the /proc and /sys cases check the same as root)")
         (tmp_path / "ro").mkdir()
         (tmp_path / "ro").chmod(0o555)
         return str(tmp_path / "ro")
-    return {"read-only /proc": "/proc", "under /proc": "/proc/aepo/cache"}[kind]
+    return {"read-only /proc": "/proc", "under /proc": f"/proc/aepo/{name}", "under /sys": f"/sys/aepo/{name}"}[kind]
 
 
-@pytest.mark.parametrize("kind", ["read-only folder", "read-only /proc", "under /proc"])
+@pytest.mark.parametrize("kind", UNWRITABLE)
 def test_a_cache_that_cannot_be_written_is_one_line(kind, setup, tmp_path, capsys):
-    cache = unwritable_cache(tmp_path, kind)
-    line = train_mistake(capsys, setup, f"cache_{kind[:5]}", cache_dir=cache, cold_start="true")
+    cache = unwritable(tmp_path, kind, "cache")
+    line = train_mistake(capsys, setup, f"cache_{UNWRITABLE.index(kind)}", cache_dir=cache, cold_start="true")
     assert re.search(f"--cache_dir {cache}: cannot write in ", line), line
+
+
+@pytest.mark.parametrize("kind", UNWRITABLE)
+def test_an_out_dir_that_cannot_be_written_is_one_line(kind, setup, tmp_path, capsys):
+    out = unwritable(tmp_path, kind, "runs")
+    line = one_line(capsys, train.main, flags(setup, "out_dir", out_dir=out))
+    assert re.search(f"--out_dir {out}: cannot write in ", line), line
+    line = one_line(capsys, evaluation.main, ["--model", str(setup / "tiny"), "--data", str(setup / "qa.jsonl"),
+                                              "--out_dir", out])
+    assert re.search(f"--out_dir {out}: cannot write in ", line), line
 
 
 def test_device_cuda_without_cuda_is_one_line(setup, capsys):
@@ -264,3 +303,85 @@ def test_eval_of_another_model_with_a_runs_settings_says_so(setup, wider_model, 
                         "hidden_size 64 (the run's 32), intermediate_size 128 (the run's 64); it is evaluated with "
                         "the run's settings all the same"]
     assert json.loads((tmp_path / "b" / "config.json").read_text())["model"] == str(wider_model)
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# 8. A web search without its API key (the official protocol's hint: its stand-ins, not the offline bm25 it refuses)
+
+
+SERP_KEYS = {
+    "train.py brightdata": ("train", ["--search=brightdata"], "--search brightdata needs a Bright Data API key: set "
+                                                              "BRIGHTDATA_API_KEY"),
+    "train.py web": ("train", ["--search=web"], "--search web needs a Serper.dev API key: set SERPER_API_KEY"),
+    "eval.py brightdata": ("eval", ["--search", "brightdata"], "--search brightdata needs a Bright Data API key"),
+    "official brightdata": ("eval", ["--protocol", "official"], r"--protocol official --search brightdata needs its "
+                            r"API key: set BRIGHTDATA_API_KEY \(offline: the stand-ins of tests/standins.py"),
+    "official web": ("eval", ["--protocol", "official", "--search", "web"], "--protocol official --search web needs "
+                                                                            "its API key: set SERPER_API_KEY"),
+}
+
+
+@pytest.mark.parametrize("kind", list(SERP_KEYS))
+def test_a_web_search_without_its_api_key_is_one_line(kind, setup, tmp_path, capsys, monkeypatch):
+    monkeypatch.delenv("BRIGHTDATA_API_KEY", raising=False)
+    monkeypatch.delenv("SERPER_API_KEY", raising=False)
+    command, given, says = SERP_KEYS[kind]
+    if command == "train":
+        line = one_line(capsys, train.main, flags(setup, "serp", search_kw="{}") + given)
+        assert not (setup / "runs" / "serp").exists()
+    else:
+        closed = "http://127.0.0.1:9/v1"                  # never asked: the key is missing before any request
+        line = one_line(capsys, evaluation.main, ["--model", str(setup / "tiny"), "--data", str(setup / "qa.jsonl"),
+                                                  "--device", "cpu", "--summarizer_url", closed, "--judge_url", closed,
+                                                  "--out_dir", str(tmp_path / "ev"), *given])
+        assert not (tmp_path / "ev").exists()
+    assert re.search(says, line), line
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# 9. --resume on logs cut short (one warning line; the run goes on, nothing complete lost) or on a checkpoint without
+# its trainer state (one error line, nothing written)
+
+
+@pytest.fixture(scope="module")
+def two_steps(setup):
+    """A run of 2 steps with a checkpoint after each."""
+    train.main(flags(setup, "two_steps", steps=2), score=fake_score)
+    return setup / "runs" / "two_steps"
+
+
+RESUMES = {
+    "metrics.jsonl cut mid-line": r"warning: --resume: {run}/metrics.jsonl: dropped 1 line\(s\) cut mid-write \(not "
+                                  r"JSON with a step\); no line of step\(s\) 2 \(cut short, emptied or removed\): the "
+                                  "run goes on, its log without them",
+    "metrics.jsonl empty": r"warning: --resume: {run}/metrics.jsonl: no line of step\(s\) 1-2 \(cut short",
+    "no trainer_state.pt": r"error: --resume: {run}/checkpoints/step_000002 has no trainer_state.pt, so the "
+                           "checkpoint is damaged: move it out of the way to resume from step_000001",
+}
+
+
+@pytest.mark.parametrize("kind", list(RESUMES))
+def test_a_resume_on_cut_logs_or_a_checkpoint_without_its_state_is_one_line(kind, setup, two_steps, capsys):
+    run = setup / "runs" / f"resume_{list(RESUMES).index(kind)}"
+    shutil.copytree(two_steps, run)
+    metrics = run / "metrics.jsonl"
+    if kind == "metrics.jsonl cut mid-line":
+        metrics.write_bytes(metrics.read_bytes()[:-40])
+    elif kind == "metrics.jsonl empty":
+        metrics.write_bytes(b"")
+    else:
+        (run / "checkpoints" / "step_000002" / "trainer_state.pt").unlink()
+    complete = [line for line in metrics.read_text().splitlines() if line.endswith("}")]
+    files = {path: path.read_bytes() for path in run.rglob("*") if path.is_file()}
+    argv = flags(setup, run.name, steps=3, resume="true")
+    says = RESUMES[kind].format(run=run)
+    if kind == "no trainer_state.pt":                  # not a silent resume from step 1 that replaces step 2
+        assert re.match(says, one_line(capsys, train.main, argv))
+        assert {path: path.read_bytes() for path in run.rglob("*") if path.is_file()} == files
+        return
+    code = cli.run_cli(lambda argv: train.main(argv, score=fake_score), argv)
+    err = capsys.readouterr().err
+    warnings = [line for line in err.splitlines() if line.startswith("warning: ")]
+    assert code == 0 and "Traceback" not in err and len(warnings) == 1 and re.match(says, warnings[0]), err[-2000:]
+    lines = metrics.read_text().splitlines()
+    assert lines[:-1] == complete and json.loads(lines[-1])["step"] == 3
