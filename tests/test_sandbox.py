@@ -182,7 +182,7 @@ KEYS = ("import ctypes, errno, os\nlibc = ctypes.CDLL(None, use_errno=True)\nlib
         "def keys(*args):\n    result = libc.syscall(*[ctypes.c_long(a) if isinstance(a, int) else a for a in args])\n"
         "    if result < 0:\n        raise OSError(ctypes.get_errno(), errno.errorcode.get(ctypes.get_errno(), '?'))\n"
         "    return result\n"
-        "def add(description, payload):  # a user key in the session keyring (KEY_SPEC_SESSION_KEYRING, -3)\n"
+        "def add(description, payload):  # a user key in the session keyring (the session keyring is -3)\n"
         "    return keys(ADD_KEY, b'user', description.encode(), payload, len(payload), -3)\n"
         "def search(description):  # KEYCTL_SEARCH (10) of the session keyring\n"
         "    return keys(KEYCTL, 10, -3, b'user', description.encode(), 0)\n"
