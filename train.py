@@ -297,7 +297,7 @@ def main(argv=None, *, score=reward.score_response, make_generator=generation.ma
     finally:
         if state.tools is not None:
             state.tools.close()
-        if state.lock >= 0:                      # a killed run's lock goes with its process
+        if state.lock is not None:               # a killed run's lock goes with its process
             rundir.unlock(state.lock)
     parallel.close()
     return out

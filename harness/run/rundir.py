@@ -34,7 +34,7 @@ def resumed_run(cfg) -> Path:
     return runs[-1]
 
 
-def plan_run(cfg, state: RunState | None = None, rank: int = 0) -> tuple[Path, list[Path]]:
+def plan_run(cfg, state: RunState | None = None) -> tuple[Path, list[Path]]:
     """(run directory, its checkpoints), creating nothing but the lock: with `state`, rank 0 first takes the run
     folder's lock if --out_dir exists (`take_lock`; else create_run's caller takes it). A new run gets
     <out_dir>/<run_name or model-date-time> (rank 0's clock names it for every rank); --resume takes
@@ -45,7 +45,7 @@ def plan_run(cfg, state: RunState | None = None, rank: int = 0) -> tuple[Path, l
         name = cfg.run_name or parallel.broadcast(f"{Path(cfg.model).name}-{datetime.datetime.now():%Y%m%d-%H%M%S}")
         run_dir = Path(cfg.out_dir) / name
     if state is not None:                        # before anything else: a second run here ends at once
-        take_lock(run_dir, state, rank, create=False)
+        take_lock(run_dir, state, create=False)
     ckpts = checkpoint.checkpoint_dirs(run_dir)
     if cfg.resume:
         check_newest(run_dir, ckpts)
@@ -137,11 +137,11 @@ def record_resume(cfg, run_dir: Path, info: dict, step: int) -> None:
     trim_logs(run_dir, step)
 
 
-def lock(run_dir: Path) -> tuple[int, str]:
-    """One run per folder: an exclusive lock (flock) on <out_dir>/.<run name>.lock, held until the process ends (or
-    `unlock`), which holds a line about its holder. Returns (its file descriptor, the line a run that died holding
-    it left there: "" after a clean end). A lock a killed run held is free (the kernel drops it with the process), so
-    it is taken over. Raises a UserError naming the run that holds it."""
+def lock(run_dir: Path):
+    """One run per folder: an exclusive lock (flock) on <out_dir>/.<run name>.lock, held while its file is open (until
+    `unlock`, or the process ends), which holds a line about its holder. Returns (the open file, the line a run that
+    died holding it left there: "" after a clean end). A lock a killed run held is free (the kernel drops it with the
+    process), so it is taken over. Raises a UserError naming the run that holds it."""
     import fcntl
     import os
     import socket
@@ -159,26 +159,25 @@ def lock(run_dir: Path) -> tuple[int, str]:
     command = " ".join(sys.argv)
     os.pwrite(fd, f"pid {os.getpid()} on {socket.gethostname()}, started {datetime.datetime.now():%Y-%m-%d %H:%M:%S}"
                   f": {command[:160] + ' ...' * (len(command) > 160)}".encode(), 0)
-    return fd, left
+    return os.fdopen(fd, "r+b", buffering=0), left
 
 
-def take_lock(run_dir: Path, state: RunState, rank: int, create: bool) -> None:
+def take_lock(run_dir: Path, state: RunState, create: bool) -> None:
     """Rank 0 takes the run folder's lock (`lock`) unless it holds it already, or (create=False) --out_dir does not
-    exist yet (nothing is created before every input is checked). Its descriptor in state.lock on rank 0 (-1 on the
-    others), the line a killed holder left in state.stale; the error of a lock held by another run on every rank."""
-    def take() -> tuple[int, str]:
-        if state.lock >= 0 or (not create and not run_dir.parent.is_dir()):
-            return state.lock, state.stale
-        return lock(run_dir)
-    fd, state.stale = parallel.on_rank0(take)
-    state.lock = fd if rank == 0 else -1
+    exist yet (nothing is created before every input is checked). Its open file in state.lock on rank 0 (None on the
+    others; closing it, or dropping the state, releases it), the line a killed holder left in state.stale on every
+    rank; the error of a lock held by another run on every rank."""
+    def take() -> str:
+        if state.lock is None and (create or run_dir.parent.is_dir()):
+            state.lock, state.stale = lock(run_dir)
+        return state.stale
+    state.stale = parallel.on_rank0(take)
 
 
-def unlock(fd: int) -> None:
+def unlock(file) -> None:
     """Release a run folder's lock at a clean end (its line emptied: no stale holder to report)."""
-    import os
-    os.ftruncate(fd, 0)
-    os.close(fd)
+    file.truncate(0)
+    file.close()
 
 
 def trim_logs(run_dir: Path, step: int) -> None:
@@ -226,7 +225,7 @@ class RunState:
     def __init__(self):
         self.run_dir, self.created, self.first_step, self.steps_done, self.steps = None, False, 0, 0, 0
         self.tools = None                        # the run's tools.Tools, closed however the run ends
-        self.lock, self.stale = -1, ""           # rank 0: the run folder's lock (`lock`), released however it ends
+        self.lock, self.stale = None, ""         # rank 0: the run folder's lock (`lock`), released however it ends
 
     def stop(self, cfg, rank: int, world: int) -> str:
         """After an interrupt or a failure: rank 0 removes the folder of a new run that finished no step. Returns

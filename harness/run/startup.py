@@ -88,7 +88,7 @@ def set_up(cfg: config.Config, rank: int, world: int, device: torch.device, stat
     rundir.check_files(cfg)
     if cfg.model == "embedded" or cfg.search == "bm25" or cfg.cold_start:   # the run writes to the cache what it lacks
         rundir.check_writable(str(config.cache_dir(cfg.cache_dir)), "cache_dir")
-    run_dir, ckpts = rundir.plan_run(cfg, state, rank)
+    run_dir, ckpts = rundir.plan_run(cfg, state)
     search_kw = {"cache": cfg.cache_dir, **cfg.search_kw} if cfg.search == "bm25" and cfg.cache_dir else cfg.search_kw
     search = search_mod.make_search(cfg.search, **search_kw)
     search_mod.check_reachable(search)
@@ -112,7 +112,7 @@ def set_up(cfg: config.Config, rank: int, world: int, device: torch.device, stat
         raise cli.UserError(f"--train_data has {len(train_rows)} usable questions, fewer than "
                             f"--questions_per_step ({cfg.questions_per_step})")
     steps = cfg.steps or cfg.epochs * len(train_rows) // cfg.questions_per_step
-    rundir.take_lock(run_dir, state, rank, create=True)                # (plan_run's, when --out_dir existed)
+    rundir.take_lock(run_dir, state, create=True)                      # (plan_run's, when --out_dir existed)
     if state.stale:
         log(f"{run_dir}: its lock was left by a run that ended without releasing it ({state.stale}); taken over")
     state.run_dir, state.created, state.steps = run_dir, not cfg.resume, steps
