@@ -898,3 +898,17 @@ def test_the_program_cannot_write_the_report_pipe_through_proc(monkeypatch, laye
             "print('report pipe:', sorted(outcomes))")
     out = tools.run_python(code)  # PermissionError for the init's open descriptors; FileNotFoundError for others
     assert "PermissionError" in out and "reached" not in out, out
+
+
+@pytest.mark.parametrize("layer", ("all", "minimal root"))
+def test_the_program_has_no_capability_to_undo_the_minimal_root(monkeypatch, layer):
+    """Root of its user namespace, the program keeps no capability past the exec: it cannot unmount the cover over
+    /proc/keys nor remount a read-only bind (the venv, /usr) writable, with Landlock or without."""
+    use(monkeypatch, layer, ("minimal root",))
+    code = ("import ctypes, os\nlibc = ctypes.CDLL(None, use_errno=True)\n"
+            "print([line.split()[1] for line in open('/proc/self/status') if line.startswith('CapEff')][0])\n"
+            "for name, call in (('umount', lambda: libc.umount2(b'/proc/keys', 2)),\n"
+            "                   ('remount', lambda: libc.mount(None, b'/usr', None, 32 | 4096 | 33, None))):\n"
+            "    print(name, 'reached' if call() == 0 else os.strerror(ctypes.get_errno()))\n")
+    assert tools.run_python(code).splitlines() == ["0000000000000000", "umount Operation not permitted",
+                                                   "remount Operation not permitted"]

@@ -26,7 +26,7 @@ BOOTSTRAP = ("import os, sys\n"
              "sys.path.insert(0, args[0])\n"
              "from harness.sandbox import launcher\n"
              "launcher.launch(args[1:])\n")
-PR_SET_DUMPABLE, PR_CAPBSET_DROP, CAP_SYS_PTRACE = 4, 24, 19
+PR_SET_DUMPABLE, PR_CAPBSET_DROP = 4, 24
 KEYCTL = {"x86_64": 250, "aarch64": 219, "riscv64": 219, "ppc64le": 271, "s390x": 280}  # keyctl's syscall number
 KEYCTL_JOIN_SESSION_KEYRING = 1
 
@@ -58,12 +58,13 @@ def join_new_session_keyring() -> None:
     """Make this process's session keyring a new, empty, anonymous one, which everything it starts shares and which
     goes when the call's last process has exited: the trainer's session keyring and its keys are no longer possessed,
     so they can be neither searched nor read, and a key the program adds is seen by no other call. Nothing to do on
-    a kernel without keyrings (ENOSYS) or a machine not in KEYCTL."""
+    a kernel without keyrings (ENOSYS), under a filter refusing keyctl (EPERM, EACCES: Docker's default profile;
+    the program inherits it, so it cannot reach a keyring either) or on a machine not in KEYCTL."""
     number = KEYCTL.get(os.uname().machine)
     if number is not None and landlock.LIBC.syscall(ctypes.c_long(number),
                                                     ctypes.c_long(KEYCTL_JOIN_SESSION_KEYRING), None) < 0:
         code = ctypes.get_errno()
-        if code != errno.ENOSYS:
+        if code not in (errno.ENOSYS, errno.EPERM, errno.EACCES):
             raise OSError(code, f"keyctl(KEYCTL_JOIN_SESSION_KEYRING): {os.strerror(code)}")
 
 
@@ -77,7 +78,7 @@ def launch(args: list[str]) -> None:
     the timeout, the trainer's death, the memory and disk limits, the orphans, the report). Failing to set up reports
     "sandbox setup failed: ..." and exits: the program is never started with fewer layers than asked. The report pipe
     and the trainer's pidfd are closed before the exec, and the launcher, which holds them, is not dumpable and the
-    program has no CAP_SYS_PTRACE, so the program cannot reach them through /proc even without Landlock."""
+    program has no capability (no CAP_SYS_PTRACE), so it cannot reach them through /proc even without Landlock."""
     split = args.index("--")
     settings, paths = {}, {"ro": [], "rw": [], "cgroup": []}
     for arg in args[:split]:
@@ -114,8 +115,12 @@ def launch(args: list[str]) -> None:
             os.close(trainer)
         if memory_events >= 0:
             os.close(memory_events)
-        if init:
-            _prctl(PR_CAPBSET_DROP, CAP_SYS_PTRACE)  # root of the user namespace, but no ptrace of its init
+        if init:  # root of its user namespace, but no capability survives the exec: no ptrace of its init, no
+            for capability in range(64):  # mount, umount or remount (of the minimal root's binds), Landlock or not
+                try:
+                    _prctl(PR_CAPBSET_DROP, capability)
+                except OSError:  # EINVAL: past the kernel's last capability
+                    break
         limit_resources(int(settings["memory"]), int(settings["cpu"]), fsize, int(settings.get("nproc", 0)))
         if int(settings["landlock"]):
             landlock.restrict(int(settings["landlock"]), paths["ro"], paths["rw"], settings["tcp"] == "1")
