@@ -212,3 +212,15 @@ def test_a_single_context_samples_what_model_generate_does(tokenizer, sampling):
                              repetition_penalty=sampling.repetition_penalty, pad_token_id=tokenizer.pad_token_id,
                              eos_token_id=tokenizer.eos_token_id)[0, len(context):].tolist()
     assert seg.token_ids == ref[:len(seg.token_ids)] and len(seg.token_ids) >= min(len(ref), 24) - 1
+
+
+def test_rows_ending_at_once_or_never_starting(tokenizer, tiny_model):
+    """Budgets of 0 give empty segments (all of them, or some beside others); rows leaving at different steps keep
+    each one's tokens its own: greedy, every row decodes what it decodes alone."""
+    gen = TransformersGenerator(tiny_model, tokenizer)
+    contexts = [as_ids(chat_prompt(tokenizer, q)) for q in ("a?", "a longer question?", "b?", "c d e?")]
+    assert [s.token_ids for s in gen.generate(contexts[:2], [0, 0], seed=0)] == [[], []]
+    greedy = Sampling(temperature=0.0)
+    together = gen.generate(contexts, [3, 0, 9, 5], seed=0, sampling=greedy)
+    alone = [gen.generate([c], [n], seed=0, sampling=greedy)[0] for c, n in zip(contexts, [3, 0, 9, 5])]
+    assert [s.token_ids for s in together] == [s.token_ids for s in alone] and together[1].finish_reason == "length"

@@ -113,7 +113,7 @@ class TransformersGenerator:
         cache, seqs = DynamicCache(config=self.model.config), ids
         step_ids, positions = ids, (attn.cumsum(-1) - 1).clamp(min=0)
         if len(running) < len(contexts):             # budget 0: never decoded
-            index = torch.tensor(running, device=device)
+            index = torch.tensor(running, dtype=torch.long, device=device)
             seqs, attn, pads, step_ids, positions = seqs[index], attn[index], pads[index], ids[index], positions[index]
         while running:
             logits = self.model(input_ids=step_ids, attention_mask=attn, position_ids=positions, use_cache=True,
@@ -132,7 +132,7 @@ class TransformersGenerator:
             attn = torch.cat([attn, torch.ones_like(attn[:, :1])], 1)
             if len(keep) < len(running):             # finished rows leave the batch and its cache
                 index = torch.tensor(keep, dtype=torch.long, device=device)
-                cache.batch_select_indices(index)
+                cache.reorder_cache(index)           # every layer type has it (a hybrid's recurrent state too)
                 seqs, attn, pads, chosen = seqs[index], attn[index], pads[index], chosen[index]
                 running = [running[j] for j in keep]
             step_ids, positions = chosen[:, None], attn.sum(-1, keepdim=True) - 1
