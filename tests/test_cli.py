@@ -55,9 +55,6 @@ def mistakes(root: Path, tmp: Path) -> dict:
                                  "--entropy_coeff is gone: use --entropy_coef"),
         "bad python limit": (dict(python_limits='{memory_mb: 9}'), "--python_limits: unknown key.s. memory_mb; the "
                                                                    "keys are timeout_s, max_processes"),
-        "python memory past the machine": (dict(python_limits='{total_memory_mb: 100000000}'),
-                                           "--python_limits: total_memory_mb 100,000,000 does not fit: a python call "
-                                           "may use that much"),
         "bad cold-start key": (dict(cold_start_kw='{step: 9}'), "--cold_start_kw: unknown key step"),
         "bad mismatch band": (dict(mismatch_band="[2, 3]"), "--mismatch_band .2.0, 3.0.: two numbers"),
     }
@@ -71,7 +68,7 @@ def _yaml(tmp: Path, name: str, text: str) -> Path:
 @pytest.mark.parametrize("kind", ["malformed row", "not JSON", "empty file", "missing file", "not a model",
                                   "no such model", "bad sizes", "unknown flag", "unknown backend", "too few questions",
                                   "a flag that went", "a YAML key that went", "bad python limit",
-                                  "python memory past the machine", "bad cold-start key", "bad mismatch band"])
+                                  "bad cold-start key", "bad mismatch band"])
 def test_user_mistakes_are_one_line_and_leave_nothing(kind, setup, tmp_path, capsys):  # noqa: F811
     over, expected = mistakes(setup, tmp_path)[kind]
     code, err = command(capsys, train.main, flags(setup, f"mistake_{kind.replace(' ', '_')}", **over))

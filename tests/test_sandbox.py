@@ -31,7 +31,6 @@ from pathlib import Path
 import pytest
 
 from harness import sandbox, settings
-from harness.cli import UserError
 from harness.sandbox import budget, cgroups, cleanup
 import tools
 
@@ -532,11 +531,10 @@ def test_a_rounds_calls_fit_in_half_the_memory_available(tmp_path):
     (cgroup / "memory.limit_in_bytes").write_text(f"{4 << 30}\n")
     (cgroup / "memory.usage_in_bytes").write_text(f"{1 << 30}\n")
     assert budget.available_mb(str(meminfo), cgroup_dirs=[str(cgroup)]) == 3072
-    with pytest.raises(ValueError, match="total_memory_mb 2,048 does not fit: a python call may use that much, and "
-                                         "this process's calls may hold 1,536 MB \\(50% of the 3,072 MB"):
-        budget.Budget(3072).line(2048)
-    with pytest.raises(UserError, match="^--python_limits: total_memory_mb 1,000,000,000.0 does not fit"):
-        settings.python_isolation("auto", {"total_memory_mb": 1e9})
+    assert budget.Budget(3072).line(2048).startswith("warning: python calls run one at a time: total_memory_mb 2,048 is "
+                                                     "more than the 1,536 MB this process's calls may hold (50% of "
+                                                     "the 3,072 MB")   # such a call runs alone (hold): not an error
+    assert settings.python_isolation("auto", {"total_memory_mb": 1e9}).splitlines()[1].startswith("warning: python")
     assert settings.python_isolation("auto", {}).splitlines()[1].startswith("python calls: at most")
 
 

@@ -64,14 +64,14 @@ class Budget:
         self.held_mb, self._changed = 0, threading.Condition()
 
     def line(self, memory_mb: int) -> str:
-        """The start-up line: how many calls of `memory_mb` (total_memory_mb) run at once. Raises ValueError naming
-        the numbers when not even one fits."""
+        """The start-up line: how many calls of `memory_mb` (total_memory_mb) run at once; a warning when not even
+        one fits in the share (such a call runs alone, `hold`)."""
         calls = int(self.total_mb // memory_mb)
         whose = f"{SHARE:.0%} of the {self.available_mb:,} MB of memory available" + (
             f", shared by {self.processes} processes on this machine" if self.processes > 1 else "")
         if calls < 1:
-            raise ValueError(f"total_memory_mb {memory_mb:,} does not fit: a python call may use that much, and this "
-                             f"process's calls may hold {self.total_mb:,} MB ({whose}); lower total_memory_mb")
+            return (f"warning: python calls run one at a time: total_memory_mb {memory_mb:,} is more than the "
+                    f"{self.total_mb:,} MB this process's calls may hold ({whose}); lower total_memory_mb for more")
         return f"python calls: at most {calls} at once ({memory_mb:,} MB each, total_memory_mb; {whose})"
 
     @contextlib.contextmanager
