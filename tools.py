@@ -199,7 +199,7 @@ def format_result(text: str) -> str:
 def as_data(text: str) -> str:
     """A tool's output as the policy reads it (D46): line ends as newlines (CR LF and a lone CR), every other control
     character removed (escape sequences lose their ESC, NUL, bells), text that is not UTF-8 (lone surrogates) U+FFFD."""
-    text = text.replace("\r\n", "\n").replace("\r", "\n").encode("utf-8", "surrogatepass").decode("utf-8", "replace")
+    text = re.sub("[\ud800-\udfff]", "\ufffd", text.replace("\r\n", "\n").replace("\r", "\n"))
     return re.sub("[\x00-\x08\x0b-\x1f\x7f-\x9f]", "", text)       # C0 but tab and newline, DEL, C1
 
 
@@ -372,7 +372,7 @@ class Tools:
             counts[f"{call.tool}/timeouts"] += status == "timeout"
             counts[f"{call.tool}/cache_hits"] += status == "cache"
             observations.append(text)
-        return [as_data(text) for text in observations] if self.format.as_data else observations, counts
+        return [as_data(t) for t in observations] if getattr(self.format, "as_data", True) else observations, counts
 
 
 def _run(tool: Tool, arguments: list[str]) -> list:

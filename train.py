@@ -143,7 +143,7 @@ def train(cfg, rank: int, world: int, device: torch.device, state: rundir.RunSta
                             export_dtype=torch.bfloat16 if run.cfg.bf16 else torch.float32,
                             trainer_state=run.cfg.save_trainer_state)
     bar.close()
-    after = runlog.saved_eval(run.dir, "after") if run.start_step == run.steps else None   # a finished run resumed
+    after = parallel.on_rank0(lambda: runlog.saved_eval(run.dir, "after")) if run.start_step == run.steps else None
     if after is None:                            # (a run killed during its final evaluation has none: it runs now)
         after = evaluate(run, "after")
     if after:

@@ -230,7 +230,11 @@ def load(ckpt: Path, policy, optimizer, rank: int) -> int:
     try:
         state = torch.load(Path(ckpt) / "trainer_state.pt", map_location="cpu", weights_only=False)
         state["step"], state["rng"]                  # noqa: B018 -- a dict with both, else damaged
+    except MemoryError:
+        raise
     except Exception as err:                     # truncated, overwritten, another file: pickle's errors are many
+        if isinstance(err, torch.OutOfMemoryError):
+            raise
         raise _damaged(Path(ckpt) / "trainer_state.pt", err) from None
     with_optim, adapters = state.get("trainer_state", True), state.get("adapters", False)
     if adapters != lora.is_lora(policy_mod.unwrap(policy).lm):
@@ -245,6 +249,8 @@ def load(ckpt: Path, policy, optimizer, rank: int) -> int:
                 dcp_load(shards, checkpoint_id=str(Path(ckpt) / "trainer"),
                          no_dist=not torch.distributed.is_initialized())
         except (CheckpointException, OSError, RuntimeError, ValueError, KeyError) as err:
+            if isinstance(err, torch.OutOfMemoryError):  # not the checkpoint's fault
+                raise
             raise _damaged(Path(ckpt) / "trainer", err) from None
         if with_optim:
             set_state_dict(policy, optimizer, model_state_dict=shards["model"], optim_state_dict=shards["optim"],

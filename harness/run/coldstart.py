@@ -90,9 +90,10 @@ def demo_tokens(demo: dict, tokenizer, fmt=tools.TAGS) -> tuple[list[int], list[
         head = [{"role": "system", "content": fmt.system_prompt}] + head
     prompt = fmt.prompt_ids(tokenizer, head)
     response, mask = [], []
+    clean = tools.as_data if getattr(fmt, "as_data", True) else str    # results as a rollout's (D46)
     for m in messages[first:]:
         ids = tokenizer.encode(m["content"], add_special_tokens=False) if m["role"] == "assistant" else \
-            fmt.observation_ids(tokenizer, m["content"])
+            fmt.observation_ids(tokenizer, clean(m["content"]))
         response += ids
         mask += [1 if m["role"] == "assistant" else 0] * len(ids)
     return prompt, response, mask

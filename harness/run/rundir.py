@@ -147,14 +147,21 @@ def lock(run_dir: Path):
     import socket
     path = run_dir.with_name(f".{run_dir.name}.lock")
     path.parent.mkdir(parents=True, exist_ok=True)
-    fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
-    left = os.read(fd, 4096).decode("utf-8", errors="replace").strip()
+    try:
+        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
+    except OSError as err:
+        raise cli.UserError(f"{run_dir}: cannot open its lock file {path} ({err.strerror})") from None
     try:
         fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-    except BlockingIOError:
+    except OSError as err:                       # held (EWOULDBLOCK), or no locks on this filesystem (ENOLCK)
+        holder = os.read(fd, 4096).decode("utf-8", errors="replace").strip()
         os.close(fd)
-        raise cli.UserError(f"{run_dir} is in use by another run ({left or 'a process starting up'}); wait for it to "
-                            "end, or give another --run_name") from None
+        if isinstance(err, BlockingIOError):
+            raise cli.UserError(f"{run_dir} is in use by another run ({holder or 'a process starting up'}); wait for "
+                                "it to end, or give another --run_name") from None
+        raise cli.UserError(f"{run_dir}: cannot lock {path} ({err.strerror}): a filesystem without file locks; give "
+                            "an --out_dir on one that has them") from None
+    left = os.read(fd, 4096).decode("utf-8", errors="replace").strip()   # a holder that ended cleanly left none
     os.ftruncate(fd, 0)
     command = " ".join(sys.argv)
     os.pwrite(fd, f"pid {os.getpid()} on {socket.gethostname()}, started {datetime.datetime.now():%Y-%m-%d %H:%M:%S}"
