@@ -139,34 +139,42 @@ def record_resume(cfg, run_dir: Path, info: dict, step: int) -> None:
 
 def lock(run_dir: Path):
     """One run per folder: an exclusive lock (flock) on <out_dir>/.<run name>.lock, held while its file is open (until
-    `unlock`, or the process ends), which holds a line about its holder. Returns (the open file, the line a run that
-    died holding it left there: "" after a clean end). A lock a killed run held is free (the kernel drops it with the
+    `unlock`, which removes it, or the process ends), which holds a line about its holder. Returns (the open file, the
+    line a run that died holding it left there). A lock a killed run held is free (the kernel drops it with the
     process), so it is taken over. Raises a UserError naming the run that holds it."""
     import fcntl
     import os
     import socket
     path = run_dir.with_name(f".{run_dir.name}.lock")
     path.parent.mkdir(parents=True, exist_ok=True)
-    try:
-        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
-    except OSError as err:
-        raise cli.UserError(f"{run_dir}: cannot open its lock file {path} ({err.strerror})") from None
-    try:
-        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-    except OSError as err:                       # held (EWOULDBLOCK), or no locks on this filesystem (ENOLCK)
-        holder = os.read(fd, 4096).decode("utf-8", errors="replace").strip()
-        os.close(fd)
-        if isinstance(err, BlockingIOError):
-            raise cli.UserError(f"{run_dir} is in use by another run ({holder or 'a process starting up'}); wait for "
-                                "it to end, or give another --run_name") from None
-        raise cli.UserError(f"{run_dir}: cannot lock {path} ({err.strerror}): a filesystem without file locks; give "
-                            "an --out_dir on one that has them") from None
-    left = os.read(fd, 4096).decode("utf-8", errors="replace").strip()   # a holder that ended cleanly left none
-    os.ftruncate(fd, 0)
+    while True:
+        try:
+            os.close(os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644))
+            file = open(path, "r+b", buffering=0)
+        except FileNotFoundError:                # removed by a run ending between the two: again
+            continue
+        except OSError as err:
+            raise cli.UserError(f"{run_dir}: cannot open its lock file {path} ({err.strerror})") from None
+        try:
+            fcntl.flock(file.fileno(), fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError as err:                   # held (EWOULDBLOCK), or no locks on this filesystem (ENOLCK)
+            holder = file.read(4096).decode("utf-8", errors="replace").strip()
+            file.close()
+            if isinstance(err, BlockingIOError):
+                raise cli.UserError(f"{run_dir} is in use by another run ({holder or 'a process starting up'}); wait "
+                                    "for it to end, or give another --run_name") from None
+            raise cli.UserError(f"{run_dir}: cannot lock {path} ({err.strerror}): a filesystem without file locks; "
+                                "give an --out_dir on one that has them") from None
+        if path.exists() and path.stat().st_ino == os.fstat(file.fileno()).st_ino:
+            break
+        file.close()                             # locked the file of a run that has just ended and removed it
+    left = file.read(4096).decode("utf-8", errors="replace").strip()   # a clean end removed the file: none
+    file.truncate(0)
     command = " ".join(sys.argv)
-    os.pwrite(fd, f"pid {os.getpid()} on {socket.gethostname()}, started {datetime.datetime.now():%Y-%m-%d %H:%M:%S}"
-                  f": {command[:160] + ' ...' * (len(command) > 160)}".encode(), 0)
-    return os.fdopen(fd, "r+b", buffering=0), left
+    os.pwrite(file.fileno(), f"pid {os.getpid()} on {socket.gethostname()}, started "
+                             f"{datetime.datetime.now():%Y-%m-%d %H:%M:%S}: "
+                             f"{command[:160] + ' ...' * (len(command) > 160)}".encode(), 0)
+    return file, left
 
 
 def take_lock(run_dir: Path, state: RunState, create: bool) -> None:
@@ -182,8 +190,8 @@ def take_lock(run_dir: Path, state: RunState, create: bool) -> None:
 
 
 def unlock(file) -> None:
-    """Release a run folder's lock at a clean end (its line emptied: no stale holder to report)."""
-    file.truncate(0)
+    """Release a run folder's lock at a clean end: its file removed (nothing left in --out_dir), then closed."""
+    Path(file.name).unlink(missing_ok=True)
     file.close()
 
 
