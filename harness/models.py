@@ -190,6 +190,13 @@ def architecture(path) -> dict:
     return {key: cfg[key] for key in ARCHITECTURE if key in cfg} if isinstance(cfg, dict) else {}
 
 
+def architecture_differences(path, other, whose: str) -> list[str]:
+    """`key value (<whose> other value)` for each ARCHITECTURE value both model directories give and differ in."""
+    ours, theirs = architecture(path), architecture(other) if other else {}
+    return [f"{key} {ours[key]} ({whose} {theirs[key]})" for key in ARCHITECTURE
+            if key in ours and key in theirs and ours[key] != theirs[key]]
+
+
 def local_model_dir(name: str, cache: str | None) -> Path | None:
     """The directory of the model `name` (a --model value) on this machine, found without converting or downloading
     anything (the embedded model's conversion, a hub id's cached snapshot); None where it is not here."""
@@ -210,9 +217,7 @@ def check_run_model(model: str, run_dir: Path, given: bool) -> str:
     model is a UserError (the results would be the run's); a --model given by hand a warning line. Returns model."""
     saved = read_saved(run_dir, "--run")
     base = local_model_dir(str(saved.get("model", "")), saved.get("cache_dir"))
-    ours, theirs = architecture(model), architecture(base) if base else {}
-    differ = [f"{key} {ours[key]} (the run's {theirs[key]})" for key in ARCHITECTURE
-              if key in ours and key in theirs and ours[key] != theirs[key]]
+    differ = architecture_differences(model, base, "the run's")
     if not differ:
         return model
     trained = f"(--model {saved['model']}): " + ", ".join(differ)

@@ -173,9 +173,7 @@ def _policy(cfg, base_path: str, demos: list[dict], tokenizer, ckpts: list[Path]
     lora = settings.lora_settings(cfg)
     if cfg.resume:                          # a checkpoint damaged by hand or a full disk: one line, not a traceback
         models.check_model_dir(ckpts[-1], "--resume")
-        ours, theirs = models.architecture(ckpts[-1]), models.architecture(base_path)
-        if differ := [f"{key} {ours[key]} (--model's {theirs[key]})" for key in ours if theirs.get(key, ours[key])
-                      != ours[key]]:            # another model's checkpoint, copied in
+        if differ := models.architecture_differences(ckpts[-1], base_path, "--model's"):   # another model's, copied in
             raise cli.UserError(f"--resume: {ckpts[-1]} holds another model than --model {cfg.model}: "
                                 + ", ".join(differ))
         if lora:                            # the adapters go back on the very model they were trained on
