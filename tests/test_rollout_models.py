@@ -224,3 +224,31 @@ def test_rows_ending_at_once_or_never_starting(tokenizer, tiny_model):
     together = gen.generate(contexts, [3, 0, 9, 5], seed=0, sampling=greedy)
     alone = [gen.generate([c], [n], seed=0, sampling=greedy)[0] for c, n in zip(contexts, [3, 0, 9, 5])]
     assert [s.token_ids for s in together] == [s.token_ids for s in alone] and together[1].finish_reason == "length"
+
+
+def test_waiting_contexts_join_the_running_batch(tokenizer, tiny_model):
+    """batch_size 2 over 5 contexts of different budgets: a waiting context joins as soon as a row ends (the model
+    never sees more than 2 rows, and the call takes fewer forwards than batches run one after another would), and
+    every row decodes what it decodes alone (greedy); with sampling, the same seed gives the same segments."""
+    contexts = [as_ids(chat_prompt(tokenizer, q)) for q in ("a?", "a much longer question than the others?", "b?",
+                                                          "c d e?", "f?")]
+    budgets, greedy = [2, 9, 4, 7, 3], Sampling(temperature=0.0)
+    rows_seen = []
+    hook = tiny_model.register_forward_pre_hook(lambda m, a, kw: rows_seen.append(kw["input_ids"].shape[0]),
+                                                with_kwargs=True)
+    try:
+        together = TransformersGenerator(tiny_model, tokenizer, batch_size=2).generate(contexts, budgets, seed=0,
+                                                                                      sampling=greedy)
+    finally:
+        hook.remove()
+    alone = [TransformersGenerator(tiny_model, tokenizer).generate([c], [n], seed=0, sampling=greedy)[0]
+             for c, n in zip(contexts, budgets)]
+    assert [s.token_ids for s in together] == [s.token_ids for s in alone]
+    assert [len(s.token_ids) for s in together] == budgets                 # a random model: no stop before the budget
+    assert max(rows_seen) == 2 and len(rows_seen) < 2 + 9 + 7           # batches in turn: max(2, 9) + max(4, 7) + 3
+    for i, (a, b) in enumerate(zip(together, alone)):
+        torch.testing.assert_close(torch.tensor(a.logprobs), torch.tensor(b.logprobs), atol=1e-4, rtol=0)
+        assert abs(a.h_seg - b.h_seg) < 1e-4, i
+    gen = TransformersGenerator(tiny_model, tokenizer, batch_size=2)
+    sampled = [gen.generate(contexts, budgets, seed=7) for _ in range(2)]
+    assert [s.token_ids for s in sampled[0]] == [s.token_ids for s in sampled[1]]

@@ -44,9 +44,10 @@ def make_generator(cfg, init_path: str, policy, tokenizer, rank: int, device,
 
 
 class TransformersGenerator:
-    """All contexts of a round decoded together, token by token with the model's KV cache, each row leaving the batch
-    as soon as its segment ends (a closing tool tag, `</answer>`, EOS or its own token budget) so that the others go on
-    without it: `model.generate` would run the padded batch until its longest row ends. It samples the model's own
+    """All contexts of a round decoded together, token by token with the model's KV cache, at most batch_size rows
+    at once: each row leaves the batch as soon as its segment ends (a closing tool tag, `</answer>`, EOS or its own
+    token budget) and a waiting context takes its place, so that the others go on without it (`model.generate` would
+    run a padded batch until its longest row ends, then start the next). It samples the model's own
     distribution shaped only by the call's `Sampling` (a checkpoint's generation_config is not applied), with
     transformers' own processors in generate's order (repetition penalty, temperature, top-k, top-p), and each
     segment carries the log-prob of its tokens at the sampling temperature. H_seg uses the top-10 log-probs of the raw
@@ -85,17 +86,34 @@ class TransformersGenerator:
 
     @torch.no_grad()
     def generate(self, contexts, max_new_tokens, seed, sampling: Sampling = Sampling(), on_step=None):
-        out: list[Segment] = []
-        for start in range(0, len(contexts), self.batch_size):
-            out += self._generate_batch(contexts[start:start + self.batch_size],
-                                        max_new_tokens[start:start + self.batch_size], seed + start, sampling, on_step)
-        return out
+        """Each context's segment. At most batch_size rows decode at once; as rows end, waiting contexts join the
+        running batch (their prefill, then the merged cache), so the batch stays full until the queue is empty.
+        The draws are generate's (one multinomial over the rows of each forward, after the same processors): a
+        call whose rows all fit in one batch and end together samples what `model.generate` would."""
+        from transformers import DynamicCache
+        from transformers.cache_utils import DynamicLayer
+        torch.manual_seed(seed)
+        rows = [_Row(limit) for limit in max_new_tokens]
+        waiting = [i for i, row in enumerate(rows) if not row.finish_if_empty()]     # budget 0: never decoded
+        layers = DynamicCache(config=self.model.config).layers
+        joins = bool(layers) and all(type(layer) is DynamicLayer for layer in layers)  # full attention: a plain KV cache
+        batch = None
+        while waiting or (batch is not None and batch.running):
+            free = self.batch_size - (len(batch.running) if batch is not None else 0)
+            if waiting and free > 0 and (batch is None or not batch.running or joins):
+                take, waiting = waiting[:free], waiting[free:]
+                new = self._prefill([contexts[i] for i in take], take, rows, sampling, on_step)
+                batch = new if batch is None or not batch.running else batch.merge(new, self.pad_id)
+            else:
+                self._step(batch, batch.pending[:, None], batch.attn.sum(-1, keepdim=True) - 1, rows, sampling,
+                           on_step)
+            if joins and batch.running:
+                batch.trim()
+        return [Segment(row.token_ids, row.reason, segment_entropy(row.top, self.vocab_size), row.text, row.logprobs)
+                for row in rows]
 
-    def _generate_batch(self, contexts, max_new_tokens, seed, sampling: Sampling, on_step):
-        """One batch: a prefill of the left-padded contexts, then one forward per step over the rows still running.
-        A row that ends leaves the batch, its KV cache rows and attention mask with it. The draws are generate's
-        (one multinomial over the running rows per step, after the same processors), so a batch whose rows end
-        together samples what `model.generate` would; once rows have left, the later draws differ from its."""
+    def _prefill(self, contexts, indices, rows, sampling: Sampling, on_step) -> _Batch:
+        """The contexts left-padded into a batch of their own, run through the model, their first tokens drawn."""
         from transformers import DynamicCache
         device = next(self.model.parameters()).device
         width = max(len(c) for c in contexts)
@@ -105,39 +123,30 @@ class TransformersGenerator:
             ids[i, width - len(c):] = torch.tensor(c)
             attn[i, width - len(c):] = 1
         ids, attn = ids.to(device), attn.to(device)
-        torch.manual_seed(seed)
+        batch = _Batch(DynamicCache(config=self.model.config), ids, attn, width - attn.sum(-1), list(indices))
+        self._step(batch, ids, (attn.cumsum(-1) - 1).clamp(min=0), rows, sampling, on_step)
+        return batch
+
+    def _step(self, batch: _Batch, step_ids, positions, rows, sampling: Sampling, on_step) -> None:
+        """One forward over the batch's rows, one token drawn for each; the rows that end leave the batch."""
+        logits = self.model(input_ids=step_ids, attention_mask=batch.attn, position_ids=positions, use_cache=True,
+                            logits_to_keep=1, **{self.cache_kw: batch.cache}).logits[:, -1].float()
+        scores = self._processors(sampling, batch.pads)(batch.seqs, logits.clone())
         sample, temperature = sampling.temperature > 0, sampling.temperature if sampling.temperature > 0 else 1.0
-        rows = [_Row(limit) for limit in max_new_tokens]
-        running = [i for i, row in enumerate(rows) if not row.finish_if_empty()]
-        pads = width - attn.sum(-1)                  # the repetition penalty ignores the padding
-        cache, seqs = DynamicCache(config=self.model.config), ids
-        step_ids, positions = ids, (attn.cumsum(-1) - 1).clamp(min=0)
-        if len(running) < len(contexts):             # budget 0: never decoded
-            index = torch.tensor(running, dtype=torch.long, device=device)
-            seqs, attn, pads, step_ids, positions = seqs[index], attn[index], pads[index], ids[index], positions[index]
-        while running:
-            logits = self.model(input_ids=step_ids, attention_mask=attn, position_ids=positions, use_cache=True,
-                                logits_to_keep=1, **{self.cache_kw: cache}).logits[:, -1].float()
-            scores = self._processors(sampling, pads)(seqs, logits.clone())
-            chosen = torch.multinomial(torch.softmax(scores, -1), 1)[:, 0] if sample else scores.argmax(-1)
-            logp = torch.log_softmax(logits / temperature, -1).gather(1, chosen[:, None])[:, 0].tolist()
-            needs_top = any(len(rows[i].token_ids) < self.n_entropy for i in running)
-            top = torch.log_softmax(logits, -1).topk(self.topk, -1).values.tolist() if needs_top else None
-            for j, i in enumerate(running):
-                rows[i].add(int(chosen[j]), logp[j], top[j] if top is not None else None, self)
-            if on_step is not None:
-                on_step(len(running))
-            keep = [j for j, i in enumerate(running) if not rows[i].reason]
-            seqs = torch.cat([seqs, chosen[:, None]], 1)
-            attn = torch.cat([attn, torch.ones_like(attn[:, :1])], 1)
-            if len(keep) < len(running):             # finished rows leave the batch and its cache
-                index = torch.tensor(keep, dtype=torch.long, device=device)
-                cache.reorder_cache(index)           # every layer type has it (a hybrid's recurrent state too)
-                seqs, attn, pads, chosen = seqs[index], attn[index], pads[index], chosen[index]
-                running = [running[j] for j in keep]
-            step_ids, positions = chosen[:, None], attn.sum(-1, keepdim=True) - 1
-        return [Segment(row.token_ids, row.reason, segment_entropy(row.top, self.vocab_size), row.text, row.logprobs)
-                for row in rows]
+        chosen = torch.multinomial(torch.softmax(scores, -1), 1)[:, 0] if sample else scores.argmax(-1)
+        logp = torch.log_softmax(logits / temperature, -1).gather(1, chosen[:, None])[:, 0].tolist()
+        needs_top = any(len(rows[i].token_ids) < self.n_entropy for i in batch.running)
+        top = torch.log_softmax(logits, -1).topk(self.topk, -1).values.tolist() if needs_top else None
+        for j, i in enumerate(batch.running):
+            rows[i].add(int(chosen[j]), logp[j], top[j] if top is not None else None, self)
+        if on_step is not None:
+            on_step(len(batch.running))
+        batch.seqs = torch.cat([batch.seqs, chosen[:, None]], 1)
+        batch.attn = torch.cat([batch.attn, torch.ones_like(batch.attn[:, :1])], 1)
+        batch.pending = chosen
+        keep = [j for j, i in enumerate(batch.running) if not rows[i].reason]
+        if len(keep) < len(batch.running):            # finished rows leave the batch and its cache
+            batch.select(keep)
 
     def _processors(self, sampling: Sampling, pads):
         """generate's logits processors for `sampling`, in its order: repetition penalty (after the raw logits that
@@ -155,6 +164,50 @@ class TransformersGenerator:
             if sampling.top_p < 1.0:
                 out.append(TopPLogitsWarper(sampling.top_p))
         return out
+
+
+class _Batch:
+    """The rows decoding together: their KV cache, ids so far and attention mask (left-padded: the cache's positions
+    plus the pending token's), left-pad counts (the repetition penalty skips them), the token each feeds next, and
+    which of the call's contexts they are."""
+
+    def __init__(self, cache, seqs, attn, pads, running: list[int]):
+        self.cache, self.seqs, self.attn, self.pads, self.running = cache, seqs, attn, pads, running
+        self.pending = None
+
+    def select(self, keep: list[int]) -> None:
+        index = torch.tensor(keep, dtype=torch.long, device=self.seqs.device)
+        self.cache.reorder_cache(index)               # every layer type has it (a hybrid's recurrent state too)
+        self.seqs, self.attn, self.pads, self.pending = (self.seqs[index], self.attn[index], self.pads[index],
+                                                         self.pending[index])
+        self.running = [self.running[j] for j in keep]
+
+    def trim(self) -> None:
+        """Drop the leading positions that are padding in every row (left by rows that have left); plain KV caches."""
+        lead = int((self.attn.sum(0) == 0).long().cumprod(0).sum())
+        if lead:
+            for layer in self.cache.layers:
+                layer.keys, layer.values = layer.keys[..., lead:, :], layer.values[..., lead:, :]
+            self.seqs, self.attn, self.pads = self.seqs[:, lead:], self.attn[:, lead:], self.pads - lead
+
+    def merge(self, other: _Batch, pad_id: int) -> _Batch:
+        """One batch of both: the shorter side left-padded (cache, ids and mask) to the longer. Plain KV caches."""
+        width = max(self.attn.shape[1], other.attn.shape[1])
+        for side in (self, other):
+            extra = width - side.attn.shape[1]
+            if extra:
+                for layer in side.cache.layers:
+                    layer.keys = torch.nn.functional.pad(layer.keys, (0, 0, extra, 0))
+                    layer.values = torch.nn.functional.pad(layer.values, (0, 0, extra, 0))
+                side.seqs = torch.nn.functional.pad(side.seqs, (extra, 0), value=pad_id)
+                side.attn = torch.nn.functional.pad(side.attn, (extra, 0))
+                side.pads = side.pads + extra
+        for mine, theirs in zip(self.cache.layers, other.cache.layers):
+            mine.keys, mine.values = torch.cat([mine.keys, theirs.keys]), torch.cat([mine.values, theirs.values])
+        self.seqs, self.attn = torch.cat([self.seqs, other.seqs]), torch.cat([self.attn, other.attn])
+        self.pads, self.pending = torch.cat([self.pads, other.pads]), torch.cat([self.pending, other.pending])
+        self.running = self.running + other.running
+        return self
 
 
 class _Row:
