@@ -94,7 +94,7 @@ def rl_step(run: Run, step: int, progress=None) -> tuple[dict, runlog.StepBatch]
     batch = runlog.StepBatch(rows, trajectories, scores, rewards, tree_stats["m_per_question"])
     metrics = runlog.step_metrics(step + 1, batch, tree_stats, adv, entropy_sums, losses, grad_norms)
     metrics.update(mismatch.mismatch_metrics(mismatch_sums, settings.correction(cfg)), lr=cfg.lr,
-                   pad_share=pad_share(batches))
+                   pad_share=pad_share(batches, cfg.packed and unwrap(run.policy).packs()))
     metrics.update(clock.metrics(rollout_seconds, metrics["n_valid_tokens"] * cfg.ppo_epochs))
     return metrics, batch
 
@@ -230,9 +230,10 @@ def old_policy_pass(policy, ref, batches: list[list], cfg, amp) -> tuple[torch.T
     with amp():
         for i, mb in enumerate(flat):
             with located(f"the old-policy pass, micro-batch {i} of {len(flat)}"):
-                mb.old_logp, mb.entropy = policy(mb.input_ids, mb.attention_mask, mb.mask, cfg.temperature)
+                mb.old_logp, mb.entropy = policy(mb.input_ids, mb.attention_mask, mb.mask, cfg.temperature,
+                                                 packed=cfg.packed)
             if ref is not None:
-                mb.ref_logp, _ = ref(mb.input_ids, mb.attention_mask, mb.mask, cfg.temperature)
+                mb.ref_logp, _ = ref(mb.input_ids, mb.attention_mask, mb.mask, cfg.temperature, packed=cfg.packed)
             stats += advantage.entropy_stats(mb.entropy, mb.mask).cpu()
             if mb.gen_logp is not None:
                 sums += mismatch.mismatch_stats(mb.old_logp, mb.gen_logp, mb.mask, correction, mb.misfit)
@@ -267,7 +268,7 @@ def accumulate_gradients(policy, mbs: list, cfg, world: int, amp, where: str) ->
     for i, mb in enumerate(mbs):
         with no_grad_sync(policy, last=i == len(mbs) - 1), located(f"{where}, micro-batch {i}"):
             with amp():
-                logp, entropy = policy(mb.input_ids, mb.attention_mask, mb.mask, cfg.temperature)
+                logp, entropy = policy(mb.input_ids, mb.attention_mask, mb.mask, cfg.temperature, packed=cfg.packed)
             value, metrics = loss.policy_loss(logp, mb.old_logp, mb.adv_tok, mb.mask, n_valid, objective,
                                               ref_logp=mb.ref_logp, entropy=entropy, n_seqs=n_seqs,
                                               weights=correction.weights(mb.old_logp, mb.gen_logp, mb.mask))

@@ -27,6 +27,7 @@ from dataclasses import dataclass
 import torch
 
 import loss
+from harness import packing
 from harness.run import parallel, watchdog
 from harness.cli import UserError
 from harness.lora import ADAPTER, LoraSettings, adapter_weights, add_adapters, is_lora, merged_weights
@@ -37,19 +38,33 @@ class Policy(torch.nn.Module):
     """Wraps a causal LM. forward(input_ids (B, L), attention_mask (B, L), mask (B, L-1)) -> (logp, entropy),
     both (B, L-1) float32: log π(input_ids[:, t+1] | input_ids[:, :t+1]) and the token entropy H_t (algorithm.md §1) at
     positions where mask is 1, 0 elsewhere. Only masked positions go through the LM head (loss.logprobs_and_entropy,
-    chunked), so prompts and tool results cost no (T, V) logits."""
+    chunked), so prompts and tool results cost no (T, V) logits. packed: the decoder runs on the rows' real tokens in
+    one row, each trajectory attending to itself only (harness/packing.py; where `packs`, else padded rows), the same
+    values up to rounding with no padding computed."""
 
     def __init__(self, lm):
         super().__init__()
         self.lm = lm
 
-    def forward(self, input_ids, attention_mask, mask, temperature: float = 1.0, chunk_size: int = 1024):
-        hidden = self.lm.get_decoder()(input_ids=input_ids, attention_mask=attention_mask).last_hidden_state
-        sel = mask.bool()
+    def packs(self) -> bool:
+        """Whether forward(..., packed=True) runs the padding-free path on this LM (packing.supported)."""
+        return packing.supported(self.lm.get_decoder().config)
+
+    def forward(self, input_ids, attention_mask, mask, temperature: float = 1.0, chunk_size: int = 1024,
+                packed: bool = False):
+        decoder, sel = self.lm.get_decoder(), mask.bool()
+        if packed and self.packs():
+            packing.use_packed_attention(decoder)
+            ids, position_ids, cu_seqlens, lengths = packing.pack(input_ids, attention_mask)
+            hidden = decoder(input_ids=ids, position_ids=position_ids, attention_mask=torch.ones_like(ids),
+                             **packing.boundaries(cu_seqlens, lengths)).last_hidden_state
+            hidden_sel = packing.unpack(hidden, sel, cu_seqlens)
+        else:
+            hidden = decoder(input_ids=input_ids, attention_mask=attention_mask).last_hidden_state
+            hidden_sel = hidden[:, :-1][sel]
         with torch.autocast(hidden.device.type, enabled=False):      # the LM head in float32 (algorithm.md §1)
             logp_sel, entropy_sel = loss.logprobs_and_entropy(
-                hidden[:, :-1][sel], self.lm.get_output_embeddings().weight, input_ids[:, 1:][sel], temperature,
-                chunk_size)
+                hidden_sel, self.lm.get_output_embeddings().weight, input_ids[:, 1:][sel], temperature, chunk_size)
         logp = torch.zeros(sel.shape, dtype=torch.float32, device=hidden.device).masked_scatter(sel, logp_sel)
         entropy = torch.zeros(sel.shape, dtype=torch.float32, device=hidden.device).masked_scatter(sel, entropy_sel)
         return logp, entropy
@@ -238,10 +253,11 @@ def even_out(groups: list[list[int]], count: int) -> list[list[int]]:
     return groups
 
 
-def pad_share(batches: list[list]) -> float:
-    """The share of the positions the forward and backward passes compute that are padding, over all ranks."""
-    sums = torch.tensor([[mb.attention_mask.numel(), mb.attention_mask.sum().item()] for mbs in batches for mb in mbs],
-                        dtype=torch.float64).sum(0)
+def pad_share(batches: list[list], packed: bool = False) -> float:
+    """The share of the positions the forward and backward passes compute that are padding, over all ranks: rows ×
+    the longest row per micro-batch, or with packed (the padding-free forward ran: Policy.packs) the real ones only."""
+    sums = torch.tensor([[mb.attention_mask.sum().item() if packed else mb.attention_mask.numel(),
+                          mb.attention_mask.sum().item()] for mbs in batches for mb in mbs], dtype=torch.float64).sum(0)
     total, real = parallel.all_reduce_sum(sums).tolist()
     return 1.0 - real / total if total else 0.0
 

@@ -1,0 +1,136 @@
+"""The padding-free (packed) forward's pieces: a micro-batch's trajectories in one row, each attending only to itself.
+
+`pack` turns right-padded rows (`tensorize`'s layout) into one row (1, N) of their N real tokens, positions restarting
+at 0 per trajectory, and the trajectories' boundaries; the model's forward hands the boundaries (`boundaries`: the
+kwargs transformers' flash-attention varlen path reads) down to `attention`, an attention function registered with
+transformers as ATTENTION, which runs causal attention per trajectory: projections, MLPs and norms see no padding,
+and attention costs Σ L_i² instead of B · L². A call without boundaries (generation with its KV cache and left padding,
+the padded path) goes to transformers' own sdpa_attention_forward with sdpa's mask, so a model switched to ATTENTION
+(`use_packed_attention`) computes everything else as before. `unpack` takes the scored positions back out of the row.
+Policy.forward (harness/run/policy.py) chooses the path; `supported` says for which models the packed one is exact.
+"""
+from __future__ import annotations
+
+import torch
+
+ATTENTION = "packed_sdpa"
+MODEL_TYPES = ("llama", "qwen2", "qwen3")        # checked equal to the padded forward in tests/test_packing.py
+
+
+def supported(config) -> bool:
+    """Whether the packed forward computes what the padded one does for a model of this config: a model type whose
+    forward hands the boundaries down to its attention (MODEL_TYPES, checked), full attention in every layer (no
+    sliding window) and sdpa attention, which ATTENTION extends. Other models take the padded path."""
+    layer_types = set(getattr(config, "layer_types", None) or ["full_attention"])
+    return (config.model_type in MODEL_TYPES and layer_types == {"full_attention"}
+            and getattr(config, "sliding_window", None) is None and config._attn_implementation in ("sdpa", ATTENTION))
+
+
+def use_packed_attention(decoder) -> None:
+    """Register `attention` with transformers as ATTENTION, its masks sdpa's (an all-ones mask, a packed row's, is
+    none), and route the decoder's attention through it: transformers' sdpa for every call without boundaries."""
+    from transformers import AttentionInterface
+    from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
+    AttentionInterface.register(ATTENTION, attention)
+    AttentionMaskInterface.register(ATTENTION, sdpa_mask)
+    if decoder.config._attn_implementation != ATTENTION:
+        decoder.set_attn_implementation(ATTENTION)
+
+
+def pack(input_ids: torch.Tensor, attention_mask: torch.Tensor):
+    """Right-padded rows -> one row of their real tokens.
+
+    input_ids, attention_mask: (B, L); attention_mask is 1 on a row's real tokens, which come first (`tensorize`).
+    Returns ids (1, N) and position_ids (1, N) (0 .. L_i − 1 within trajectory i), cu_seqlens (B+1,) int32
+    (trajectory i is [cu_seqlens[i], cu_seqlens[i+1]) of the row) and lengths (B,) L_i; N = Σ L_i."""
+    real = attention_mask.bool()
+    lengths = real.sum(1)
+    columns = torch.arange(real.shape[1], device=real.device)
+    if not torch.equal(real, columns < lengths[:, None]):
+        raise ValueError("packing needs right-padded rows (each row's real tokens first, then its padding)")
+    ids = input_ids[real][None]
+    position_ids = columns.expand_as(real)[real][None]
+    cu_seqlens = torch.nn.functional.pad(lengths.cumsum(0), (1, 0)).to(torch.int32)
+    return ids, position_ids, cu_seqlens, lengths
+
+
+def boundaries(cu_seqlens: torch.Tensor, lengths: torch.Tensor) -> dict:
+    """The trajectories' boundaries as a model's forward passes them on to its attention function (the names of
+    transformers' flash-attention varlen path)."""
+    longest = int(lengths.max())
+    return dict(cu_seq_lens_q=cu_seqlens, cu_seq_lens_k=cu_seqlens, max_length_q=longest, max_length_k=longest)
+
+
+def unpack(hidden: torch.Tensor, mask: torch.Tensor, cu_seqlens: torch.Tensor) -> torch.Tensor:
+    """hidden (1, N, D) of the packed row -> (n, D) at the n positions where mask (B, L-1) is 1, in the order of the
+    padded layout's `hidden[:, :-1][mask]`: position t of trajectory i is cu_seqlens[i] + t of the row. A scored
+    position (mask 1: input_ids[i, t+1] is scored given the prefix up to t) needs a next token in its own trajectory,
+    so no target crosses a boundary."""
+    rows, cols = mask.bool().nonzero(as_tuple=True)
+    lengths = cu_seqlens.diff()
+    if bool((cols + 1 >= lengths[rows]).any()):
+        raise ValueError("mask is 1 at a position whose next token is not in its trajectory (padding)")
+    return hidden[0, cu_seqlens[rows].long() + cols]
+
+
+def attention(module, query, key, value, attention_mask, dropout: float = 0.0, scaling: float | None = None,
+              is_causal: bool | None = None, cu_seq_lens_q: torch.Tensor | None = None,
+              max_length_q: int | None = None, **kwargs):
+    """ATTENTION. query (1, H, N, d), key and value (1, H_kv, N, d) of a packed row whose trajectory i spans
+    [cu_seq_lens_q[i], cu_seq_lens_q[i+1]) -> (1, N, H, d), the layout of transformers' sdpa_attention_forward:
+    softmax(q·kᵀ·scaling) v with each query seeing the keys of its own trajectory up to itself. Without cu_seq_lens_q
+    this is sdpa_attention_forward."""
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+    if cu_seq_lens_q is None:
+        return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling,
+                                      is_causal=is_causal, **kwargs)
+    unsupported = [name for name in ("sliding_window", "softcap", "s_aux") if kwargs.get(name) is not None]
+    if unsupported or is_causal is False or query.shape[0] != 1 or key.shape[2] != query.shape[2]:
+        raise ValueError(f"packed attention is causal full attention over one row without a cache (got {unsupported}, "
+                         f"is_causal={is_causal}, query {tuple(query.shape)}, key {tuple(key.shape)})")
+    if use_flash(query):
+        return flash_varlen(module, query, key, value, dropout, scaling, cu_seq_lens_q, max_length_q), None
+    return sdpa_per_trajectory(module, query, key, value, dropout, scaling, cu_seq_lens_q), None
+
+
+def use_flash(query: torch.Tensor) -> bool:
+    """flash-attention 2's varlen kernel where it runs (the package installed, the tensors on CUDA), else SDPA per
+    trajectory. This project's machines have no flash-attn: the flash path is not exercised by its tests."""
+    from transformers.utils import is_flash_attn_2_available
+    return query.is_cuda and is_flash_attn_2_available()
+
+
+def flash_varlen(module, query, key, value, dropout, scaling, cu_seqlens, max_length) -> torch.Tensor:
+    """transformers' flash_attention_2 varlen path on the packed row (what flash_attention_forward calls, with the
+    implementation named: ATTENTION is no flash implementation) -> (1, N, H, d). Untested here (no flash-attn)."""
+    from transformers.integrations.flash_attention import get_target_dtype
+    from transformers.modeling_flash_attention_utils import _flash_attention_forward
+    return _flash_attention_forward(
+        query.transpose(1, 2), key.transpose(1, 2), value.transpose(1, 2), None, query_length=query.shape[2],
+        is_causal=True, dropout=dropout, softmax_scale=scaling, cu_seq_lens_q=cu_seqlens, cu_seq_lens_k=cu_seqlens,
+        max_length_q=max_length, max_length_k=max_length, target_dtype=get_target_dtype(query, module),
+        attn_implementation="flash_attention_2")
+
+
+def sdpa_per_trajectory(module, query, key, value, dropout, scaling, cu_seqlens) -> torch.Tensor:
+    """torch SDPA (is_causal) per trajectory, the trajectories of one length in one call -> (1, N, H, d)."""
+    from transformers.integrations.sdpa_attention import repeat_kv, use_gqa_in_sdpa
+    groups = getattr(module, "num_key_value_groups", 1)
+    if groups > 1 and not use_gqa_in_sdpa(None, key, value):
+        key, value = repeat_kv(key, groups), repeat_kv(value, groups)
+    starts_by_length: dict[int, list[int]] = {}
+    bounds = cu_seqlens.tolist()
+    for start, end in zip(bounds[:-1], bounds[1:]):
+        if end > start:
+            starts_by_length.setdefault(end - start, []).append(start)
+    order, outputs = [], []
+    for length, starts in starts_by_length.items():
+        index = (torch.tensor(starts, device=query.device)[:, None]
+                 + torch.arange(length, device=query.device)).flatten()           # (G·L_g,) the group's tokens
+        q, k, v = (x[0][:, index].unflatten(1, (len(starts), length)).transpose(0, 1) for x in (query, key, value))
+        out = torch.nn.functional.scaled_dot_product_attention(q, k, v, dropout_p=dropout, scale=scaling,
+                                                               is_causal=True, enable_gqa=k.shape[1] != q.shape[1])
+        outputs.append(out.transpose(1, 2).flatten(0, 1))                          # (G·L_g, H, d)
+        order.append(index)
+    return torch.cat(outputs)[torch.argsort(torch.cat(order))][None]
+

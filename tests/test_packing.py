@@ -1,0 +1,198 @@
+"""harness/packing.py and Policy.forward(..., packed=True): the padding-free forward gives the padded forward's
+log-probs, entropies and gradients (float32 to rounding, bfloat16 as close to float32 as the padded one) on tiny random
+Llama, Qwen2 and Qwen3 models and the embedded SmolLM2-135M; the decoder sees the real tokens only; models it does not
+support run padded; generation on the same model object is unchanged; and a train.py step is the same either way."""
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+import train
+from harness import packing
+from harness.run.policy import Policy, enable_gradient_checkpointing, tensorize
+from rollout import Sampling
+from tests.conftest import as_ids, chat_prompt, flags, make_tiny_model, with_adapters
+from tests.fakes import SearchFirst, fake_score
+
+VOCAB = 512
+SHAPES = [(7, 30), (1, 1), (12, 8), (7, 30), (3, 14)]     # (prompt, response) lengths: 37, 2, 20, 37, 17 tokens
+
+
+def tiny(arch: str, **overrides):
+    """2 layers, 4 query heads over 2 key/value heads (GQA), weights drawn wide enough for a spread of entropies."""
+    from transformers import (LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM, Qwen3Config,
+                              Qwen3ForCausalLM)
+    config_cls, model_cls = {"llama": (LlamaConfig, LlamaForCausalLM), "qwen2": (Qwen2Config, Qwen2ForCausalLM),
+                             "qwen3": (Qwen3Config, Qwen3ForCausalLM)}[arch]
+    torch.manual_seed(0)
+    shape = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                 num_key_value_heads=2, head_dim=16, initializer_range=0.1, tie_word_embeddings=True)
+    return model_cls(config_cls(**{**shape, **overrides})).eval()
+
+
+def micro_batch(vocab: int, shapes=SHAPES):
+    """Right-padded rows of random tokens (tensorize), every response token scored, and a random advantage."""
+    gen = torch.Generator().manual_seed(1)
+    items = []
+    for p, r in shapes:
+        ids = torch.randint(0, vocab, (p + r,), generator=gen).tolist()
+        items.append((ids[:p], ids[p:], [1] * r))
+    mb = tensorize(items, 0, "cpu")
+    return mb, torch.randn(mb.mask.shape, generator=gen)
+
+
+def forward_backward(lm, mb, adv, packed: bool, bf16: bool = False):
+    """logp, entropy (B, L-1) and every parameter's gradient of Σ logp·mask·adv + 0.1·Σ H·mask."""
+    lm.zero_grad()
+    with torch.autocast("cpu", dtype=torch.bfloat16, enabled=bf16):
+        logp, entropy = Policy(lm)(mb.input_ids, mb.attention_mask, mb.mask, 0.7, packed=packed)
+    ((logp * mb.mask * adv).sum() + 0.1 * (entropy * mb.mask).sum()).backward()
+    return logp.detach(), entropy.detach(), {n: p.grad.clone() for n, p in lm.named_parameters() if p.grad is not None}
+
+
+def worst_relative(grads, reference) -> float:
+    """max over parameters of max |g − g_ref| / max |g_ref|."""
+    assert grads.keys() == reference.keys() and reference
+    return max(float((grads[n] - reference[n]).abs().max() / reference[n].abs().max()) for n in reference)
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# The pieces
+
+
+def test_pack_and_unpack_layout():
+    ids = torch.tensor([[5, 6, 7, 0], [8, 9, 0, 0], [1, 2, 3, 4]])
+    attn = (ids != 0).long()
+    attn[2] = 1
+    packed, positions, cu_seqlens, lengths = packing.pack(ids, attn)
+    assert packed.tolist() == [[5, 6, 7, 8, 9, 1, 2, 3, 4]] and positions.tolist() == [[0, 1, 2, 0, 1, 0, 1, 2, 3]]
+    assert cu_seqlens.tolist() == [0, 3, 5, 9] and cu_seqlens.dtype == torch.int32 and lengths.tolist() == [3, 2, 4]
+    mask = torch.tensor([[0, 1, 0], [1, 0, 0], [0, 1, 1]])            # scores 7 | 9 | 3, 4
+    hidden = torch.arange(9.0)[None, :, None]                           # (1, N, 1): a position's own index
+    assert packing.unpack(hidden, mask, cu_seqlens)[:, 0].tolist() == [1, 3, 6, 7]   # the token before each target
+    with pytest.raises(ValueError, match="next token is not in its trajectory"):
+        packing.unpack(hidden, torch.tensor([[0, 0, 1], [0, 0, 0], [0, 0, 0]]), cu_seqlens)
+    with pytest.raises(ValueError, match="right-padded"):
+        packing.pack(ids, attn.flip(1))
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# Values and gradients against the padded forward
+
+
+@pytest.mark.parametrize("arch, variant", [("llama", ""), ("qwen2", ""), ("qwen3", ""),
+                                           ("llama", "gradient checkpointing"), ("llama", "lora")])
+def test_packed_equals_padded_float32(arch, variant):
+    lm = tiny(arch)
+    if variant == "gradient checkpointing":                            # backward recomputes the attention
+        enable_gradient_checkpointing(lm)
+        lm.train()
+    if variant == "lora":
+        lm = with_adapters(lm, b_scale=0.05)
+    mb, adv = micro_batch(VOCAB)
+    padded, packed = forward_backward(lm, mb, adv, packed=False), forward_backward(lm, mb, adv, packed=True)
+    assert Policy(lm).packs() and lm.config._attn_implementation == packing.ATTENTION
+    for want, got in zip(padded[:2], packed[:2]):
+        assert torch.allclose(got, want, rtol=1e-5, atol=1e-5)
+        assert bool((got[mb.mask == 0] == 0).all())                   # unscored positions stay 0
+    assert worst_relative(packed[2], padded[2]) < 1e-5
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen3"])
+def test_packed_bf16_is_as_close_to_float32_as_padded(arch):
+    lm = tiny(arch)
+    mb, adv = micro_batch(VOCAB)
+    exact = forward_backward(lm, mb, adv, packed=False)
+    padded, packed = (forward_backward(lm, mb, adv, packed=p, bf16=True) for p in (False, True))
+    for want, got in zip(padded[:2], packed[:2]):
+        assert torch.allclose(got, want, atol=1e-2)
+    assert worst_relative(packed[2], padded[2]) < 3e-2
+    assert worst_relative(packed[2], exact[2]) <= 1.25 * worst_relative(padded[2], exact[2]) + 1e-3
+
+
+def test_packed_equals_padded_on_the_embedded_model():
+    """SmolLM2-135M (30 layers, 9 query heads over 3 key/value heads), float32."""
+    from tests.conftest import embedded_gguf_dir
+    from harness import config, models
+    embedded_gguf_dir()                                                 # skips where the wheel is not installed
+    lm = models.load_lm(str(models.embedded_model_dir(config.cache_dir())), "cpu")
+    mb, adv = micro_batch(lm.config.vocab_size, [(20, 30), (1, 1), (15, 20)])
+    padded, packed = forward_backward(lm, mb, adv, packed=False), forward_backward(lm, mb, adv, packed=True)
+    for want, got in zip(padded[:2], packed[:2]):
+        assert torch.allclose(got, want, rtol=1e-4, atol=1e-4)
+    assert worst_relative(packed[2], padded[2]) < 1e-4
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# What the decoder computes; models that run padded
+
+
+def decoder_inputs(lm, mb, packed: bool) -> list[tuple]:
+    """The shapes of input_ids the decoder got in one forward."""
+    seen = []
+    hook = lm.get_decoder().register_forward_pre_hook(
+        lambda module, args, kwargs: seen.append(tuple(kwargs["input_ids"].shape)), with_kwargs=True)
+    with torch.no_grad():
+        Policy(lm)(mb.input_ids, mb.attention_mask, mb.mask, packed=packed)
+    hook.remove()
+    return seen
+
+
+def test_the_packed_decoder_computes_the_real_tokens_only():
+    lm = tiny("llama")
+    mb, _ = micro_batch(VOCAB)
+    n_real = int(mb.attention_mask.sum())
+    assert n_real < mb.attention_mask.numel()                          # the padded rows do hold padding
+    assert decoder_inputs(lm, mb, packed=True) == [(1, n_real)]
+    assert decoder_inputs(lm, mb, packed=False) == [tuple(mb.input_ids.shape)]
+    assert train.pad_share([[mb]], packed=True) == 0.0
+    assert train.pad_share([[mb]]) == pytest.approx(1 - n_real / mb.attention_mask.numel())
+
+
+@pytest.mark.parametrize("model", ["sliding window", "eager attention"])
+def test_unsupported_models_run_padded(model):
+    lm = tiny("qwen2", use_sliding_window=True, sliding_window=8, max_window_layers=1) if model == "sliding window" \
+        else tiny("llama", attn_implementation="eager")
+    mb, adv = micro_batch(VOCAB)
+    assert not Policy(lm).packs()
+    assert decoder_inputs(lm, mb, packed=True) == [tuple(mb.input_ids.shape)]
+    padded, packed = forward_backward(lm, mb, adv, packed=False), forward_backward(lm, mb, adv, packed=True)
+    assert torch.equal(padded[0], packed[0])
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# Generation on the same model object, and a train.py step
+
+
+def test_generation_is_unchanged_after_a_packed_forward(tokenizer):
+    """The transformers generator (KV cache, left-padded prompts of different lengths) decodes greedily the same
+    tokens with the same log-probs from a model switched to packing.ATTENTION as from one never switched."""
+    from harness.generation import TransformersGenerator
+    contexts = [as_ids(chat_prompt(tokenizer, q)) for q in ("a?", "a much longer question than the others?", "b?")]
+    never, switched = make_tiny_model(tokenizer), make_tiny_model(tokenizer)
+    mb, _ = micro_batch(len(tokenizer))
+    with torch.no_grad():
+        Policy(switched)(mb.input_ids, mb.attention_mask, mb.mask, packed=True)
+    assert switched.config._attn_implementation == packing.ATTENTION and never.config._attn_implementation == "sdpa"
+    want, got = (TransformersGenerator(lm, tokenizer, batch_size=2).generate(contexts, [12, 12, 12], seed=0,
+                                                                             sampling=Sampling(temperature=0.0))
+                 for lm in (never, switched))
+    assert [s.token_ids for s in got] == [s.token_ids for s in want] and all(len(s.token_ids) for s in got)
+    assert [s.logprobs for s in got] == [s.logprobs for s in want]
+
+
+def test_a_train_step_is_the_same_packed_or_padded(setup):
+    """One train.main step from the same seed, --packed false and true: the same rollout, so the same metrics up to
+    rounding (the entropy z-score of the tiny model magnifies it: 1e-3), and no padding computed when packed."""
+    rows = {}
+    for packed in ("false", "true"):
+        argv = flags(setup, f"packed_{packed}", steps=1, k=4, mini_batch_size=2, max_response_tokens=40, kl_coef=0.05,
+                     packed=packed)
+        run = Path(train.main(argv, score=fake_score, make_generator=SearchFirst.factory())["run_dir"])
+        rows[packed] = json.loads((run / "metrics.jsonl").read_text().splitlines()[-1])
+    padded, packed = rows["false"], rows["true"]
+    assert padded["pad_share"] > 0 and packed["pad_share"] == 0
+    for key, value in padded.items():
+        if not key.startswith(("time/", "update_tokens_per_s", "pad_share")):
+            assert packed[key] == pytest.approx(value, rel=1e-3, abs=1e-6), key
