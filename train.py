@@ -71,8 +71,9 @@ def rl_step(run: Run, step: int, progress=None) -> tuple[dict, runlog.StepBatch]
     with clock("old_logp"):
         # ---- outcome advantage A per token (§3a; GiGPO's step advantage, §7), mini-batches of whole questions
         adv = outcome_advantages(trajectories, rewards, cfg, run.tokenizer.pad_token_id)
+        packed = cfg.packed and unwrap(run.policy).packs()       # the padding-free forward (token budgets: real tokens)
         batches = micro_batches(trajectories, adv, rewards, cfg.questions_per_step // cfg.mini_batch_size, cfg,
-                                run.tokenizer.pad_token_id, run.device)
+                                run.tokenizer.pad_token_id, run.device, packed)
         # ---- old-policy log-probs and token entropies (one no-grad pass), entropy-aware advantage Ã (§3b)
         entropy_sums, mismatch_sums = old_policy_pass(run.policy, run.ref, batches, cfg, run.amp)
 
@@ -94,7 +95,7 @@ def rl_step(run: Run, step: int, progress=None) -> tuple[dict, runlog.StepBatch]
     batch = runlog.StepBatch(rows, trajectories, scores, rewards, tree_stats["m_per_question"])
     metrics = runlog.step_metrics(step + 1, batch, tree_stats, adv, entropy_sums, losses, grad_norms)
     metrics.update(mismatch.mismatch_metrics(mismatch_sums, settings.correction(cfg)), lr=cfg.lr,
-                   pad_share=pad_share(batches, cfg.packed and unwrap(run.policy).packs()))
+                   pad_share=pad_share(batches, packed))
     metrics.update(clock.metrics(rollout_seconds, metrics["n_valid_tokens"] * cfg.ppo_epochs))
     return metrics, batch
 

@@ -10,8 +10,9 @@
    time/update and time/sync, means over the steps after the first.
 3. Achieved FLOP/s of the old-policy pass and the update: each step's micro-batches rebuilt from trees.jsonl (prompt
    + response lengths, harness.run.policy.split_micro_batches as the trainer calls it); a forward = 2 x the decoder's
-   matmul weights x computed positions (padding included) + 4 x layers x heads x head_dim x sum(rows x width^2)
-   (attention scores and values, the whole square) + 2 x hidden x vocabulary x loss tokens (the LM head runs on loss
+   matmul weights x computed positions (padding included; with --packed, the default, the real tokens only) + 4 x
+   layers x heads x head_dim x sum(rows x width^2) (attention scores and values, the whole square; packed: the sum of
+   each trajectory's length^2) + 2 x hidden x vocabulary x loss tokens (the LM head runs on loss
    tokens only, in float32); the old-policy pass is one forward, the update three per ppo epoch. The share of the
    limit is the time the machine's matmul rate would need for those FLOPs (the decoder and attention at the run's
    precision, the LM head at float32's) over the time taken; softmax, norms, the optimiser and Python are the rest.
@@ -75,11 +76,12 @@ def step_flops(run_dir: Path, cfg: dict, mcfg) -> dict[int, tuple[float, float, 
         attn = positions = 0.0
         for s in range(0, len(recs), per_mini):
             lengths = [r["prompt_tokens"] + t["length"] for r in recs[s:s + per_mini] for t in r["trajectories"]]
+            packed = cfg.get("packed", False)            # the padding-free forward computes the real tokens only
             for group in split_micro_batches(list(range(len(lengths))), lengths, cfg["micro_batch_size"],
-                                             cfg["max_tokens_per_micro_batch"]):
+                                             cfg["max_tokens_per_micro_batch"], packed):
                 width = max(lengths[i] for i in group)
-                positions += len(group) * width
-                attn += attention * len(group) * width ** 2
+                positions += sum(lengths[i] for i in group) if packed else len(group) * width
+                attn += attention * (sum(lengths[i] ** 2 for i in group) if packed else len(group) * width ** 2)
         out[step] = (2 * weights * positions, attn, positions)
     return out
 

@@ -162,7 +162,8 @@ class Config:
                                 valid="[1, inf)")
     max_tokens_per_micro_batch: int = arg(0, "micro-batches by token budget (verl's ppo_max_token_len_per_gpu): "
                                              "length-sorted trajectories, each forward/backward at most this many "
-                                             "padded tokens (0 = --micro_batch_size trajectories each)",
+                                             "tokens: rows × the longest, real tokens with --packed (0 = "
+                                             "--micro_batch_size trajectories each)",
                                           valid="[0, inf)")
     packed: bool = arg(True, "padding-free forward for the old-policy pass and the update: a micro-batch's "
                              "trajectories in one row, each attending only to itself (verl's use_remove_padding); "

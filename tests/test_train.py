@@ -386,6 +386,9 @@ def test_split_micro_batches_by_token_budget():
     assert groups == [[0, 4, 2, 3], [1], [5]]                        # 4 × 120 = 480; then 400; then 900 alone
     assert sorted(i for g in groups for i in g) == indices
     assert all(len(g) * max(lengths[i] for i in g) <= 500 or len(g) == 1 for g in groups)
+    assert train.split_micro_batches(indices, lengths, 4, 700) == groups          # 5 × 400 = 2,000 padded: no
+    packed = train.split_micro_batches(indices, lengths, 4, 700, packed=True)   # the padding-free forward: real tokens
+    assert packed == [[0, 4, 2, 3, 1], [5]]                          # 50 + 55 + 60 + 120 + 400 = 685 ≤ 700
     # another rank packed 5: the largest micro-batch is halved until there are 5, nothing lost or repeated
     five = policy_mod.even_out(groups, 5)
     assert five == [[0], [4], [2, 3], [1], [5]] and sorted(i for g in five for i in g) == indices

@@ -213,18 +213,20 @@ def tensorize(items: list[tuple[list[int], list[int], list[int]]], pad_id: int, 
 
 
 def micro_batches(trajectories, adv: torch.Tensor, rewards: torch.Tensor, n_minibatches: int, cfg, pad_id: int,
-                  device):
+                  device, packed: bool = False):
     """This rank's trajectories (ordered by question) in n_minibatches mini-batches of whole questions, each in
     micro-batches (`split_micro_batches`) with their (N, W) per-token advantages A (outcome_advantages) and (N,)
     rewards. Every rank gets as many micro-batches as the rank with the most, in each mini-batch (`even_out`; a
     collective): FSDP2 runs collectives in every pass, so unequal counts would leave ranks waiting for ever.
-    Returns a list (per mini-batch) of lists of MicroBatch."""
+    packed: the forward runs padding-free (token budgets count real tokens). Returns a list (per mini-batch) of lists
+    of MicroBatch."""
     per_mini = len(trajectories) // n_minibatches
     splits = []
     for j in range(n_minibatches):
         chunk = list(range(j * per_mini, (j + 1) * per_mini))
         lengths = [len(trajectories[i].prompt_ids) + len(trajectories[i].response_ids) for i in chunk]
-        splits.append(split_micro_batches(chunk, lengths, cfg.micro_batch_size, cfg.max_tokens_per_micro_batch))
+        splits.append(split_micro_batches(chunk, lengths, cfg.micro_batch_size, cfg.max_tokens_per_micro_batch,
+                                          packed))
     counts = parallel.all_reduce_max(torch.tensor([len(groups) for groups in splits])).tolist()
     out = []
     for groups, count in zip(splits, counts):
@@ -262,20 +264,23 @@ def pad_share(batches: list[list], packed: bool = False) -> float:
     return 1.0 - real / total if total else 0.0
 
 
-def split_micro_batches(indices: list[int], lengths: list[int], size: int, max_tokens: int) -> list[list[int]]:
+def split_micro_batches(indices: list[int], lengths: list[int], size: int, max_tokens: int,
+                        packed: bool = False) -> list[list[int]]:
     """A mini-batch's trajectories in micro-batches: `size` at a time in their order, or (max_tokens > 0) sorted by
-    length and packed greedily so that rows × the longest row's length stays within max_tokens (a trajectory longer
-    than that is a micro-batch of its own). The loss divides by the mini-batch's global token count (D18), so the
+    length and packed greedily so that the tokens a forward computes stay within max_tokens: rows × the longest row's
+    length, or with packed (the padding-free forward) their real tokens, verl's rule (a trajectory longer than that is
+    a micro-batch of its own). The loss divides by the mini-batch's global token count (D18), so the
     split changes no gradient beyond rounding, only the padding a forward pass computes."""
     if max_tokens <= 0:
         return [indices[s:s + size] for s in range(0, len(indices), size)]
-    out, current, longest = [], [], 0
+    out, current, longest, total = [], [], 0, 0
     for length, i in sorted(zip(lengths, indices)):
-        if current and (len(current) + 1) * max(longest, length) > max_tokens:
+        cost = total + length if packed else (len(current) + 1) * max(longest, length)
+        if current and cost > max_tokens:
             out.append(current)
-            current, longest = [], 0
+            current, longest, total = [], 0, 0
         current.append(i)
-        longest = max(longest, length)
+        longest, total = max(longest, length), total + length
     return out + ([current] if current else [])
 
 

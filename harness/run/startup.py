@@ -129,7 +129,8 @@ def set_up(cfg: config.Config, rank: int, world: int, device: torch.device, stat
         ref = AdaptersOff(policy)
     elif cfg.kl_coef > 0:                        # frozen reference: the policy RL starts from (also on --resume)
         ref = unwrap(load_policy(ref_path, world, device, cfg.parallel, cfg.bf16, rank)).requires_grad_(False)
-    optimizer = torch.optim.AdamW(trainable_parameters(policy), lr=cfg.lr, weight_decay=cfg.weight_decay)
+    optimizer = torch.optim.AdamW(trainable_parameters(policy), lr=cfg.lr, weight_decay=cfg.weight_decay,
+                                  fused=device.type in ("cpu", "cuda"))   # one kernel: 3x the default loop on a CPU
     generator = watchdog.WatchedGenerator(make_generator(cfg, init_path, policy, tokenizer, rank, device,
                                                          stop_strings=fmt.stop_strings))
     parallel.on_close(generator.close)           # a vLLM engine shuts down before the process group is left
