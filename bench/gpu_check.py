@@ -165,17 +165,18 @@ def run_training(model_dir: Path, tmp: Path, steps: int, device: str) -> tuple[b
     """train.main in this process as one torchrun process (FSDP2), searching a replay table of every training query,
     evaluating 4 held-out questions after; returns (ok, reason, rows)."""
     import train
+    from harness.run import startup
     questions = [json.loads(line) for line in (ROOT / "data" / "qa_train.jsonl").read_text().splitlines() if line]
     (tmp / "replay.json").write_text(json.dumps({q["query"]: f"Page 1: {q['title']}: {q['question']} "
                                                              f"{' / '.join(q['answer'])}." for q in questions}))
-    sharded, load_policy = [], train.load_policy
+    sharded, load_policy = [], startup.load_policy
 
     def recording_load_policy(*args, **kwargs):   # how train.py placed the policy
         policy = load_policy(*args, **kwargs)
         sharded.append(policy_mod.is_sharded(policy))
         return policy
 
-    train.load_policy = recording_load_policy
+    startup.load_policy = recording_load_policy
     no_plots()
     try:
         train.main(train_argv(model_dir, tmp, steps, device))
@@ -183,7 +184,7 @@ def run_training(model_dir: Path, tmp: Path, steps: int, device: str) -> tuple[b
         traceback.print_exc()
         return False, f"train.main raised {type(err).__name__}: {str(err)[:150]}", []
     finally:
-        train.load_policy = load_policy
+        startup.load_policy = load_policy
     if sharded != [True]:
         return False, f"the policy was not placed by FSDP2 (is_sharded per load: {sharded})", []
     run_dir = tmp / "runs" / "gpu_check"

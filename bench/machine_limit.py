@@ -122,6 +122,7 @@ def main(argv=None) -> None:
     import yaml
     from transformers import AutoConfig
     from harness import config, models
+    from harness.run import parallel
     import train
     print(f"machine_limit: torch {torch.__version__}, {os.cpu_count()} cores, {torch.get_num_threads()} torch "
           f"threads, load average {os.getloadavg()[0]:.2f} at start", flush=True)
@@ -141,7 +142,7 @@ def main(argv=None) -> None:
         cfg = yaml.safe_load((run_dir / "config.yaml").read_text())
         rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()][1:]
         flops = step_flops(run_dir, cfg, mcfg)
-    bf16 = config.resolve_bf16(cfg["bf16"], torch.device("cpu"))
+    bf16 = parallel.resolve_bf16(cfg["bf16"], torch.device("cpu"))
     precision = "bfloat16" if bf16 else "float32"
     layer_rate, head_rate = rate[precision][0], rate["float32"][1]
 

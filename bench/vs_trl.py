@@ -188,8 +188,8 @@ def main() -> None:
         raise SystemExit("bench/vs_trl.py needs TRL: pip install -r bench/requirements-trl.txt")
     import torch
     sys.path.insert(0, str(ROOT))
-    from harness import config
-    bf16 = config.resolve_bf16(args.bf16, torch.device("cuda" if torch.cuda.is_available() else "cpu"))
+    from harness.run import parallel
+    bf16 = parallel.resolve_bf16(args.bf16, torch.device("cuda" if torch.cuda.is_available() else "cpu"))
     ours_python = sys.executable
     if args.ours_backend == "vllm":
         ours_python = str(ROOT / ".venv-vllm" / "bin" / "python")

@@ -278,3 +278,35 @@ def test_machine_limit_counts_the_positions_the_passes_compute(tmp_path):
                                                  "max_tokens_per_micro_batch": 45}, cfg)
     # length-sorted within the budget: [15, 21] -> 2 x 21, [40] -> 40
     assert budget[1][2] == 2 * 21 + 40
+
+
+@pytest.mark.parametrize("script", sorted(p.name for p in (Path(__file__).resolve().parents[1] / "bench").glob("*.py")))
+def test_bench_scripts_name_only_what_the_project_has(script):
+    """A benchmark runs for minutes before it reaches its report: every `module.name` it reads from a project module
+    (`from harness import config`, `import train`, ...) must exist, or it fails at the end (a moved function did)."""
+    import ast
+    import importlib
+    import types
+    root = Path(__file__).resolve().parents[1]
+    tree = ast.parse((root / "bench" / script).read_text())
+    aliases, missing = {}, []                     # local name -> project module; names not found
+    project = {p.stem for p in root.glob("*.py")} | {"harness"}
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            aliases.update({a.asname or a.name: a.name for a in node.names if a.name.split(".")[0] in project
+                            and "." not in (a.asname or a.name)})
+        elif isinstance(node, ast.ImportFrom) and node.module and node.module.split(".")[0] in project:
+            module = importlib.import_module(node.module)
+            for a in node.names:
+                if not hasattr(module, a.name):
+                    try:                          # a submodule not imported yet
+                        importlib.import_module(f"{node.module}.{a.name}")
+                    except ModuleNotFoundError:
+                        missing.append(f"{node.module}.{a.name} (line {node.lineno})")
+                        continue
+                if isinstance(getattr(module, a.name, None), types.ModuleType) or not hasattr(module, a.name):
+                    aliases[a.asname or a.name] = f"{node.module}.{a.name}"
+    missing += [f"{aliases[n.value.id]}.{n.attr} (line {n.lineno})" for n in ast.walk(tree)
+                if isinstance(n, ast.Attribute) and isinstance(n.value, ast.Name) and n.value.id in aliases
+                and not hasattr(importlib.import_module(aliases[n.value.id]), n.attr)]
+    assert not missing, f"bench/{script} reads names the project does not have: {missing}"
