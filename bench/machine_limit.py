@@ -20,6 +20,8 @@
    bench/vllm_cpu.py's generation part on its 16 contexts: TransformersGenerator (float32 and bfloat16 autocast) in
    this process, then vLLM's CPU build (float32 and bfloat16) in .venv-vllm where it exists (`bash
    tests/vllm_stage.sh` builds it), each vLLM rate also as a ratio to the transformers one of its precision.
+5. `--profile` (alone): one update micro-batch shaped like the default run's under torch.profiler: the share of each
+   kind of op, and the rate the matmuls themselves reach.
 """
 import argparse
 import json
@@ -44,18 +46,22 @@ def model_shapes(cfg) -> tuple[list[tuple[int, int]], tuple[int, int]]:
         (d, cfg.vocab_size)
 
 
-def matmul_rate(shapes: list[tuple[int, int]], dtype, repeats: int = 10) -> float:
-    """GFLOP/s of `shapes` done one after the other at ROWS rows."""
+def matmul_rate(shapes: list[tuple[int, int]], dtype, repeats: int = 10, rounds: int = 5) -> float:
+    """GFLOP/s of `shapes` done one after the other at ROWS rows: the best of `rounds` (a first round ran up to 5x
+    slower on this machine, with bfloat16's AMX kernels still warming up)."""
     import torch
     pairs = [(torch.randn(ROWS, i, dtype=dtype), torch.randn(i, o, dtype=dtype)) for i, o in shapes]
-    seconds = 0.0
-    for a, b in pairs:
-        a @ b                                                   # warm-up
-        start = time.perf_counter()
-        for _ in range(repeats):
-            a @ b
-        seconds += (time.perf_counter() - start) / repeats
-    return sum(2 * ROWS * i * o for i, o in shapes) / seconds / 1e9
+    best = float("inf")
+    for _ in range(rounds):
+        seconds = 0.0
+        for a, b in pairs:
+            a @ b                                               # warm-up
+            start = time.perf_counter()
+            for _ in range(repeats):
+                a @ b
+            seconds += (time.perf_counter() - start) / repeats
+        best = min(best, seconds)
+    return sum(2 * ROWS * i * o for i, o in shapes) / best / 1e9
 
 
 def step_flops(run_dir: Path, cfg: dict, mcfg) -> dict[int, tuple[float, float, float]]:
@@ -110,12 +116,71 @@ def generation_rates(tokens: int, repeats: int) -> None:
             print(f"generation | {name} / {name.replace('vllm', 'transformers')}: {rate / other:.2f}x", flush=True)
 
 
+CATEGORIES = (("matmul", ("aten::mm", "aten::addmm", "aten::bmm", "aten::matmul")),
+              ("attention", ("scaled_dot_product", "flash_attention")),
+              ("weight and activation copies (autocast casts)", ("aten::copy_", "aten::_to_copy", "aten::clone")),
+              ("optimiser", ("adam",)),
+              ("elementwise and reductions", ("aten::",)))
+
+
+PROFILE_LENGTHS = [442, 451, 467, 491]                 # one question's 4 trajectories in a default run (235 + response)
+
+
+def profile_update(lengths: list[int], limit: float) -> None:
+    """One update micro-batch of the embedded model as train.py runs it (Policy.forward packed, bfloat16 autocast,
+    the LM head in float32, backward, one fused AdamW step) under torch.profiler: each kind of op's share of the
+    time, and the rate the matmuls themselves reach against `limit` (GFLOP/s, the layer shapes' bfloat16 rate)."""
+    import torch
+    from torch.profiler import ProfilerActivity, profile
+    from transformers import AutoModelForCausalLM
+    from harness import config, models
+    from harness.run.policy import Policy, tensorize
+    lm = AutoModelForCausalLM.from_pretrained(models.embedded_model_dir(config.cache_dir()), dtype=torch.float32)
+    policy = Policy(lm).train()
+    optimizer = torch.optim.AdamW(policy.parameters(), lr=1e-6, fused=True)
+    g = torch.Generator().manual_seed(0)
+    prompt = 235                                        # the embedded default's prompt length
+    items = [(torch.randint(0, 49000, (prompt,), generator=g).tolist(),
+              torch.randint(0, 49000, (n - prompt,), generator=g).tolist(), [1] * (n - prompt)) for n in lengths]
+    mb = tensorize(items, 0, "cpu")
+
+    def once():
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            logp, _ = policy(mb.input_ids, mb.attention_mask, mb.mask, packed=True)
+        (-(logp * mb.mask).sum() / mb.mask.sum()).backward()
+        optimizer.step()
+        optimizer.zero_grad()
+
+    once()                                              # warm-up
+    with profile(activities=[ProfilerActivity.CPU], with_flops=True) as prof:
+        start = time.perf_counter()
+        once()
+        wall = time.perf_counter() - start
+    events = [e for e in prof.key_averages() if e.self_cpu_time_total > 0]
+    total = sum(e.self_cpu_time_total for e in events)
+    shares = dict.fromkeys([name for name, _ in CATEGORIES] + ["other"], 0.0)
+    for e in events:
+        kind = next((name for name, keys in CATEGORIES if any(k in e.key.lower() for k in keys)), "other")
+        shares[kind] += e.self_cpu_time_total
+    mm = [e for e in events if e.key in ("aten::mm", "aten::addmm", "aten::bmm")]
+    mm_flops, mm_us = sum(e.flops for e in mm), sum(e.self_cpu_time_total for e in mm)
+    print(f"profile | one update micro-batch, {len(lengths)} trajectories of {lengths} tokens, packed, bfloat16: "
+          f"{wall:.2f} s", flush=True)
+    for kind, us in shares.items():
+        print(f"profile | {kind:48s} {us / total:6.1%} of the time", flush=True)
+    print(f"profile | the matmuls reach {mm_flops / mm_us / 1e3:.1f} GFLOP/s ({mm_flops / mm_us / 1e3 / limit:.0%} of the "
+          f"bfloat16 limit; the LM head's are float32)", flush=True)
+    for e in sorted(events, key=lambda e: -e.self_cpu_time_total)[:10]:
+        print(f"profile | {e.key[:60]:60s} {e.self_cpu_time_total / total:6.1%} ({e.count} calls)", flush=True)
+
+
 def main(argv=None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--steps", type=int, default=3, help="training steps (the first is warm-up and dropped)")
     parser.add_argument("--gen_tokens", type=int, default=128, help="new tokens per context in the generation part")
     parser.add_argument("--gen_repeats", type=int, default=2, help="timed generate calls per generator")
     parser.add_argument("--skip_generation", action="store_true", help="leave out part 4's generator comparison")
+    parser.add_argument("--profile", action="store_true", help="only part 5: profile one update micro-batch")
     parser.add_argument("train_flags", nargs="*", help="after --: flags for train.py")
     args = parser.parse_args(argv)
     import torch
@@ -133,6 +198,9 @@ def main(argv=None) -> None:
     for name, (layer_rate, head_rate) in rate.items():
         print(f"limit | matmul {name:8s} | a layer's 7 shapes {layer_rate:6.1f} GFLOP/s | the LM head "
               f"{head_rate:6.1f} GFLOP/s ({ROWS} rows)", flush=True)
+    if args.profile:
+        profile_update(PROFILE_LENGTHS, rate["bfloat16"][0])
+        return
 
     with tempfile.TemporaryDirectory() as tmp:
         out = Path(tmp)
@@ -171,6 +239,7 @@ def main(argv=None) -> None:
           flush=True)
     if not args.skip_generation:
         generation_rates(args.gen_tokens, args.gen_repeats)
+
     print(f"load average {os.getloadavg()[0]:.2f} at end")
 
 
