@@ -168,8 +168,9 @@ def profile_update(lengths: list[int], limit: float) -> None:
           f"{wall:.2f} s", flush=True)
     for kind, us in shares.items():
         print(f"profile | {kind:48s} {us / total:6.1%} of the time", flush=True)
-    print(f"profile | the matmuls reach {mm_flops / mm_us / 1e3:.1f} GFLOP/s ({mm_flops / mm_us / 1e3 / limit:.0%} of the "
-          f"bfloat16 limit; the LM head's are float32)", flush=True)
+    rate = mm_flops / mm_us / 1e3
+    print(f"profile | the matmuls reach {rate:.1f} GFLOP/s ({rate / limit:.0%} of the bfloat16 limit; the LM head's "
+          f"are float32)", flush=True)
     for e in sorted(events, key=lambda e: -e.self_cpu_time_total)[:10]:
         print(f"profile | {e.key[:60]:60s} {e.self_cpu_time_total / total:6.1%} ({e.count} calls)", flush=True)
 

@@ -124,7 +124,8 @@ class Config:
     backend: str = arg("transformers", "generation backend: transformers | vllm (GPUs, or vLLM's CPU build; one "
                                        "colocated engine per rank)", valid="transformers | vllm",
                        group="rollout, tools and sandbox")
-    gen_batch_size: int = arg(64, "contexts per transformers generate call", valid="[1, inf)")
+    gen_batch_size: int = arg(64, "rows the transformers generator decodes at once (waiting contexts join as rows "
+                                  "end)", valid="[1, inf)")
     vllm_gpu_memory_utilization: float = arg(0.4, "fraction of GPU memory the colocated vLLM engine may take (vLLM's "
                                                   "CPU build: a 2 GiB KV cache instead)", valid="(0, 1]")
     search: str = arg("bm25", "search backend for search.make_search: bm25 (embedded Wikipedia), replay, http, web, "

@@ -47,7 +47,8 @@ class TransformersGenerator:
     """All contexts of a round decoded together, token by token with the model's KV cache, at most batch_size rows
     at once: each row leaves the batch as soon as its segment ends (a closing tool tag, `</answer>`, EOS or its own
     token budget) and a waiting context takes its place, so that the others go on without it (`model.generate` would
-    run a padded batch until its longest row ends, then start the next). It samples the model's own
+    run a padded batch until its longest row ends, then start the next; transformers' continuous batching returns
+    the sampled tokens' log-probs but not the top-10 that H_seg reads). It samples the model's own
     distribution shaped only by the call's `Sampling` (a checkpoint's generation_config is not applied), with
     transformers' own processors in generate's order (repetition penalty, temperature, top-k, top-p), and each
     segment carries the log-prob of its tokens at the sampling temperature. H_seg uses the top-10 log-probs of the raw
@@ -96,7 +97,7 @@ class TransformersGenerator:
         rows = [_Row(limit) for limit in max_new_tokens]
         waiting = [i for i, row in enumerate(rows) if not row.finish_if_empty()]     # budget 0: never decoded
         layers = DynamicCache(config=self.model.config).layers
-        joins = bool(layers) and all(type(layer) is DynamicLayer for layer in layers)  # full attention: a plain KV cache
+        joins = bool(layers) and all(type(layer) is DynamicLayer for layer in layers)   # plain KV caches: full attention
         batch = None
         while waiting or (batch is not None and batch.running):
             free = self.batch_size - (len(batch.running) if batch is not None else 0)
