@@ -97,7 +97,7 @@ class TransformersGenerator:
         rows = [_Row(limit) for limit in max_new_tokens]
         waiting = [i for i, row in enumerate(rows) if not row.finish_if_empty()]     # budget 0: never decoded
         layers = DynamicCache(config=self.model.config).layers
-        joins = bool(layers) and all(type(layer) is DynamicLayer for layer in layers)   # plain KV caches: full attention
+        joins = bool(layers) and all(type(layer) is DynamicLayer for layer in layers)  # plain KV caches
         batch = None
         while waiting or (batch is not None and batch.running):
             free = self.batch_size - (len(batch.running) if batch is not None else 0)
