@@ -9,7 +9,7 @@ each), `plugins` (your tools and reward from package.module:name), `hermes` (the
 `search` (BM25, replay, retrieval server, web), `correctness` (math_equal, the LLM judge), `trees` (tree records,
 diversity, drawings), `http_client` (bounded HTTP requests), `openai_client` (OpenAI-compatible endpoints). `run/`:
 `run/startup` (a training run's set-up), `run/parallel` and `run/watchdog` (the process group), `run/policy` (the model
-on 1..N processes, micro-batches), `run/checkpoint`, `run/rundir` (the run folder and its settings), `run/runlog`
+on 1..N processes, micro-batches), `packing` (the padding-free forward), `run/checkpoint`, `run/rundir` (the run folder and its settings), `run/runlog`
 (metrics, plots, the step's clock), `run/probe` (the policy's entropy on fixed trajectories), `run/coldstart` (the
 embedded model's supervised cold start). `generation/` (the transformers backend, make_generator) with
 `generation/vllm`. `sandbox/` (the python tool's isolation) with `sandbox/observation` (a run as the policy reads it),
