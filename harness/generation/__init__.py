@@ -68,6 +68,10 @@ class TransformersGenerator:
         self.takes_adapter = any(".lora_A." in name for name, _ in model.named_parameters())   # LoRA layers in it
         import inspect                           # transformers 5.25 renamed forward's past_key_values to cache
         self.cache_kw = "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
+        from transformers import DynamicCache
+        from transformers.cache_utils import DynamicLayer
+        layers = DynamicCache(config=model.config).layers
+        self.joins = bool(layers) and all(type(layer) is DynamicLayer for layer in layers)   # plain KV caches only
 
     @torch.no_grad()
     def update_weights(self, named_tensors) -> None:
@@ -91,25 +95,19 @@ class TransformersGenerator:
         running batch (their prefill, then the merged cache), so the batch stays full until the queue is empty.
         The draws are generate's (one multinomial over the rows of each forward, after the same processors): a
         call whose rows all fit in one batch and end together samples what `model.generate` would."""
-        from transformers import DynamicCache
-        from transformers.cache_utils import DynamicLayer
         torch.manual_seed(seed)
         rows = [_Row(limit) for limit in max_new_tokens]
         waiting = [i for i, row in enumerate(rows) if not row.finish_if_empty()]     # budget 0: never decoded
-        layers = DynamicCache(config=self.model.config).layers
-        joins = bool(layers) and all(type(layer) is DynamicLayer for layer in layers)  # plain KV caches
         batch = None
         while waiting or (batch is not None and batch.running):
             free = self.batch_size - (len(batch.running) if batch is not None else 0)
-            if waiting and free > 0 and (batch is None or not batch.running or joins):
+            if waiting and free > 0 and (batch is None or not batch.running or self.joins):
                 take, waiting = waiting[:free], waiting[free:]
                 new = self._prefill([contexts[i] for i in take], take, rows, sampling, on_step)
                 batch = new if batch is None or not batch.running else batch.merge(new, self.pad_id)
             else:
                 self._step(batch, batch.pending[:, None], batch.attn.sum(-1, keepdim=True) - 1, rows, sampling,
                            on_step)
-            if joins and batch.running:
-                batch.trim()
         return [Segment(row.token_ids, row.reason, segment_entropy(row.top, self.vocab_size), row.text, row.logprobs)
                 for row in rows]
 
@@ -124,7 +122,8 @@ class TransformersGenerator:
             ids[i, width - len(c):] = torch.tensor(c)
             attn[i, width - len(c):] = 1
         ids, attn = ids.to(device), attn.to(device)
-        batch = _Batch(DynamicCache(config=self.model.config), ids, attn, width - attn.sum(-1), list(indices))
+        batch = _Batch(DynamicCache(config=self.model.config), ids, attn, width - attn.sum(-1), list(indices),
+                       self.joins)
         self._step(batch, ids, (attn.cumsum(-1) - 1).clamp(min=0), rows, sampling, on_step)
         return batch
 
@@ -170,10 +169,10 @@ class TransformersGenerator:
 class _Batch:
     """The rows decoding together: their KV cache, ids so far and attention mask (left-padded: the cache's positions
     plus the pending token's), left-pad counts (the repetition penalty skips them), the token each feeds next, and
-    which of the call's contexts they are."""
+    which of the call's contexts they are. plain: a plain KV cache (full attention), which can be trimmed and merged."""
 
-    def __init__(self, cache, seqs, attn, pads, running: list[int]):
-        self.cache, self.seqs, self.attn, self.pads, self.running = cache, seqs, attn, pads, running
+    def __init__(self, cache, seqs, attn, pads, running: list[int], plain: bool):
+        self.cache, self.seqs, self.attn, self.pads, self.running, self.plain = cache, seqs, attn, pads, running, plain
         self.pending = None
 
     def select(self, keep: list[int]) -> None:
@@ -182,6 +181,8 @@ class _Batch:
         self.seqs, self.attn, self.pads, self.pending = (self.seqs[index], self.attn[index], self.pads[index],
                                                          self.pending[index])
         self.running = [self.running[j] for j in keep]
+        if self.plain and self.running:
+            self.trim()
 
     def trim(self) -> None:
         """Drop the leading positions that are padding in every row (left by rows that have left); plain KV caches."""
