@@ -19,10 +19,12 @@ notice at the tool-call limit; `tool_limit_ends` does what the official code doe
 from __future__ import annotations
 
 import dataclasses
+import hashlib
 import math
 import random
 import time
 from collections import Counter
+from concurrent.futures import FIRST_COMPLETED, ThreadPoolExecutor, wait
 from dataclasses import dataclass, field
 from typing import Any, Callable, Iterable, Protocol
 
@@ -99,32 +101,33 @@ class Segment:
     #                                      vocabulary (no top-k/top-p renormalisation); None where the backend has none
 
 
-def ends_with_stop(text: str, stop_strings: tuple[str, ...] = tools.STOP_STRINGS) -> str | None:
-    """The stop string (one of stop_strings) that `text` ends with, trailing whitespace allowed; else None."""
-    stripped = text.rstrip()
-    return next((s for s in stop_strings if stripped.endswith(s)), None)
+class Decoding(Protocol):
+    """A running batch that requests join and leave one by one (`Generator.start`): a request added between two steps
+    joins the batch at the next step, and one whose segment ended leaves it, so that nothing waits for the slowest."""
 
+    def add(self, context: list[int], max_new_tokens: int, seed: int) -> int:
+        """Queue one context; returns its request id. Its tokens are drawn from a generator of its own seeded with
+        `seed`, so they do not depend on which other requests share the batch."""
 
-def finish_reason(stop: str) -> str:
-    """A segment's finish reason when it ends with stop string `stop`: "answer" (</answer>) or "tool" (any other)."""
-    return "answer" if stop == "</answer>" else "tool"
-
-
-def first_stop(text: str, stop_strings: tuple[str, ...] = tools.STOP_STRINGS) -> tuple[int, str] | None:
-    """(end offset, stop string) of the earliest stop string in `text`, or None (to cut an overshooting segment)."""
-    hits = [(i + len(s), s) for s in stop_strings if (i := text.find(s)) >= 0]
-    return min(hits) if hits else None
+    def step(self) -> list[tuple[int, Segment]]:
+        """Advance every running request by one decoding step (or prefill the ones that joined); returns (request id,
+        segment) for each request that ended in it."""
 
 
 class Generator(Protocol):
     """What the rollout and the trainer need of a generation backend; both backends implement all of it, and where a
-    call means nothing for a backend it is a no-op."""
+    call means nothing for a backend it is a no-op. `start` is what lets trees advance each at its own pace; a
+    generator with `generate` only is called once per lockstep round (`WholeCalls`)."""
     vocab_size: int
     takes_adapter: bool               # LoRA: update_weights takes the adapters' tensors (else the merged weights)
 
     def generate(self, contexts: list[list[int]], max_new_tokens: list[int], seed: int, sampling: Sampling,
                  on_step: Callable[[int], None] | None = None) -> list[Segment]:
-        """One segment per context; on_step(rows) after every decoding step (progress), where the backend can."""
+        """One segment per context, context i sampled with the seed request_seed(seed, i); on_step(rows) after every
+        decoding step (progress), where the backend can."""
+
+    def start(self, sampling: Sampling, on_step: Callable[[int], None] | None = None) -> Decoding:
+        """A decoding that requests join and leave as they come (optional: see the class docstring)."""
 
     def sleep(self) -> None:
         """Give memory back for the policy update (vLLM on a GPU); the next update_weights wakes it."""
@@ -134,6 +137,49 @@ class Generator(Protocol):
 
     def close(self) -> None:
         """Release the backend (idempotent)."""
+
+
+def request_seed(*parts) -> int:
+    """A seed in [0, 2^63) from `parts` (ints and strings), the same in every process and every run (vLLM keeps
+    per-request seeds in an int64): a trajectory's segment is sampled with request_seed(seed, question, traj_id,
+    segment index), a tree's branching draws with request_seed(seed, question)."""
+    digest = hashlib.blake2b("/".join(map(str, parts)).encode(), digest_size=8).digest()
+    return int.from_bytes(digest, "big") >> 1
+
+
+def generate_all(decoding: Decoding, contexts: list[list[int]], max_new_tokens: list[int], seed: int) -> list[Segment]:
+    """Every context's segment from one decoding, context i seeded with request_seed(seed, i): `Generator.generate`
+    for a backend that has `start`."""
+    ids = [decoding.add(c, n, request_seed(seed, i)) for i, (c, n) in enumerate(zip(contexts, max_new_tokens))]
+    done: dict[int, Segment] = {}
+    while len(done) < len(ids):
+        done.update(decoding.step())
+    return [done[i] for i in ids]
+
+
+class WholeCalls:
+    """The `Decoding` of a generator that has only `generate` (a test double, your own): each step generates every
+    request added since the last one in one call, with the first request's seed (so its draws depend on the call's
+    other contexts, unlike a backend's `start`). The rollout then moves in lockstep rounds, one call per round, so
+    that which contexts share a call, and so the tree, does not depend on when tool calls come back."""
+
+    def __init__(self, generator: Generator, sampling: Sampling, on_step=None):
+        self.generator, self.sampling, self.on_step = generator, sampling, on_step
+        self.queue: list[tuple[int, list[int], int, int]] = []
+        self.added = 0
+
+    def add(self, context: list[int], max_new_tokens: int, seed: int) -> int:
+        self.queue.append((self.added, context, max_new_tokens, seed))
+        self.added += 1
+        return self.added - 1
+
+    def step(self) -> list[tuple[int, Segment]]:
+        batch, self.queue = self.queue, []
+        if not batch:
+            return []
+        segments = self.generator.generate([c for _, c, _, _ in batch], [n for _, _, n, _ in batch], batch[0][3],
+                                           self.sampling, self.on_step)
+        return [(request, segment) for (request, *_), segment in zip(batch, segments)]
 
 
 # --------------------------------------------------------------------------------------------------
@@ -154,6 +200,8 @@ class TreeSettings:
     max_response_tokens: int = 4096   # policy tokens and tool results together
     tool_limit_ends: bool = False     # past max_tool_calls: EOS and the end, as the official code (D10)
     deadline_s: float = 0.0           # wall-clock seconds a trajectory may take (0 = none), checked after each round
+    lockstep: bool = False            # every tree waits for every other at each round (the synchronous rollout,
+    #                                   algorithm.md §2e); False: each tree starts its next round when its own is done
 
 
 @dataclass
@@ -190,11 +238,14 @@ class Trajectory:
 
 @dataclass
 class Tree:
-    """One question's trajectories and its global budget m (None until its pre-monitor has finished)."""
+    """One question's trajectories, its global budget m (None until its pre-monitor has finished), the random draws of
+    its branching decisions (its own: a tree does not depend on the others), and its rounds so far."""
     group_id: int
     prompt_ids: list[int]
     trajectories: list[Trajectory] = field(default_factory=list)
     m: int | None = None
+    rng: Any = None                   # random.Random of its branching draws u
+    rounds: int = 0
 
     def spawn(self, kind: str, rnd: int, n: int = 1) -> None:
         for _ in range(n):
@@ -209,44 +260,123 @@ def tree_rollout(prompts: list[list[int]], generator: Generator, tool_runner, to
     rollout's sums and counts (`tree_stats`).
 
     prompts: token ids per question (chat template applied); tool_runner: `.run(calls) -> (observations, counts)`
-    like `tools.Tools`; settings: `TreeSettings`, any of whose fields may also be given as a keyword (k=8);
-    progress: None, or `progress(rounds_done, finished, total)` after every round, whose `on_step` method (if any)
-    the generator calls after every decoding step."""
+    like `tools.Tools`, called from worker threads; settings: `TreeSettings`, any of whose fields may also be given as
+    a keyword (k=8); progress: None, or `progress(rounds_done, finished, total)` after every round of a tree, whose
+    `on_step` method (if any) the generator calls after every decoding step."""
     s = dataclasses.replace(settings or TreeSettings(), **overrides)
-    fmt = getattr(tool_runner, "format", tools.TAGS)   # how calls are written and results rendered
     if s.k < 1:
         raise ValueError(f"k must be >= 1, got {s.k}")
-    rng = random.Random(seed)
-    trees = [_start(Tree(g, list(prompt)), s) for g, prompt in enumerate(prompts)]     # round 0
-    counts: Counter = Counter()
-    rnd = 0
-    while active := [t for tree in trees for t in tree.trajectories if not t.finished]:
-        # every active trajectory generates one segment; the tool calls they end with run together
-        segments = generator.generate([t.prompt_ids + t.response_ids for t in active],
-                                      [s.max_response_tokens - len(t.response_ids) for t in active],
-                                      seed * 7919 + rnd, sampling, getattr(progress, "on_step", None))
-        calls = []                                   # (trajectory, the tool call its segment ends with)
-        for t, seg in zip(active, segments):
-            call = _append_segment(t, seg, s, fmt, tokenizer, counts)
-            if call is not None:
-                calls.append((t, call))
-        observations, tool_counts = tool_runner.run([call for _, call in calls]) if calls else ([], {})
-        counts.update({f"tools/{key}": value for key, value in tool_counts.items()})
-        for (t, _), observation in zip(calls, observations):
-            tree = trees[t.group_id]
-            if _append_result(t, observation, fmt, tokenizer, s.max_response_tokens) and s.entropy_branching \
-                    and tree.m is not None and len(tree.trajectories) < s.k:
-                _maybe_branch(t, len(t.result_ends) - 1, tree, rng, rnd, s)        # §2b
-        rnd += 1
-        for tree in trees:                           # a deadline; §2a: the pre-monitor's m; §2c: completion
-            _expire(tree, s.deadline_s, counts)
-            _settle(tree, rng, rnd, s)
-        if progress is not None:
-            progress(rnd, sum(t.finished for tree in trees for t in tree.trajectories), s.k * len(trees))
+    trees = [_start(Tree(g, list(prompt), rng=random.Random(request_seed(seed, g))), s)    # round 0 of each
+             for g, prompt in enumerate(prompts)]
+    rounds = _Rounds(trees, generator, tool_runner, tokenizer, s, sampling, seed, progress)
+    counts = rounds.run()
     trajectories = [t for tree in trees for t in tree.trajectories]
     for t in trajectories:
-        t.text = fmt.response_text(tokenizer, t.response_ids, t.loss_mask, t.observations)
-    return trajectories, tree_stats(trajectories, [tree.m for tree in trees], counts, rnd)
+        t.text = rounds.fmt.response_text(tokenizer, t.response_ids, t.loss_mask, t.observations)
+    return trajectories, tree_stats(trajectories, [tree.m for tree in trees], counts,
+                                    max((tree.rounds for tree in trees), default=0))
+
+
+class _Rounds:
+    """The trees' rounds (algorithm.md §2e): in a tree's round each of its active trajectories generates one segment
+    and the tool call it ends with runs; when all of them are back, the round's results are appended in trajectory
+    order, with the branching decisions (§2b), the deadline, m (§2a) and completion (§2c), and the tree's next round
+    starts. Segments of every tree decode in one running batch (`Generator.start`) and tool calls run in worker
+    threads as soon as their segment ends (one tool run per tree and decoding step), so a tree waits only for its own
+    calls. With `lockstep` every tree waits
+    for every other: the round's calls run together once all its segments are in, and the next round starts when
+    all trees' calls are back (the synchronous rollout; also with a generator that has no `start`)."""
+
+    def __init__(self, trees, generator, tool_runner, tokenizer, s: TreeSettings, sampling, seed, progress):
+        self.trees, self.tool_runner, self.tokenizer, self.s, self.seed = trees, tool_runner, tokenizer, s, seed
+        self.fmt = getattr(tool_runner, "format", tools.TAGS)   # how calls are written and results rendered
+        self.progress = progress
+        on_step = getattr(progress, "on_step", None)
+        streams = callable(getattr(generator, "start", None))
+        self.decoding = generator.start(sampling, on_step) if streams else WholeCalls(generator, sampling, on_step)
+        self.lockstep = s.lockstep or not streams      # one generate call per round: which trees share it is fixed
+        self.generating: dict[int, Trajectory] = {}            # request id -> its trajectory
+        self.calling: dict[Any, list] = {}                     # future of a tool run -> [(trajectory, call)]
+        self.held: list[tuple[Trajectory, Any]] = []           # calls not yet sent (lockstep: until the round's end)
+        self.members: dict[int, list[Trajectory]] = {}         # group -> its round's trajectories, in order
+        self.calls: dict[int, dict[int, Any]] = {}             # group -> traj_id -> the call its segment ended with
+        self.results: dict[int, dict[int, str]] = {}           # group -> traj_id -> that call's observation
+        self.counts: Counter = Counter()
+
+    def run(self) -> Counter:
+        """Every tree to its k finished trajectories. Counts: the tool runner's (tools/...), tool-limit and deadline
+        hits, and the seconds the generator had nothing to decode while tool calls ran (gen_idle_s)."""
+        pool = ThreadPoolExecutor(max_workers=max(1, self.s.k * len(self.trees)), thread_name_prefix="aepo-rollout")
+        try:
+            for tree in self.trees:
+                self._begin(tree)
+            while self.generating or self.calling or self.held:
+                ended = self.decoding.step() if self.generating else []
+                for request, segment in ended:
+                    t = self.generating.pop(request)
+                    call = _append_segment(t, segment, self.s, self.fmt, self.tokenizer, self.counts)
+                    if call is not None:
+                        self.calls[t.group_id][t.traj_id] = call
+                        self.held.append((t, call))
+                if self.held and not (self.lockstep and self.generating):       # send the calls: each tree's
+                    batches: dict[int, list] = {}                                # own (lockstep: all together)
+                    for t, call in self.held:
+                        batches.setdefault(-1 if self.lockstep else t.group_id, []).append((t, call))
+                    self.held = []
+                    for batch in batches.values():
+                        self.calling[pool.submit(self.tool_runner.run, [call for _, call in batch])] = batch
+                for future in [f for f in self.calling if f.done()]:
+                    observations, tool_counts = future.result()
+                    self.counts.update({f"tools/{key}": value for key, value in tool_counts.items()})
+                    for (t, _), observation in zip(self.calling.pop(future), observations):
+                        self.results[t.group_id][t.traj_id] = observation
+                self._end_rounds()
+                if not self.generating and self.calling:                       # the generator has nothing to do
+                    idle = time.monotonic()
+                    wait(self.calling, return_when=FIRST_COMPLETED)
+                    self.counts["gen_idle_s"] += time.monotonic() - idle
+        finally:
+            pool.shutdown(wait=False, cancel_futures=True)      # (calls still running end within their timeouts)
+        return self.counts
+
+    def _begin(self, tree: Tree) -> None:
+        """A round of `tree`: each of its active trajectories asks for one segment, seeded by (seed, question,
+        trajectory, segment index)."""
+        g = tree.group_id
+        self.members[g] = [t for t in tree.trajectories if not t.finished]
+        self.calls[g], self.results[g] = {}, {}
+        for t in self.members[g]:
+            request = self.decoding.add(t.prompt_ids + t.response_ids, self.s.max_response_tokens - len(t.response_ids),
+                                        request_seed(self.seed, g, t.traj_id, len(t.seg_entropies)))
+            self.generating[request] = t
+
+    def _end_rounds(self) -> None:
+        """End the round of every tree whose segments and calls are all back (lockstep: once every tree's are)."""
+        busy = {t.group_id for t in self.generating.values()} | {t.group_id for t, _ in self.held} | \
+            {t.group_id for batch in self.calling.values() for t, _ in batch}
+        done = [tree for tree in self.trees if tree.group_id in self.members and tree.group_id not in busy]
+        if self.lockstep and busy:
+            return
+        for tree in done:
+            self._end(tree)
+
+    def _end(self, tree: Tree) -> None:
+        """The round's results appended in trajectory order, each followed by its branching decision (§2b); then the
+        deadline, §2a's m and §2c's completion; then the next round, if the tree has active trajectories."""
+        g, s = tree.group_id, self.s
+        for t in self.members.pop(g):
+            if t.traj_id in self.calls[g]:
+                if _append_result(t, self.results[g][t.traj_id], self.fmt, self.tokenizer, s.max_response_tokens) \
+                        and s.entropy_branching and tree.m is not None and len(tree.trajectories) < s.k:
+                    _maybe_branch(t, len(t.result_ends) - 1, tree, tree.rng, tree.rounds, s)
+        tree.rounds += 1
+        _expire(tree, s.deadline_s, self.counts)
+        _settle(tree, tree.rng, tree.rounds, s)
+        if self.progress is not None:
+            self.progress(max(tr.rounds for tr in self.trees),
+                          sum(t.finished for tr in self.trees for t in tr.trajectories), s.k * len(self.trees))
+        if any(not t.finished for t in tree.trajectories):
+            self._begin(tree)
 
 
 def _start(tree: Tree, s: TreeSettings) -> Tree:
@@ -357,14 +487,15 @@ def tree_stats(trajectories: list[Trajectory], m_per_question: list, counts: dic
     questions, trajectories, Σ m, branches, trees with a branch and the sum of their top-chain shares (the share of a
     tree's branches on its busiest root), tool calls, policy tokens (gen_len), response tokens (resp_len), prompt +
     response tokens (seq_len), truncated trajectories, context tokens a prefix cache reuses at their start
-    (shared_prefix, of seq_len), tool-limit hits, rounds, the histogram of l at each branch, m per question, and the
+    (shared_prefix, of seq_len), tool-limit hits, rounds (the most any tree took), the seconds the generator sat idle
+    while tool calls ran (gen_idle_s), the histogram of l at each branch, m per question, and the
     tool runner's counts (counts' tools/<tool>/<count> keys)."""
     by_group: dict[int, list[Trajectory]] = {}
     for t in trajectories:
         by_group.setdefault(t.group_id, []).append(t)
     stats = Counter({"questions": len(m_per_question), "trajectories": len(trajectories), "m": sum(m_per_question),
                      "rounds": rounds, "tool_limit_hits": counts.get("tool_limit_hits", 0),
-                     "deadline_hits": counts.get("deadline_hits", 0)})
+                     "deadline_hits": counts.get("deadline_hits", 0), "gen_idle_s": counts.get("gen_idle_s", 0.0)})
     l_hist: Counter = Counter(l for t in trajectories for l in t.branch_l)
     for group in by_group.values():
         root_of, per_root = {}, Counter()
@@ -388,7 +519,23 @@ def tree_stats(trajectories: list[Trajectory], m_per_question: list, counts: dic
                 stats["shared_prefix"] += len(t.prompt_ids)
     out = {key: stats[key] for key in ("questions", "trajectories", "m", "branches", "trees_branched",
                                        "branch_top_chain", "tool_calls", "gen_len", "resp_len", "seq_len", "truncated",
-                                       "shared_prefix", "tool_limit_hits", "deadline_hits", "rounds")}
+                                       "shared_prefix", "tool_limit_hits", "deadline_hits", "rounds", "gen_idle_s")}
     out.update(branch_l_hist=dict(sorted(l_hist.items())), m_per_question=list(m_per_question))
     out.update({key: v for key, v in counts.items() if key.startswith("tools/")})
     return out
+
+
+_RENAMED = {"ends_with_stop": "tools.ends_with_stop", "first_stop": "tools.first_stop",
+            "finish_reason": "tools.stop_reason"}
+_warned: set[str] = set()
+
+
+def __getattr__(name: str):
+    """Names that moved (docs/reference.md, the copy surface): they still work, with one DeprecationWarning each."""
+    if name not in _RENAMED:
+        raise AttributeError(f"module 'rollout' has no attribute {name!r}")
+    if name not in _warned:
+        _warned.add(name)
+        import warnings
+        warnings.warn(f"rollout.{name} is now {_RENAMED[name]}", DeprecationWarning, stacklevel=2)
+    return getattr(tools, _RENAMED[name].split(".")[1])

@@ -11,8 +11,9 @@ diversity, drawings), `http_client` (bounded HTTP requests), `openai_client` (Op
 `run/startup` (a training run's set-up), `run/parallel` and `run/watchdog` (the process group), `run/policy` (the model
 on 1..N processes, micro-batches), `packing` (the padding-free forward), `run/checkpoint`, `run/rundir` (the run folder and its settings), `run/runlog`
 (metrics, plots, the step's clock), `run/probe` (the policy's entropy on fixed trajectories), `run/coldstart` (the
-embedded model's supervised cold start). `generation/` (the transformers backend, make_generator) with
-`generation/vllm`. `sandbox/` (the python tool's isolation) with `sandbox/observation` (a run as the policy reads it),
+embedded model's supervised cold start). `generation/` (make_generator) with `generation/transformers` (the own
+decode loop) and `generation/vllm`. `sandbox/` (the python tool's isolation) with `sandbox/observation` (a run as the
+policy reads it),
 `sandbox/launcher` (the process that sets up a call inside it), `sandbox/budget` (how many calls at once),
 `sandbox/cgroups`, `sandbox/seccomp`, `sandbox/cleanup`, `sandbox/landlock`, `sandbox/rootfs`. `official/` (the authors'
 evaluation protocol) with `official/protocol` (its loop), `official/rules` (its scoring), `official/browse` (its

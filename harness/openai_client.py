@@ -120,8 +120,8 @@ class CompletionsGenerator:
         else:
             self.first_error = self.first_error or self.last_error
             return Segment([], "error", 0.0, "")
-        stop = rollout.ends_with_stop(text)
-        reason = "length" if finish == "length" else rollout.finish_reason(stop) if stop else "eos"
+        stop = tools.ends_with_stop(text)
+        reason = "length" if finish == "length" else tools.stop_reason(stop) if stop else "eos"
         return Segment(self.tokenizer.encode(text, add_special_tokens=False), reason, 0.0, text)
 
     def generate(self, contexts, max_new_tokens, seed, sampling: Sampling = Sampling(), on_step=None):

@@ -32,6 +32,8 @@ build (tests/test_vllm_engine.py); this stand-in also plays a GPU and runs in th
   verl#7434); `generate(..., lora_request=...)` samples with it, and `adapters_used` records each call's adapter.
   `model_executor.models.ModelRegistry.models` lists no architecture (the registry's lookup falls through), and
   `config.lora.MaxLoRARanks` is vLLM's list of ranks.
+- Requests: `generate`, or `enqueue` then `llm_engine.step()` (every queued request ends within the step here; the
+  real engine advances each by one token a step), outputs tagged with the external request id.
 - Sampling: token-id prompts, per-request `SamplingParams` (temperature 0 = greedy, top-p, `max_tokens`,
   `logprobs=N` = the top-N log-probs of the raw logits plus the sampled token with its true rank, `flat_logprobs`,
   stop strings kept with `include_stop_str_in_output=True`, a per-request seed that must fit an int64:
@@ -222,7 +224,8 @@ class LLM:
         vocab = self.model.config.vocab_size
         self.llm_engine = SimpleNamespace(model_config=SimpleNamespace(get_vocab_size=lambda: vocab),
                                           engine_core=SimpleNamespace(shutdown=self._shutdown),
-                                          add_lora=self._add_lora)
+                                          add_lora=self._add_lora, step=self._step)
+        self.queued, self.request_counter = [], 0     # enqueue's requests until an engine step runs them
         self.adapted, self.lora_id, self.adapters_used = None, None, []      # the adapter of each generate call
         self.shut_down = False
         if not multiprocess:
@@ -307,18 +310,48 @@ class LLM:
 
     @torch.no_grad()
     def generate(self, prompts, params, use_tqdm=True, lora_request=None):
-        if self.asleep:
-            raise RuntimeError(f"generate while {sorted(self.asleep)} sleep: vLLM 0.32 would wait forever")
-        if lora_request is not None and lora_request.lora_int_id != self.lora_id:
-            raise ValueError(f"adapter {lora_request.lora_int_id} was not added")
         params = params if isinstance(params, list) else [params] * len(prompts)
-        for sp in params:
-            if sp.seed is not None and not INT64[0] <= sp.seed <= INT64[1]:
-                raise OverflowError("Python int too large to convert to C long")   # numpy int64 seed array
+        self._check(params, lora_request)
         self.events.append(f"generate:{len(prompts)}:T={params[0].temperature:g}")
         self.adapters_used.append(None if lora_request is None else lora_request.lora_int_id)
         model = self.model if lora_request is None else self.adapted
         return [self._one(p["prompt_token_ids"], sp, model) for p, sp in zip(prompts, params)]
+
+    def enqueue(self, prompts, sampling_params, lora_request=None, priority=None, use_tqdm=True):
+        """LLM.enqueue: the requests wait for the next llm_engine.step; returns vLLM's internal ids, the external id
+        (a counter) with '-' and 8 random characters (v1/engine/input_processor.py:assign_request_id)."""
+        self._check(sampling_params, lora_request)
+        ids = []
+        for prompt, sp in zip(prompts, sampling_params):
+            self.queued.append((str(self.request_counter), prompt["prompt_token_ids"], sp, lora_request))
+            ids.append(f"{self.request_counter}-{random.Random(self.request_counter).getrandbits(32):08x}")
+            self.request_counter += 1
+        return ids
+
+    @torch.no_grad()
+    def _step(self):
+        """llm_engine.step: here every queued request runs to its end in one step, through `generate` (so a test that
+        replaces generate replaces the engine; the real engine advances each request by a token a step); outputs
+        carry the external request id, finished, one completion each (FINAL_ONLY)."""
+        if self.asleep:
+            raise RuntimeError(f"an engine step while {sorted(self.asleep)} sleep: vLLM 0.32 would wait forever")
+        batch, self.queued = self.queued, []
+        if not batch:
+            return []
+        lora = {"lora_request": batch[0][3]} if batch[0][3] is not None else {}
+        outs = self.generate([{"prompt_token_ids": ids} for _, ids, _, _ in batch], [sp for _, _, sp, _ in batch],
+                             use_tqdm=False, **lora)
+        return [SimpleNamespace(request_id=request_id, finished=True, prompt_token_ids=ids, outputs=out.outputs)
+                for (request_id, ids, _, _), out in zip(batch, outs)]
+
+    def _check(self, params, lora_request):
+        if self.asleep:
+            raise RuntimeError(f"generate while {sorted(self.asleep)} sleep: vLLM 0.32 would wait forever")
+        if lora_request is not None and lora_request.lora_int_id != self.lora_id:
+            raise ValueError(f"adapter {lora_request.lora_int_id} was not added")
+        for sp in params:
+            if sp.seed is not None and not INT64[0] <= sp.seed <= INT64[1]:
+                raise OverflowError("Python int too large to convert to C long")   # numpy int64 seed array
 
     def _logits(self, ctx, past, model):
         if self.packed_head is None:

@@ -26,35 +26,59 @@ def prompts(n):
 class ScriptedGenerator:
     """Emits `<think>…</think><search> q… </search>` until the context holds `n_tools(rng)` results,
     then `<answer>\\boxed{…}</answer>`. Segment entropy is `entropy(step)` where step = number of
-    tool results already in the context (0 = the first segment)."""
+    tool results already in the context (0 = the first segment). A segment depends only on its context and its
+    request's seed (rng = random.Random(seed)), never on the other contexts of a call or a step, as a backend's
+    per-request seeds promise. `start` gives a decoding in which every request added before a step ends at that
+    step; `log` records (question text, step) for every segment produced, in order."""
     vocab_size = 1000
 
     def __init__(self, n_tools=2, entropy=lambda step: 1.0, tool="search"):
         self.n_tools = n_tools if callable(n_tools) else (lambda rng: n_tools)
         self.entropy, self.tool = entropy, tool
-        self.calls = []  # (n_contexts, seed) per generate call
+        self.calls = []  # (n_contexts, seed) per generate call or decoding step
+        self.log = []
+
+    def segment(self, context, limit, seed):
+        from rollout import Segment
+        text = TOK.decode(context)
+        step = text.count("<result>")
+        rng = random.Random(f"{seed}/{len(context)}")
+        self.log.append((text.split("<|assistant|>")[0], step))
+        if step < self.n_tools(random.Random(seed)):
+            seg = f"<think>t{rng.randint(0, 999)}</think> <{self.tool}> q{step} {rng.randint(0, 99)} </{self.tool}>"
+            reason = "tool"
+        else:
+            seg = f"<think>done</think> <answer>\\boxed{{{rng.randint(0, 9)}}}</answer>"
+            reason = "answer"
+        ids = TOK.encode(seg)
+        if len(ids) > limit:
+            ids, reason = ids[:limit], "length"
+        return Segment(ids, reason, float(self.entropy(step)), TOK.decode(ids))
 
     def generate(self, contexts, max_new_tokens, seed, sampling=None, on_step=None):
-        from rollout import Segment
+        from rollout import request_seed
         self.calls.append((len(contexts), seed))
-        tok = CharTokenizer()
-        out = []
-        for i, (ctx, limit) in enumerate(zip(contexts, max_new_tokens)):
-            text = tok.decode(ctx)
-            step = text.count("<result>")
-            rng = random.Random(f"{seed}/{i}/{len(ctx)}")
-            budget_rng = random.Random(text.split("<|assistant|>")[0] + str(seed // 7919) + str(i))
-            if step < self.n_tools(budget_rng):
-                seg = f"<think>t{rng.randint(0, 999)}</think> <{self.tool}> q{step} {rng.randint(0, 99)} </{self.tool}>"
-                reason = "tool"
-            else:
-                seg = f"<think>done</think> <answer>\\boxed{{{rng.randint(0, 9)}}}</answer>"
-                reason = "answer"
-            ids = tok.encode(seg)
-            if len(ids) > limit:
-                ids, reason = ids[:limit], "length"
-            out.append(Segment(ids, reason, float(self.entropy(step)), tok.decode(ids)))
-        return out
+        return [self.segment(c, n, request_seed(seed, i)) for i, (c, n) in enumerate(zip(contexts, max_new_tokens))]
+
+    def start(self, sampling=None, on_step=None):
+        return ScriptedDecoding(self)
+
+
+class ScriptedDecoding:
+    """ScriptedGenerator's decoding: a step ends every request added before it."""
+
+    def __init__(self, gen):
+        self.gen, self.queue, self.added = gen, [], 0
+
+    def add(self, context, max_new_tokens, seed):
+        self.queue.append((self.added, context, max_new_tokens, seed))
+        self.added += 1
+        return self.added - 1
+
+    def step(self):
+        batch, self.queue = self.queue, []
+        self.gen.calls.append((len(batch), batch[0][3] if batch else None))
+        return [(request, self.gen.segment(c, n, seed)) for request, c, n, seed in batch]
 
 
 class EchoTools:

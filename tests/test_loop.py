@@ -410,17 +410,18 @@ def test_vllm_cycle_with_periodic_evaluation(setup, monkeypatch, tokenizer):
     """The vLLM backend (tests/fake_vllm.py) with --eval_every 1: per step the rollout samples at the rollout
     temperature and top-p, the engine sleeps, wakes its weights, reloads every parameter in place, wakes its
     KV cache and resets its prefix cache; the evaluation after step 1 samples at the evaluation temperature and
-    top-p and step 2 goes back to the rollout's. Every request of a call has its own seed."""
+    top-p and step 2 goes back to the rollout's. Every request of the rollouts has its own seed (the evaluations
+    sample each question with the same seeds at every checkpoint)."""
     from tests import fake_vllm
     monkeypatch.setitem(sys.modules, "vllm", fake_vllm)
     monkeypatch.delenv("VLLM_ENABLE_V1_MULTIPROCESSING", raising=False)
-    seeds, real_generate = [], fake_vllm.LLM.generate
+    seeds, real_enqueue = [], fake_vllm.LLM.enqueue
 
-    def generate(self, prompts, params, use_tqdm=True):
+    def enqueue(self, prompts, params, **kw):
         self.events.append(f"sample:T={params[0].temperature:g}:top_p={params[0].top_p:g}")
-        seeds.append([p.seed for p in params])
-        return real_generate(self, prompts, params, use_tqdm)
-    monkeypatch.setattr(fake_vllm.LLM, "generate", generate)
+        seeds.extend((p.temperature, p.seed) for p in params)
+        return real_enqueue(self, prompts, params, **kw)
+    monkeypatch.setattr(fake_vllm.LLM, "enqueue", enqueue)
     run = Path(train.main(flags(setup, "vllm_eval", backend="vllm", eval_data=str(setup / "qa.jsonl"), eval_limit=1,
                                 eval_n=1, eval_every=1, eval_before="false", temperature=0.8, top_p=0.9),
                           score=fake_score)["run_dir"])
@@ -439,7 +440,8 @@ def test_vllm_cycle_with_periodic_evaluation(setup, monkeypatch, tokenizer):
     sync = ["sleep2", "wake_up:weights", f"load_weights:{n_params}", "reload_weights", "wake_up:kv_cache",
             "reset_prefix_cache"]
     assert calls == [rollout_at] + sync + [eval_at, rollout_at] + sync + [eval_at, "shutdown"]
-    assert all(len(set(s)) == len(s) for s in seeds) and any(len(s) > 1 for s in seeds)
+    rollout_seeds = [seed for temperature, seed in seeds if temperature == 0.8]
+    assert len(set(rollout_seeds)) == len(rollout_seeds) > 1               # every request of the rollouts its own
     assert (run / "eval" / "step1_summary.json").exists() and not (run / "eval" / "step2_summary.json").exists()
     assert (run / "eval" / "after_summary.json").exists()
 
@@ -513,6 +515,8 @@ def test_the_correction_without_generator_logprobs_is_one_error_line(setup, caps
     from harness import generation, models
 
     class NoLogprobs(generation.TransformersGenerator):
+        start = None                             # the rollout then calls generate (rollout.WholeCalls)
+
         def generate(self, *args, **kwargs):
             return [dataclasses.replace(seg, logprobs=None) for seg in super().generate(*args, **kwargs)]
 

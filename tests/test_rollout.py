@@ -294,7 +294,9 @@ def test_same_seed_same_tree_other_seed_other_tree():
     a, sa = run(n_q=3, k=8, seed=5, gamma=0.6)
     b, sb = run(n_q=3, k=8, seed=5, gamma=0.6)
     c, _ = run(n_q=3, k=8, seed=6, gamma=0.6)
-    assert shape(a) == shape(b) and sa == sb
+    timed = ("gen_idle_s",)                                              # a measurement, not part of the tree
+    assert shape(a) == shape(b) and {k: v for k, v in sa.items() if k not in timed} == \
+        {k: v for k, v in sb.items() if k not in timed}
     assert shape(a) != shape(c)
 
 
@@ -421,23 +423,23 @@ def test_tool_limit_ends_appends_eos_as_a_policy_token():
 
 
 class SlowGenerator(ScriptedGenerator):
-    """The scripted generator, taking `seconds` per call (a slow tool or a long tail stands in for it)."""
+    """The scripted generator, taking `seconds` per segment (a slow tool or a long tail stands in for it)."""
 
     def __init__(self, seconds, **kw):
         super().__init__(**kw)
         self.seconds = seconds
 
-    def generate(self, contexts, max_new_tokens, seed, sampling=None, on_step=None):
+    def segment(self, context, limit, seed):
         import time
         time.sleep(self.seconds)
-        return super().generate(contexts, max_new_tokens, seed, sampling, on_step)
+        return super().segment(context, limit, seed)
 
 
 def test_a_trajectory_past_its_deadline_ends_truncated():
     """--trajectory_deadline_s: a trajectory older than the deadline after a round ends like one past its token
     budget (truncated, finish_reason "deadline"), counted in deadline_hits; without a deadline the same policy runs
     its 20 tool calls to the end."""
-    gen = SlowGenerator(0.3, n_tools=20, entropy=lambda s: 1.0)
+    gen = SlowGenerator(0.15, n_tools=20, entropy=lambda s: 1.0)
     trajs, stats = tree_rollout(prompts(1), gen, EchoTools(), TOK, k=2, seed=0, entropy_branching=False,
                                 max_tool_calls=20, max_response_tokens=100_000, deadline_s=1.0)
     assert all(t.finish_reason == "deadline" and t.truncated for t in trajs)
@@ -445,3 +447,125 @@ def test_a_trajectory_past_its_deadline_ends_truncated():
     trajs, stats = tree_rollout(prompts(1), ScriptedGenerator(n_tools=20), EchoTools(), TOK, k=2, seed=0,
                                 entropy_branching=False, max_tool_calls=20, max_response_tokens=100_000)
     assert all(t.finish_reason == "answer" for t in trajs) and stats["deadline_hits"] == 0
+
+
+# ---------------------------------------------------------------------------------------------- trees at their own pace
+# (algorithm.md §2e: each tree keeps its round order; different trees are at different rounds at once)
+
+
+class LatencyTools(EchoTools):
+    """EchoTools whose every run sleeps a random 0-30 ms first (its own seeded draws): tool results come back in an
+    order that changes from run to run."""
+
+    def __init__(self, seed):
+        super().__init__()
+        self.rng, self.lock = random.Random(seed), __import__("threading").Lock()
+
+    def run(self, calls):
+        import time
+        with self.lock:
+            delay = self.rng.uniform(0.0, 0.03)
+        time.sleep(delay)
+        return super().run(calls)
+
+
+def tree_record(trajs, stats):
+    """Everything a tree is: tokens, masks, branch points, kinds, rounds, l, tool calls, entropies, and the budgets."""
+    return ([(t.group_id, t.traj_id, t.parent, t.fork_offset, t.round, t.l, t.kind, t.branch_l, t.result_ends,
+              t.finish_reason, t.truncated, tuple(t.response_ids), tuple(t.loss_mask), t.tool_calls, t.seg_entropies)
+             for t in trajs], stats["m_per_question"], stats["branches"], stats["rounds"])
+
+
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_trees_at_their_own_pace_equal_the_lockstep_trees(seed):
+    """Under random tool latencies the asynchronous rollout (each tree starts its next round when its own calls are
+    back) and the lockstep one (every tree waits for every other) give identical trees: each chain's segments are
+    seeded by (seed, question, chain, segment) and each tree's branching draws by (seed, question), so nothing
+    depends on which trees share a decoding step or on the order calls come back. The asynchronous run did interleave:
+    in lockstep every decoding step holds every tree still running (the questions of a step include the next
+    step's), while asynchronously a tree whose calls were slow sits out a step and comes back in a later one."""
+    def rollout_with(lockstep):
+        gen = ScriptedGenerator(n_tools=lambda rng: rng.randint(1, 4), entropy=lambda s: 1.0 + 0.7 * s)
+        steps = []
+        real_start = gen.start
+
+        def start(sampling=None, on_step=None):                         # record each step's questions
+            decoding = real_start(sampling, on_step)
+            real_step = decoding.step
+
+            def step():
+                steps.append({TOK.decode(c).split("<|assistant|>")[0] for _, c, _, _ in decoding.queue})
+                return real_step()
+            decoding.step = step
+            return decoding
+        gen.start = start
+        trajs, stats = tree_rollout(prompts(4), gen, LatencyTools(seed), TOK, k=6, seed=seed, gamma=0.8,
+                                    lockstep=lockstep)
+        return tree_record(trajs, stats), steps
+    together, lockstep_steps = rollout_with(True)
+    alone, async_steps = rollout_with(False)
+    assert alone == together
+    assert all(now >= later for now, later in zip(lockstep_steps, lockstep_steps[1:]))
+    assert any(not now >= later for now, later in zip(async_steps, async_steps[1:])), \
+        "no tree ever sat out a decoding step and came back: the asynchronous rollout did not interleave"
+
+
+class NamedQueries(ScriptedGenerator):
+    """ScriptedGenerator whose queries name their question (`<search> question 3: q1 57 </search>`), logging each
+    segment as ("segment", question, tool results before it) in `log`."""
+
+    def __init__(self, log, **kw):
+        super().__init__(**kw)
+        self.events = log
+
+    def segment(self, context, limit, seed):
+        text = TOK.decode(context)
+        question = text.split("<|user|>")[1].split("?")[0]
+        self.events.append(("segment", question, text.count("<result>")))
+        seg = super().segment(context, limit, seed)
+        named = seg.text.replace("<search> q", f"<search> {question}: q")
+        return rollout.Segment(TOK.encode(named), seg.finish_reason, seg.h_seg, named)
+
+
+class GatedTools(EchoTools):
+    """Question 0's first search waits until `others_done` is set (a slow search), at most `wait_s`; every other call
+    returns at once. Logs the slow call's start and end beside the generator's segments."""
+
+    def __init__(self, log, others_done, wait_s):
+        super().__init__()
+        self.log, self.others_done, self.wait_s = log, others_done, wait_s
+
+    def run(self, calls):
+        if any(isinstance(c, tools.ToolCall) and c.argument.startswith("question 0: q0 ") for c in calls):
+            self.log.append(("slow call", "sent"))
+            finished = self.others_done.wait(self.wait_s)   # the deadline only ends a wait that would never end
+            self.log.append(("slow call", "back" if finished else "back, the others never finished"))
+        return super().run(calls)
+
+
+def test_a_tree_waiting_on_a_slow_tool_does_not_hold_the_others():
+    """One tree's first search takes up to 5 s (it returns as soon as the other trees are done); meanwhile the other
+    trees go on generating, call their tools and finish (an order check on the log, not a timing: their later
+    segments come between the slow call's start and end). In lockstep the others cannot pass their first round while
+    it waits, so the same call runs its full 5 s and nobody generates in between."""
+    import threading
+
+    def run(lockstep):
+        log, others_done = [], threading.Event()
+        gen = NamedQueries(log, n_tools=2, entropy=lambda s: 1.0)
+
+        def progress(rounds, finished, total):         # question 0's 2 trajectories wait: the other 6 are done
+            if finished >= total - 2:
+                others_done.set()
+        trajs, _ = tree_rollout(prompts(4), gen, GatedTools(log, others_done, wait_s=5.0), TOK, k=2, seed=0,
+                                entropy_branching=False, lockstep=lockstep, progress=progress)
+        assert all(t.finished and t.finish_reason == "answer" for t in trajs)
+        sent = log.index(("slow call", "sent"))
+        back = next(i for i, event in enumerate(log) if event[0] == "slow call" and i > sent)
+        return log[sent + 1:back], log[back][1]
+
+    between, how = run(lockstep=False)
+    assert how == "back"
+    assert {(q, step) for _, q, step in between} == {(f"question {i}", s) for i in (1, 2, 3) for s in (1, 2)}
+    between, how = run(lockstep=True)
+    assert between == [] and how == "back, the others never finished"

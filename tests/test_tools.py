@@ -59,11 +59,11 @@ def test_parse_length_caps_are_parameters():
 
 
 def test_stop_helpers_and_format_result():
-    assert rollout.ends_with_stop("a <python>x</python>  \n") == "</python>"
-    assert rollout.ends_with_stop("<answer>1</answer>") == "</answer>"
-    assert rollout.ends_with_stop("<search>x</search> more") is None
-    assert rollout.first_stop("a </search> b </answer>") == (len("a </search>"), "</search>")
-    assert rollout.first_stop("nothing") is None
+    assert tools.ends_with_stop("a <python>x</python>  \n") == "</python>"
+    assert tools.ends_with_stop("<answer>1</answer>") == "</answer>"
+    assert tools.ends_with_stop("<search>x</search> more") is None
+    assert tools.first_stop("a </search> b </answer>") == (len("a </search>"), "</search>")
+    assert tools.first_stop("nothing") is None
     assert format_result("Page 1: x") == "\n<result>\nPage 1: x\n</result>\n"
     for tag in ("<think>", "<search>", "<python>", "<result>", "<answer>", "\\boxed{"):
         assert tag in tools.SYSTEM_PROMPT
@@ -81,7 +81,7 @@ def test_parse_fuzz_never_raises_and_is_deterministic(text):
     assert out == tools.TAGS.parse(text)
     if isinstance(out, ToolCall):
         assert out.tool in tools.TOOLS and out.argument.strip() and "\ufffd" not in out.argument
-        assert rollout.ends_with_stop(text) == f"</{out.tool}>"
+        assert tools.ends_with_stop(text) == f"</{out.tool}>"
     else:
         assert out.message
 

@@ -216,12 +216,11 @@ def test_cpu_build_tied_head_is_refreshed_after_a_sync(tokenizer, tiny_model_dir
 
 
 def test_request_seeds_fit_int64(tokenizer, tiny_model_dir, one_process):
-    """vLLM's GPU runner keeps per-request seeds in an int64 array: the seeds of --seed 1456 at world size 8 (rank 7,
-    step 0, round 0: the rollout's own seed arithmetic) must still fit, and stay distinct per request."""
+    """vLLM's GPU runner keeps per-request seeds in an int64 array: a call's seed far past 2^63 (the stand-in raises
+    OverflowError on a seed outside int64) still gives seeds that fit (rollout.request_seed), distinct per request."""
     vgen = VLLMGenerator(str(tiny_model_dir), vllm_module=fake_vllm)
-    rollout_seed = (1456 * 100_003 + 0) * 8 + 7                   # train.py, --seed 1456, world 8, rank 7
     ctx = as_ids(chat_prompt(tokenizer, "q?"))
-    out = vgen.generate([ctx, ctx], [4, 4], seed=rollout_seed * 7919 + 0)   # rollout.py: seed * 7919 + round
+    out = vgen.generate([ctx, ctx], [4, 4], seed=2**80 + 7)
     assert out[0].token_ids != out[1].token_ids
 
 

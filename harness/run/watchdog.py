@@ -16,27 +16,32 @@ import time
 
 
 class Watchdog:
-    """This rank's current activity, and a thread that reports one that has lasted longer than after_s (once per
-    activity; 0 = off)."""
+    """What each thread of this rank is doing, and a thread that reports an activity that has lasted longer than
+    after_s (once per activity; 0 = off). Threads are watched each on its own: a tool call that hangs in a worker
+    thread is named while the rollout goes on with other trees."""
 
     def __init__(self, rank: int, after_s: float, out=None):
         self.rank, self.after_s, self.out = rank, after_s, out or sys.stderr
-        self.what, self.since, self.reported = "starting", time.monotonic(), False
-        self.lock, self.stopped = threading.Lock(), threading.Event()
+        self.now: dict[int, list] = {threading.get_ident(): ["starting", time.monotonic(), False]}   # [what, since,
+        self.lock, self.stopped = threading.Lock(), threading.Event()                                # reported]
         self.thread = None
         if after_s > 0:
             self.thread = threading.Thread(target=self._watch, name="aepo-watchdog", daemon=True)
             self.thread.start()
 
-    def doing(self, what: str) -> None:
+    def doing(self, what: str | None) -> None:
+        """This thread's activity from now on (None: nothing to watch)."""
         with self.lock:
-            self.what, self.since, self.reported = what, time.monotonic(), False
+            if what is None:
+                self.now.pop(threading.get_ident(), None)
+            else:
+                self.now[threading.get_ident()] = [what, time.monotonic(), False]
 
     @contextlib.contextmanager
     def activity(self, what: str):
-        """`what` for the block's duration, then the activity before it again."""
+        """`what` for the block's duration, then this thread's activity before it again."""
         with self.lock:
-            before = self.what
+            before = self.now.get(threading.get_ident(), [None])[0]
         self.doing(what)
         try:
             yield
@@ -45,12 +50,15 @@ class Watchdog:
 
     def _watch(self) -> None:
         while not self.stopped.wait(min(5.0, self.after_s / 4)):
+            late = []
             with self.lock:
-                late = time.monotonic() - self.since
-                if self.reported or late < self.after_s:
-                    continue
-                self.reported, what = True, self.what
-            print(f"watchdog: rank {self.rank} has been {what} for {late / 60:.1f} min", file=self.out, flush=True)
+                for entry in self.now.values():
+                    if not entry[2] and time.monotonic() - entry[1] >= self.after_s:
+                        entry[2] = True
+                        late.append((entry[0], time.monotonic() - entry[1]))
+            for what, seconds in late:
+                print(f"watchdog: rank {self.rank} has been {what} for {seconds / 60:.1f} min", file=self.out,
+                      flush=True)
 
     def close(self) -> None:
         self.stopped.set()
@@ -71,15 +79,20 @@ def activity(what: str):
 
 
 class WatchedGenerator:
-    """A rollout.Generator whose generate calls the process's watchdog is told about."""
+    """A rollout.Generator whose generate calls and decoding steps the process's watchdog is told about."""
 
     def __init__(self, inner):
         self.inner, self.vocab_size = inner, inner.vocab_size
         self.takes_adapter = getattr(inner, "takes_adapter", False)     # a generator without LoRA layers: no
+        if callable(getattr(inner, "start", None)):
+            self.start = self._start
 
     def generate(self, contexts, max_new_tokens, seed, sampling=None, on_step=None):
         with activity(f"generating ({len(contexts)} contexts, up to {max(max_new_tokens, default=0)} tokens)"):
             return self.inner.generate(contexts, max_new_tokens, seed, sampling, on_step)
+
+    def _start(self, sampling=None, on_step=None):
+        return WatchedDecoding(self.inner.start(sampling, on_step))
 
     def sleep(self) -> None:
         self.inner.sleep()
@@ -92,8 +105,26 @@ class WatchedGenerator:
         self.inner.close()
 
 
+class WatchedDecoding:
+    """A rollout.Decoding whose steps the watchdog is told about (a step that never returns is named)."""
+
+    def __init__(self, inner):
+        self.inner, self.requests = inner, 0
+
+    def add(self, context, max_new_tokens, seed):
+        self.requests += 1
+        return self.inner.add(context, max_new_tokens, seed)
+
+    def step(self):
+        with activity(f"generating (a decoding step, {self.requests} requests in flight)"):
+            ended = self.inner.step()
+        self.requests -= len(ended)
+        return ended
+
+
 class WatchedTools:
-    """A tool runner (tools.Tools) whose rounds the process's watchdog is told about, naming the calls."""
+    """A tool runner (tools.Tools) whose runs the process's watchdog is told about, naming the calls (each run in the
+    thread that runs it: the rollout's worker threads)."""
 
     def __init__(self, inner):
         self.inner, self.format = inner, inner.format
