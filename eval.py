@@ -35,7 +35,7 @@ from harness import cli, config, generation, search as search_mod, settings as s
 from harness.run import checkpoint, parallel, rundir, runlog
 from harness.official import protocol
 from harness.cli import UserError
-from harness.config import Config, arg
+from harness.config import Config, arg, expert
 from harness.correctness import Judge, math_equal
 from harness.dataset import check_prompts, load_files
 from harness.models import check_run_model, load_model, load_tokenizer, model_source
@@ -183,12 +183,12 @@ def markdown_table(summaries: list[dict]) -> str:
 def like(key: str, default=dataclasses.MISSING, help: str = ""):
     """A field of another command's config (eval.py) that is the training setting `key`: Config's help unless `help`
     is given, Config's default unless `default` is, and metadata "train_key" (eval.py --run reads the run's value of
-    `key` into it)."""
+    `key` into it); a --set key where the training setting is one."""
     source = {f.name: f for f in dataclasses.fields(Config)}[key]
     if default is dataclasses.MISSING:
         default = source.default_factory() if source.default_factory is not dataclasses.MISSING else source.default
     return arg(default, help or source.metadata["help"].replace(" [embedded]", ""), source.metadata["valid"],
-               train_key=key)
+               train_key=key, expert=source.metadata.get("expert", False))
 
 
 @dataclass
@@ -226,50 +226,52 @@ class EvalConfig:
     observations_as_data: bool = like("observations_as_data")
     python_isolation: str = like("python_isolation")
     device: str = arg("cuda", "torch device (cpu when CUDA is unavailable)")
-    dtype: str = arg("auto", "model dtype", valid="auto | float32 | bfloat16 | float16")
+    dtype: str = expert("auto", "model dtype", valid="auto | float32 | bfloat16 | float16")
     seed: int = like("seed", help="rollout seed")
     out_dir: str = arg("", "output directory (default: <run>/eval/<checkpoint>-<time> with --run, else "
                            "runs/eval/<time>)")
     judge: bool = arg(False, "correctness by an OpenAI-compatible LLM judge instead of EM / math_equal (official "
                              "protocol: on, with its rule)", group="the LLM judge")
     judge_url: str = arg("", "the judge's base URL (default $AEPO_JUDGE_URL)")
-    judge_model: str = arg("", "the judge's model name (default $AEPO_JUDGE_MODEL)")
-    judge_api_key: str = arg("", "the judge's API key (default $AEPO_JUDGE_API_KEY)")
-    judge_cache: str = arg("", "JSON file of cached verdicts (default <out_dir>/judge_cache.json)")
-    judge_prompt: str = arg("", "official protocol: a text file, the judge's exact prompt with placeholders {question},"
-                                " {gold}, {prediction} (default: correctness.OFFICIAL_JUDGE_PROMPT, ours, D38)")
+    judge_model: str = expert("", "the judge's model name (default $AEPO_JUDGE_MODEL)")
+    judge_api_key: str = expert("", "the judge's API key (default $AEPO_JUDGE_API_KEY)")
+    judge_cache: str = expert("", "JSON file of cached verdicts (default <out_dir>/judge_cache.json)")
+    judge_prompt: str = expert("", "official protocol: a text file, the judge's exact prompt with placeholders "
+                                   "{question}, {gold}, {prediction} (default: correctness.OFFICIAL_JUDGE_PROMPT, "
+                                   "ours, D38)")
     protocol: str = arg("training", "training: n rollouts per question with the training rollout and search; "
-                                    "official: the authors' evaluation (algorithm.md §6), the flags below its own",
+                                    "official: the authors' evaluation (algorithm.md §6), the settings below its own",
                         valid="training | official", group="the official protocol (algorithm.md §6)")
-    top_k: int = arg(0, "top-k sampling, 0 = off (official protocol: 20)", valid="[0, inf)")
-    repetition_penalty: float = arg(1.0, "repetition penalty on sampling only, never on H_seg or log-probs; 1 = off "
-                                         "(official protocol: 1.1)", valid="(0, inf)")
+    top_k: int = expert(0, "top-k sampling, 0 = off (official protocol: 20)", valid="[0, inf)")
+    repetition_penalty: float = expert(1.0, "repetition penalty on sampling only, never on H_seg or log-probs; 1 = off "
+                                            "(official protocol: 1.1)", valid="(0, inf)")
     runs: int = arg(5, "official protocol: runs over every question, one output file each; Pass@k over them "
                        "(official 5)", valid="[1, 1024]")
-    calls_per_step: int = arg(4, "official protocol: generate calls per step; a call whose text has no closing tag "
-                                 "is continued (official 4: the first and 3 more)", valid="[1, 100]")
-    python_limit: int = arg(5, "official protocol: python calls per question (official 5)", valid="[0, 1000]")
-    search_limit: int = arg(10, "official protocol: search calls per question (official 10)", valid="[0, 1000]")
-    tool_timeout_s: float = arg(120.0, "official protocol: seconds per tool call; for a search, its SERP request and "
-                                       "page fetches, not its summary (official 120)", valid="(0, inf)")
-    summary_timeout_s: float = arg(600.0, "official protocol: seconds per search summary, apart from --tool_timeout_s "
-                                          "(official: the OpenAI client's default 600, D36)", valid="(0, inf)")
-    sample_timeout_s: float = arg(1500.0, "official protocol: seconds per question (official 1500)", valid="(0, inf)")
-    max_model_len: int = arg(32768, "official protocol: the policy's context; a call that would pass it ends the "
-                                    "question (official: vllm serve --max-model-len 32768)", valid="[1, inf)")
+    calls_per_step: int = expert(4, "official protocol: generate calls per step; a call whose text has no closing tag "
+                                    "is continued (official 4: the first and 3 more)", valid="[1, 100]")
+    python_limit: int = expert(5, "official protocol: python calls per question (official 5)", valid="[0, 1000]")
+    search_limit: int = expert(10, "official protocol: search calls per question (official 10)", valid="[0, 1000]")
+    tool_timeout_s: float = expert(120.0, "official protocol: seconds per tool call; for a search, its SERP request "
+                                          "and page fetches, not its summary (official 120)", valid="(0, inf)")
+    summary_timeout_s: float = expert(600.0, "official protocol: seconds per search summary, apart from tool_timeout_s "
+                                             "(official: the OpenAI client's default 600, D36)", valid="(0, inf)")
+    sample_timeout_s: float = expert(1500.0, "official protocol: seconds per question (official 1500)",
+                                     valid="(0, inf)")
+    max_model_len: int = expert(32768, "official protocol: the policy's context; a call that would pass it ends the "
+                                       "question (official: vllm serve --max-model-len 32768)", valid="[1, inf)")
     policy_url: str = arg("", "official protocol: an OpenAI-compatible endpoint serving the policy (vllm serve "
                               "CHECKPOINT) instead of sampling --model here, which then names the tokenizer")
-    system_prompt: str = arg("", "official protocol: a text file, the policy's system prompt (default: "
-                                 "tools.SYSTEM_PROMPT; the authors' checkpoints: their code_search prompt, D34)")
+    system_prompt: str = expert("", "official protocol: a text file, the policy's system prompt (default: "
+                                    "tools.SYSTEM_PROMPT; the authors' checkpoints: their code_search prompt, D34)")
     summarizer_url: str = arg("", "official protocol: the summariser's base URL (default $AEPO_SUMMARIZER_URL; API "
                                   "key $AEPO_SUMMARIZER_API_KEY)")
-    summarizer_model: str = arg("", "the summariser's model name (default $AEPO_SUMMARIZER_MODEL, else the first "
-                                    "model its endpoint lists)")
+    summarizer_model: str = expert("", "the summariser's model name (default $AEPO_SUMMARIZER_MODEL, else the first "
+                                       "model its endpoint lists)")
     page_cache: str = arg("", "official protocol: SQLite file of SERP replies and pages, kept across runs (default "
                               "<cache_dir>/browse/pages.sqlite)")
-    fetch_timeout_s: float = arg(20.0, "official protocol: seconds per page fetch (official 20)", valid="(0, inf)")
-    allow_failures: float = arg(0.05, "official protocol: the share of requests an endpoint may fail", valid="[0, 1]")
-    check_timeout_s: float = arg(60.0, "official protocol: seconds per endpoint check at start-up", valid="(0, inf)")
+    fetch_timeout_s: float = expert(20.0, "official protocol: seconds per page fetch (official 20)", valid="(0, inf)")
+    allow_failures: float = expert(0.05, "official protocol: share of requests an endpoint may fail", valid="[0, 1]")
+    check_timeout_s: float = expert(60.0, "official protocol: seconds per endpoint check at start-up", valid="(0, inf)")
 
 
 # eval.py flag <- the run's config.yaml key
@@ -315,7 +317,7 @@ def _settings(argv) -> tuple[EvalConfig, str]:
     protocol's, then the flags. Returns them and a phrase saying where they came from."""
     parser = config.build_parser(EvalConfig, prog="eval.py",
                                  description="Evaluate a tool-using policy (AEPO, arXiv:2510.14545): Pass@k, EM, F1")
-    args = config.parse_args(parser, argv, "eval.py")
+    args = config.parse_args(parser, argv, "eval.py", EvalConfig)
     official = args["protocol"] == "official"
     source = "the defaults and flags"
     if args["run"]:                                                   # the run's settings; flags still override
@@ -324,7 +326,7 @@ def _settings(argv) -> tuple[EvalConfig, str]:
     if official:
         parser.set_defaults(**protocol.OFFICIAL)
     if args["run"] or official:
-        args = config.parse_args(parser, argv, "eval.py")
+        args = config.parse_args(parser, argv, "eval.py", EvalConfig)
     if args["run"]:
         model = args["model"] or str(checkpoint.run_checkpoint(Path(args["run"]), args["step"]))
         args["model"] = check_run_model(model, Path(args["run"]), given=bool(args["model"]))
@@ -333,8 +335,8 @@ def _settings(argv) -> tuple[EvalConfig, str]:
     config.check_valid(cfg)                      # before anything is read or written
     for flag in ("system_prompt", "judge_prompt"):
         if getattr(cfg, flag) and not official:
-            raise UserError(f"--{flag} is read by --protocol official only (the training protocol's prompts are "
-                            f"tools.SYSTEM_PROMPT and correctness.JUDGE_PROMPT)")
+            raise UserError(f"--set {flag} is read by --protocol official only (the training protocol's prompts "
+                            f"are tools.SYSTEM_PROMPT and correctness.JUDGE_PROMPT)")
     if not cfg.model:
         raise UserError("give --run runs/<name> (a training run) or --model PATH (python eval.py --help)")
     return cfg, source

@@ -4,9 +4,10 @@ The defaults (paper §4; algorithm.md §6) are the paper's and the official laun
 marked [embedded], which size the no-argument run for 2 CPU cores (configs/aepo_qwen3_14b.yaml and
 configs/aepo_qwen25_7b.yaml restore the official ones). The four ablation switches of algorithm.md §6
 (dynamic_budget, entropy_branching, sg_clip, entropy_advantage) and the baselines' switches of §7 are plain settings,
-each read in one place.
+each read in one place. The settings users rarely change (`expert`) have no flag of their own: `--set key=value`
+gives them (`--set packed=false gen_batch_size=16`), a --config file as plain keys.
 
-    python train.py --help                                 # every flag with its meaning
+    python train.py --help                                 # every flag with its meaning, and the --set keys
     python train.py --config configs/aepo_qwen3_14b.yaml --config configs/grpo.yaml --k 8   # later ones win
 """
 from __future__ import annotations
@@ -23,6 +24,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from harness import configfile
+from harness.configfile import read_saved  # noqa: F401 (config.read_saved: what harness.models and eval.py call)
 from harness.cli import UserError
 from harness.mismatch import MASKS
 from harness.settings import PYTHON_LIMITS, cold_start_settings, python_limits
@@ -33,10 +35,16 @@ from rollout import TreeSettings
 def arg(default, help: str, valid: str = "", **metadata):
     """A setting: its default, a one-line meaning and, where not every value of its type makes sense, the values it
     may take (`check_valid`): an interval "[1, inf)", "(0, 1]" (inf bounds open, and every value finite) or choices
-    "ddp | fsdp". --help, docs/reference.md's tables and the check all read them from here."""
+    "ddp | fsdp"; expert=True (`expert`): given as `--set key=value` (in a --config file, a plain key) instead of a
+    flag of its own. --help, docs/reference.md's tables and the check all read them from here."""
     metadata = {"help": help, "valid": valid, **metadata}
     return field(default_factory=lambda: copy.deepcopy(default), metadata=metadata) \
         if isinstance(default, (dict, list)) else field(default=default, metadata=metadata)
+
+
+def expert(default, help: str, valid: str = "", **metadata):
+    """A setting users rarely change (`arg` with expert=True): given as `--set key=value`, not a flag of its own."""
+    return arg(default, help, valid, expert=True, **metadata)
 
 
 _INTERVAL = re.compile(r"([\[(])\s*([^,]+?)\s*,\s*([^\])]+?)\s*([\])])")
@@ -56,12 +64,18 @@ def within(value, valid: str) -> bool:
 
 def check_valid(settings) -> None:
     """Every setting of a config dataclass (Config, eval.py's EvalConfig) within its valid values, else a UserError
-    naming the flag, its value and what it may be."""
+    naming the flag (or --set key), its value and what it may be."""
     for f in dataclasses.fields(settings):
         valid, value = f.metadata.get("valid"), getattr(settings, f.name)
         if valid and not within(value, valid):
             what = "one of " + valid if _INTERVAL.fullmatch(valid) is None else "in " + valid
-            raise UserError(f"--{f.name} {value!r} is out of range: it must be {what}")
+            given = f"--set {f.name}={value!r}" if f.metadata.get("expert") else f"--{f.name} {value!r}"
+            raise UserError(f"{given} is out of range: it must be {what}")
+
+
+def expert_keys(cls) -> list[str]:
+    """The settings of the config dataclass `cls` given with --set key=value rather than a flag (metadata expert)."""
+    return [f.name for f in dataclasses.fields(cls) if f.metadata.get("expert")]
 
 
 @dataclass
@@ -114,9 +128,9 @@ class Config:
                       valid="[1, 1024]")
     eval_every: int = arg(0, "also evaluate every N steps (0 = only before and after)", valid="[0, inf)")
     eval_before: bool = arg(True, "evaluate the starting policy before training (false: only after)")
-    probe_questions: int = arg(4, "the probe: trajectories sampled once at the start from the first N held-out "
-                                  "questions, on which the current policy's token entropy is measured every step "
-                                  "(0 = none)", valid="[0, 1024]")
+    probe_questions: int = expert(4, "the probe: trajectories sampled once at the start from the first N held-out "
+                                     "questions, on which the current policy's token entropy is measured every step "
+                                     "(0 = none)", valid="[0, 1024]")
     cold_start: bool = arg(True, "supervised cold start on tool-format demonstrations before RL (D40) [embedded]")
     cold_start_kw: dict = arg({}, "the cold start's settings (harness/run/coldstart.py ColdStart: data, questions, "
                                   "steps, batch, lr; e.g. {steps: 8, lr: 5e-5})")
@@ -124,10 +138,10 @@ class Config:
     backend: str = arg("transformers", "generation backend: transformers | vllm (GPUs, or vLLM's CPU build; one "
                                        "colocated engine per rank)", valid="transformers | vllm",
                        group="rollout, tools and sandbox")
-    gen_batch_size: int = arg(64, "rows the transformers generator decodes at once (waiting contexts join as rows "
-                                  "end)", valid="[1, inf)")
-    vllm_gpu_memory_utilization: float = arg(0.4, "fraction of GPU memory the colocated vLLM engine may take (vLLM's "
-                                                  "CPU build: a 2 GiB KV cache instead)", valid="(0, 1]")
+    gen_batch_size: int = expert(64, "rows the transformers generator decodes at once (waiting contexts join as rows "
+                                     "end)", valid="[1, inf)")
+    vllm_gpu_memory_utilization: float = expert(0.4, "fraction of GPU memory the colocated vLLM engine may take "
+                                                     "(vLLM's CPU build: a 2 GiB KV cache instead)", valid="(0, 1]")
     search: str = arg("bm25", "search backend for search.make_search: bm25 (embedded Wikipedia), replay, http, web, "
                               "brightdata", valid="bm25 | replay | http | web | brightdata")
     search_kw: dict = arg({"topk": 1}, "keyword arguments for search.make_search (official: 10 snippets) [embedded]")
@@ -142,61 +156,63 @@ class Config:
     tool_format: str = arg("tags", "how the policy calls tools: tags (the paper's <search> q </search>, results in "
                                    "<result>) or hermes (<tool_call> JSON, results as the chat template's tool turn; "
                                    "Qwen2.5, Hermes) (D45)", valid="tags | hermes")
-    observations_as_data: bool = arg(True, "tool results are data: tokenised so that no special token appears in "
-                                           "them, control characters removed (D46); false: the authors' "
-                                           "tokenisation (the tags format)")
-    python_isolation: str = arg("auto", "python tool sandbox: auto (every isolation layer this machine has, logged "
-                                        "at start) or strict (refuse to start unless every layer is active: PID, IPC "
-                                        "and network namespaces, minimal root, Landlock, vsock filter, process, "
-                                        "memory and disk limits)", valid="auto | strict")
+    observations_as_data: bool = expert(True, "tool results are data: tokenised so that no special token appears in "
+                                              "them, control characters removed (D46); false: the authors' "
+                                              "tokenisation (the tags format)")
+    python_isolation: str = expert("auto", "python tool sandbox: auto (every isolation layer this machine has, "
+                                           "logged at start) or strict (refuse to start unless every layer is active: "
+                                           "PID, IPC and network namespaces, minimal root, Landlock, vsock filter, "
+                                           "process, memory and disk limits)", valid="auto | strict")
     reward: str = arg("", "your reward instead of the deep-research one: package.module:function or "
                           "file.py:function, function(response_text, golds) -> float (docs/tools.md)")
-    strict_format: bool = arg(False, "reward and evaluation: <think> blocks must be balanced and in order (may be "
-                                     "absent) instead of the official check (as many <think> as </think>, at least one)")
-    tool_limit_ends: bool = arg(False, "past max_tool_calls, end the trajectory with EOS as the official code does "
-                                       "(False: the policy is told no more tools are allowed and goes on)")
-    trajectory_deadline_s: float = arg(0.0, "wall-clock seconds one trajectory may take; past it it ends, truncated, "
-                                            "like one past its token budget (0 = no deadline)", valid="[0, inf)")
+    strict_format: bool = expert(False, "reward and evaluation: <think> blocks must be balanced and in order (may "
+                                        "be absent) instead of the official check (as many <think> as </think>, at "
+                                        "least one)")
+    tool_limit_ends: bool = expert(False, "past max_tool_calls, end the trajectory with EOS as the official code does "
+                                          "(False: the policy is told no more tools are allowed and goes on)")
+    trajectory_deadline_s: float = expert(0.0, "wall-clock seconds one trajectory may take; past it it ends, "
+                                               "truncated, like one past its token budget (0 = no deadline)",
+                                          valid="[0, inf)")
     # optimisation
     ppo_epochs: int = arg(1, "passes over each rollout batch", valid="[1, inf)", group="optimisation")
     micro_batch_size: int = arg(4, "trajectories per forward/backward (gradient accumulation); memory only",
                                 valid="[1, inf)")
     max_tokens_per_micro_batch: int = arg(0, "micro-batches by token budget (verl's ppo_max_token_len_per_gpu): "
                                              "length-sorted trajectories, each forward/backward at most this many "
-                                             "tokens: rows × the longest, real tokens with --packed (0 = "
+                                             "tokens: rows × the longest, real tokens when packed (0 = "
                                              "--micro_batch_size trajectories each)",
                                           valid="[0, inf)")
-    packed: bool = arg(True, "padding-free forward for the old-policy pass and the update: a micro-batch's "
-                             "trajectories in one row, each attending only to itself (verl's use_remove_padding); "
-                             "Llama, Qwen2 and Qwen3 models, others run padded")
+    packed: bool = expert(True, "padding-free forward for the old-policy pass and the update: a micro-batch's "
+                                "trajectories in one row, each attending only to itself (verl's use_remove_padding); "
+                                "Llama, Qwen2 and Qwen3 models, others run padded")
     kl_coef: float = arg(LossSettings.kl_coef, "KL(π_θ‖π_ref) penalty to a frozen copy of the initial policy "
-                                               "(official 0; in the reward with --reinforce_pp)", valid="[0, inf)")
+                                               "(official 0; in the reward with reinforce_pp)", valid="[0, inf)")
     entropy_coef: float = arg(LossSettings.entropy_coef, "entropy bonus: loss − entropy_coef·H of the current policy "
                                                          "(verl's entropy_coeff; 0 = off)", valid="(-inf, inf)")
-    loss_agg: str = arg(LossSettings.loss_agg, "loss aggregation (verl's names): token-mean, seq-mean-token-sum, "
-                                               "seq-mean-token-mean, seq-mean-token-sum-norm",
-                        valid=" | ".join(LOSS_AGGS))
+    loss_agg: str = expert(LossSettings.loss_agg, "loss aggregation (verl's names): token-mean, seq-mean-token-sum, "
+                                                  "seq-mean-token-mean, seq-mean-token-sum-norm",
+                           valid=" | ".join(LOSS_AGGS))
     # the baselines (algorithm.md §7; configs/<algorithm>.yaml set them)
     surrogate: str = arg("aepo", "the clipped objective: aepo (the paper's; PPO's clip with --sg_clip false), gppo "
                                  "(GPPO: the lower bound keeps a gradient too) or cispo (CISPO: "
                                  "J = sg(clip(r))·Ã·log π)", valid="aepo | gppo | cispo",
                          group="baselines (algorithm.md §7; configs/<algorithm>.yaml)")
-    std_norm: bool = arg(True, "divide the group advantage by the group's std (False: Dr. GRPO)")
-    reinforce_pp: bool = arg(False, "SWITCH (REINFORCE++): per-token returns normalised over the whole batch "
-                                    "instead of group advantages, kl_coef·KL_t in the per-token reward")
-    gigpo: bool = arg(False, "SWITCH (GiGPO): add a step advantage over the trajectories that share a state (a "
-                             "tree's token prefix), weight ω = 1")
-    dynamic_sampling: bool = arg(False, "SWITCH (DAPO): roll out twice the questions, keep the groups whose rewards "
-                                        "differ (equal-reward groups fill the batch only when too few differ)")
-    overlong_cache: int = arg(0, "DAPO's soft overlong penalty: the last N tokens before max_response_tokens cost up "
-                                 "to −1 reward (0 = off)", valid="[0, inf)")
+    std_norm: bool = expert(True, "divide the group advantage by the group's std (False: Dr. GRPO)")
+    reinforce_pp: bool = expert(False, "SWITCH (REINFORCE++): per-token returns normalised over the whole batch "
+                                       "instead of group advantages, kl_coef·KL_t in the per-token reward")
+    gigpo: bool = expert(False, "SWITCH (GiGPO): add a step advantage over the trajectories that share a state (a "
+                                "tree's token prefix), weight ω = 1")
+    dynamic_sampling: bool = expert(False, "SWITCH (DAPO): roll out twice the questions, keep the groups whose rewards "
+                                           "differ (equal-reward groups fill the batch only when too few differ)")
+    overlong_cache: int = expert(0, "DAPO's soft overlong penalty: the last N tokens before max_response_tokens cost "
+                                    "up to −1 reward (0 = off)", valid="[0, inf)")
     # the generator-trainer mismatch correction (an extension, not in the paper: algorithm.md §4b; off by default)
     tis_cap: float = arg(0.0, "truncated importance weight min(π_old/π_gen, cap) on each token's objective (0 = off; "
                               "2 is usual)", valid="[0, inf)", group="generator–trainer correction (algorithm.md §4b)")
-    mismatch_masks: list[str] = arg([], "drop what π_old/π_gen puts outside --mismatch_band: token (0/1; IcePop with "
+    mismatch_masks: list[str] = arg([], "drop what π_old/π_gen puts outside mismatch_band: token (0/1; IcePop with "
                                         "--tis_cap b), segment (a policy span between tool results, geometric mean), "
                                         "sequence (geometric mean over the trajectory); e.g. [token]")
-    mismatch_band: list[float] = arg([0.5, 2.0], "the band [a, b] of the masks, a <= 1 <= b")
+    mismatch_band: list[float] = expert([0.5, 2.0], "the band [a, b] of the masks, a <= 1 <= b")
     # distribution and precision
     parallel: str = arg("ddp", "with several processes: ddp (replicated weights) | fsdp (FSDP2, sharded)",
                         valid="ddp | fsdp", group="scale and precision")
@@ -208,8 +224,8 @@ class Config:
     device: str = arg("auto", "auto (cuda if available) | cpu | cuda", valid="auto | cpu | cuda")
     watchdog_min: float = arg(10.0, "a rank that has spent this many minutes on one generation, tool call or "
                                     "collective says so on stderr, naming it (0 = off)", valid="[0, inf)")
-    dist_timeout_min: int = arg(120, "collective timeout, minutes (ranks wait for each other's rollouts)",
-                                valid="[1, inf)")
+    dist_timeout_min: int = expert(120, "collective timeout, minutes (ranks wait for each other's rollouts)",
+                                   valid="[1, inf)")
     # LoRA (an extension, not in the paper: algorithm.md §9)
     lora_rank: int = arg(0, "train LoRA adapters of this rank instead of every weight (0 = full fine-tuning)",
                          valid="[0, 512]", group="LoRA (an extension, not in the paper: algorithm.md §9)")
@@ -239,14 +255,14 @@ class Config:
 
 # flags that went (issue 35): each names what replaced it, so that an old command or YAML file gets one clear line
 RENAMED = {"sg_clip_low": "--surrogate gppo", "cispo": "--surrogate cispo", "entropy_coeff": "--entropy_coef",
-           "kl_in_reward": "--reinforce_pp, which puts kl_coef·KL into the reward",
+           "kl_in_reward": "--set reinforce_pp=true, which puts kl_coef·KL into the reward",
            **{f"python_{old}": f"--python_limits '{{{new}: ...}}'" for old, new in
               (("timeout_s", "timeout_s"), ("max_processes", "max_processes"), ("memory_mb", "total_memory_mb"),
                ("disk_mb", "disk_mb"))},
            **{f"cold_start_{key}": f"--cold_start_kw '{{{key}: ...}}'" for key in
               ("data", "questions", "steps", "batch", "lr")},
            **{f"mismatch_{level}_mask": f"--mismatch_masks '[{level}]'" for level in ("token", "segment", "sequence")},
-           "mismatch_low": "--mismatch_band '[a, b]'", "mismatch_high": "--mismatch_band '[a, b]'",
+           "mismatch_low": "--set 'mismatch_band=[a, b]'", "mismatch_high": "--set 'mismatch_band=[a, b]'",
            "tensorboard": "--report_to '[tensorboard]'", "wandb": "--report_to '[wandb]'",
            "wandb_project": "the WANDB_PROJECT environment variable",
            "probe_every": "nothing: the probe entropy is measured every step",
@@ -259,12 +275,16 @@ RENAMED = {"sg_clip_low": "--surrogate gppo", "cispo": "--surrogate cispo", "ent
 
 def build_parser(cls=None, prog: str = "train.py", description: str = "AEPO training (arXiv:2510.14545)"):
     """A parser with one flag per field of the dataclass `cls` (default Config), its help from the field's metadata,
-    in the groups the fields open (metadata "group"), in their order; `--config FILE.yaml` fills any of them, and
-    boolean flags also take their bare form (`--resume`)."""
+    in the groups the fields open (metadata "group"), in their order, then --set for the expert fields (each also a
+    flag hidden from --help, which parse_args refuses on the command line); `--config FILE.yaml` fills any of them,
+    and boolean flags also take their bare form (`--resume`)."""
+    import argparse
     from jsonargparse import ActionConfigFile, ArgumentParser
     cls = cls or Config
-    parser = ArgumentParser(prog=prog, description=description, exit_on_error=False, allow_abbrev=False)
-    parser.add_argument("--config", action=ActionConfigFile, help="YAML file of flags (later flags override it)")
+    parser = ArgumentParser(prog=prog, description=description, exit_on_error=False, allow_abbrev=False,
+                            print_config=None)              # its dump would leave the hidden --set keys out
+    parser.add_argument("--config", action=ActionConfigFile, help="YAML file of settings, --set keys as plain keys "
+                                                                  "(later flags override it)")
     types, group = typing.get_type_hints(cls), parser
     for f in dataclasses.fields(cls):
         if f.metadata.get("group"):
@@ -272,36 +292,38 @@ def build_parser(cls=None, prog: str = "train.py", description: str = "AEPO trai
         default = f.default_factory() if f.default_factory is not dataclasses.MISSING else f.default
         bare = {"nargs": "?", "const": True} if types[f.name] is bool or bool in typing.get_args(types[f.name]) else {}
         valid = f" (valid: {f.metadata['valid']})" if f.metadata.get("valid") else ""
-        group.add_argument(f"--{f.name}", type=types[f.name], default=default, help=f.metadata["help"] + valid, **bare)
+        shown = argparse.SUPPRESS if f.metadata.get("expert") else f.metadata["help"] + valid
+        group.add_argument(f"--{f.name}", type=types[f.name], default=default, help=shown, **bare)
+    expert = parser.add_argument_group("expert settings (docs/reference.md: their defaults and meanings)")
+    expert.add_argument("--set", metavar="KEY=VALUE", nargs="+", default=argparse.SUPPRESS,
+                        help="a setting without a flag of its own, typed and checked as a flag is (several: --set "
+                             "a=1 b=2, or --set again; in a --config file a plain key): " + ", ".join(expert_keys(cls)))
     return parser
 
 
-def check_renamed(argv, renamed: dict) -> None:
-    """A flag of `renamed` (an old one) on the command line or in a --config file is a UserError naming what
-    replaced it."""
-    argv = list(argv)
-    keys = [item[2:].split("=", 1)[0] for item in argv if item.startswith("--")]
-    for _, _, loaded in configfile.config_files(argv):
-        keys += list(loaded) if isinstance(loaded, dict) else []
-    for key in keys:
-        if key in renamed:
-            raise UserError(f"--{key} is gone: use {renamed[key]}")
-
-
-def parse_args(parser, argv, prog: str) -> dict:
-    """The parser's values as a dict; a malformed command line becomes a UserError naming the flag. A --config file
+def parse_args(parser, argv, prog: str, cls=None) -> dict:
+    """The values of `parser` (build_parser(cls), cls default Config) as a dict; a malformed command line becomes a
+    UserError naming the flag. `--set KEY=VALUE` is parsed as the hidden flag `--KEY=VALUE` in its place; an expert
+    key given as a flag, or a flag that went (RENAMED), is a UserError saying what to give instead. A --config file
     that holds nothing (empty, or only comments) is an empty overlay; one that is not UTF-8, not valid YAML, gives a
     key twice or is not a mapping is a UserError naming it (configfile.load_settings)."""
     from jsonargparse import ArgumentError
+    cls = cls or Config
     argv = configfile.without_empty_configs(argv)
-    check_renamed(argv, RENAMED)
+    expert = expert_keys(cls)
+    configfile.check_flags(argv, RENAMED, expert)
+    flags = [f.name for f in dataclasses.fields(cls) if f.name not in expert]
     try:
-        return parser.parse_args(argv).as_dict()
+        values = parser.parse_args(configfile.expand_set(argv, expert, flags)).as_dict()
     except ArgumentError as err:
         message = " ".join(str(err).split())
         unknown = re.match(r"Option '([^']+)' is not accepted", message)        # a key of a --config file
         where = configfile.where_given(argv, unknown.group(1)) if unknown else ""
         raise UserError(f"{where}{message} (python {prog} --help lists every flag)") from None
+    if "set" in values:                                     # only a --config file can give it: --set was spelled out
+        raise UserError(f"{configfile.where_given(argv, 'set')}'set:' is not a setting: a --config file gives a --set "
+                        f"key as a plain key (e.g. {expert[0]}: ...)")
+    return values
 
 
 NAME_MAX = 255                                   # bytes in one file or folder name (Linux, macOS, Windows)
@@ -327,17 +349,18 @@ def parse_config(argv=None, defaults: dict | None = None) -> Config:
          f"--run_name {cfg.run_name!r}: a plain folder name (no '/', no '..'), created under --out_dir"),
         (len(cfg.run_name.encode()) <= NAME_MAX, f"--run_name is {len(cfg.run_name.encode())} bytes long: a folder "
                                                  f"name may have at most {NAME_MAX}"),
-        (not (cfg.reinforce_pp and cfg.gigpo), "--reinforce_pp and --gigpo are two different advantages: pick one"),
+        (not (cfg.reinforce_pp and cfg.gigpo), "--set reinforce_pp=true and gigpo=true are two different advantages: "
+                                               "pick one"),
         (cfg.surrogate != "gppo" or cfg.sg_clip,
          "--surrogate gppo (GPPO's lower bound) needs --sg_clip (its upper one)"),
-        (0 <= cfg.overlong_cache < cfg.max_response_tokens, f"--overlong_cache ({cfg.overlong_cache}) must be >= 0 and "
-                                                            f"less than --max_response_tokens ({cfg.max_response_tokens})"),
+        (0 <= cfg.overlong_cache < cfg.max_response_tokens, f"--set overlong_cache={cfg.overlong_cache} must be less "
+                                                            f"than --max_response_tokens ({cfg.max_response_tokens})"),
         (set(cfg.report_to) <= {"tensorboard", "wandb"}, f"--report_to {cfg.report_to}: tensorboard and/or wandb"),
         *((name not in cfg.report_to or importlib.util.find_spec(name) is not None,
            f"--report_to {name} needs the {name} package: pip install {name}") for name in ("tensorboard", "wandb")),
         (set(cfg.mismatch_masks) <= set(MASKS), f"--mismatch_masks {cfg.mismatch_masks}: some of {', '.join(MASKS)}"),
         (len(cfg.mismatch_band) == 2 and 0 < cfg.mismatch_band[0] <= 1 <= cfg.mismatch_band[1] < math.inf,
-         f"--mismatch_band {cfg.mismatch_band}: two numbers [a, b] with 0 < a <= 1 <= b"),
+         f"--set mismatch_band={cfg.mismatch_band}: two numbers [a, b] with 0 < a <= 1 <= b"),
         (not (cfg.backend == "vllm" and cfg.temperature != 1.0 and (cfg.tis_cap or cfg.mismatch_masks)),
          "the mismatch correction (--tis_cap, --mismatch_masks) needs the generator's log-probs, which vLLM gives at "
          "--temperature 1 only"),
@@ -373,23 +396,3 @@ def cache_dir(path: str | os.PathLike | None = None) -> Path:
     """The on-disk cache of converted models, cold starts, the corpus and the BM25 index: `path` (--cache_dir), else
     $AEPO_CACHE, else ~/.cache/aepo."""
     return Path(path or os.environ.get("AEPO_CACHE") or Path.home() / ".cache" / "aepo")
-
-
-def read_saved(run_dir: Path, flag: str) -> dict:
-    """The settings a run last started with: the newest document of its config_history.yaml, else its config.yaml.
-    A folder with neither (not a training run) or with either damaged (not YAML, not a mapping) is a UserError
-    naming `flag` (--resume, eval.py's --run) and the file."""
-    history, first = Path(run_dir) / "config_history.yaml", Path(run_dir) / "config.yaml"
-    if not first.is_file():
-        raise UserError(f"{flag} {run_dir}: no config.yaml there (not a training run folder)")
-    where = f"{flag} {run_dir}: its {{}} (the run's settings) is damaged"
-    if history.is_file():
-        documents = [doc for doc in configfile.load_all(history, where.format(history.name)) if doc is not None]
-        for doc in documents:
-            configfile.check_mapping(doc, where.format(history.name))
-        if documents:
-            return documents[-1]
-    saved = configfile.load_settings(first, where.format(first.name))
-    if saved is None:
-        raise UserError(f"{where.format(first.name)}: it is empty")
-    return saved

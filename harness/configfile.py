@@ -1,5 +1,6 @@
-"""Reading the YAML files that hold settings (--config files, a run's config.yaml and config_history.yaml) strictly:
-UTF-8, valid YAML, each key once, a mapping at the top; anything else is one line naming the file and the line."""
+"""The command line's settings before the parser: the YAML files that hold them (--config files, a run's config.yaml and
+config_history.yaml) read strictly (UTF-8, valid YAML, each key once, a mapping at the top; anything else is one line
+naming the file and the line), flags that went or that are --set keys refused, and --set KEY=VALUE spelled out."""
 from __future__ import annotations
 
 from collections.abc import Hashable
@@ -120,3 +121,71 @@ def without_empty_configs(argv):
             out.append(argv[i])
         i += empty.get(i, 1)
     return out
+
+
+def check_flags(argv, renamed: dict, expert) -> None:
+    """A flag of `renamed` (an old one) on the command line or in a --config file is a UserError naming what replaced
+    it; so is a setting of `expert` given as a flag on the command line (a --config file gives it as a plain key):
+    the line says how to give it with --set."""
+    argv = list(argv)
+    for i, item in enumerate(argv):
+        key, equals, value = item[2:].partition("=") if item.startswith("--") else ("", "", "")
+        if key in expert:
+            given = i + 1 < len(argv) and not argv[i + 1].startswith("--")
+            value = value if equals else argv[i + 1] if given else "VALUE"
+            raise UserError(f"--{key} is not a flag but a --set key: use --set {key}={value}")
+    keys = [item[2:].split("=", 1)[0] for item in argv if item.startswith("--")]
+    for _, _, loaded in config_files(argv):
+        keys += list(loaded) if isinstance(loaded, dict) else []
+    for key in keys:
+        if key in renamed:
+            raise UserError(f"--{key} is gone: use {renamed[key]}")
+
+
+def expand_set(argv: list[str], expert: list[str], flags: list[str]) -> list[str]:
+    """argv with each `--set KEY=VALUE [KEY=VALUE ...]` (or `--set=KEY=VALUE`) written as `--KEY=VALUE` in its place,
+    for the parser to type as it types a flag (later items still win). `expert`: the keys --set takes; another key
+    (one of `flags` says which flag to use instead) or an item without '=' is a UserError listing the keys."""
+    out, i = [], 0
+    while i < len(argv):
+        item = argv[i]
+        i += 1
+        if item != "--set" and not item.startswith("--set="):
+            out.append(item)
+            continue
+        pairs = [item.split("=", 1)[1]] if item != "--set" else []
+        while item == "--set" and i < len(argv) and not argv[i].startswith("--"):
+            pairs.append(argv[i])
+            i += 1
+        if not pairs:
+            raise UserError(f"--set needs KEY=VALUE; the keys are {', '.join(expert)}")
+        for pair in pairs:
+            key, equals, value = pair.partition("=")
+            if not equals:
+                raise UserError(f"--set {pair}: not KEY=VALUE; the keys are {', '.join(expert)}")
+            if key in flags:
+                raise UserError(f"--set {pair}: {key} is a flag of its own: --{key} {value}")
+            if key not in expert:
+                raise UserError(f"--set {pair}: no such key {key!r}; the keys are {', '.join(expert)}")
+            out.append(f"--{key}={value}")
+    return out
+
+
+def read_saved(run_dir: Path, flag: str) -> dict:
+    """The settings a run last started with: the newest document of its config_history.yaml, else its config.yaml.
+    A folder with neither (not a training run) or with either damaged (not YAML, not a mapping) is a UserError
+    naming `flag` (--resume, eval.py's --run) and the file."""
+    history, first = Path(run_dir) / "config_history.yaml", Path(run_dir) / "config.yaml"
+    if not first.is_file():
+        raise UserError(f"{flag} {run_dir}: no config.yaml there (not a training run folder)")
+    where = f"{flag} {run_dir}: its {{}} (the run's settings) is damaged"
+    if history.is_file():
+        documents = [doc for doc in load_all(history, where.format(history.name)) if doc is not None]
+        for doc in documents:
+            check_mapping(doc, where.format(history.name))
+        if documents:
+            return documents[-1]
+    saved = load_settings(first, where.format(first.name))
+    if saved is None:
+        raise UserError(f"{where.format(first.name)}: it is empty")
+    return saved

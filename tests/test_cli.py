@@ -56,7 +56,15 @@ def mistakes(root: Path, tmp: Path) -> dict:
         "bad python limit": (dict(python_limits='{memory_mb: 9}'), "--python_limits: unknown key.s. memory_mb; the "
                                                                    "keys are timeout_s, max_processes"),
         "bad cold-start key": (dict(cold_start_kw='{step: 9}'), "--cold_start_kw: unknown key step"),
-        "bad mismatch band": (dict(mismatch_band="[2, 3]"), "--mismatch_band .2.0, 3.0.: two numbers"),
+        "bad mismatch band": (dict(set="mismatch_band=[2, 3]"), "--set mismatch_band=.2.0, 3.0.: two numbers"),
+        "a --set key as a flag": (dict(packed="false"), "--packed is not a flag but a --set key: use --set "
+                                                        "packed=false"),
+        "an unknown --set key": (dict(set="pakced=false"), "--set pakced=false: no such key 'pakced'; the keys are "
+                                                           "probe_questions, gen_batch_size, "),
+        "a flag given to --set": (dict(set="lr=0.1"), "--set lr=0.1: lr is a flag of its own: --lr 0.1"),
+        "set: in a YAML file": (dict(config=_yaml(tmp, "set.yaml", "set: [packed=false]\n")),
+                                "set.yaml: line 1: 'set:' is not a setting: a --config file gives a --set key as a "
+                                "plain key"),
     }
 
 
@@ -68,7 +76,8 @@ def _yaml(tmp: Path, name: str, text: str) -> Path:
 @pytest.mark.parametrize("kind", ["malformed row", "not JSON", "empty file", "missing file", "not a model",
                                   "no such model", "bad sizes", "unknown flag", "unknown backend", "too few questions",
                                   "a flag that went", "a YAML key that went", "bad python limit",
-                                  "bad cold-start key", "bad mismatch band"])
+                                  "bad cold-start key", "bad mismatch band", "a --set key as a flag",
+                                  "an unknown --set key", "a flag given to --set", "set: in a YAML file"])
 def test_user_mistakes_are_one_line_and_leave_nothing(kind, setup, tmp_path, capsys):  # noqa: F811
     over, expected = mistakes(setup, tmp_path)[kind]
     code, err = command(capsys, train.main, flags(setup, f"mistake_{kind.replace(' ', '_')}", **over))
@@ -94,6 +103,36 @@ def test_bare_boolean_flags():
     cfg = config.parse_config(["--skip_bad", "--resume", "--sg_clip", "false", "--bf16"])
     assert cfg.skip_bad is True and cfg.resume is True and cfg.sg_clip is False and cfg.bf16 is True
     assert config.parse_config([]).skip_bad is False
+
+
+def test_set_keys_are_typed_like_flags_and_round_trip(tmp_path):
+    """--set KEY=VALUE (several after one --set, or --set again) sets an expert setting, typed as its flag was, in
+    its place among the flags (the later wins); a --config file gives it as a plain key; a run's saved config.yaml,
+    which holds every setting, comes back equal as --resume's defaults and as a --config file."""
+    from harness.run import rundir
+    cfg = config.parse_config(["--set", "packed=false", "mismatch_band=[0.4, 3]", "--k", "3", "--set=gen_batch_size=8"])
+    assert (cfg.packed, cfg.mismatch_band, cfg.k, cfg.gen_batch_size) == (False, [0.4, 3.0], 3, 8)
+    assert config.parse_config(["--set", "packed=false", "--set", "packed=true"]).packed is True
+    overlay = _yaml(tmp_path, "dapo_like.yaml", "dynamic_sampling: true\noverlong_cache: 51\n")
+    assert config.parse_config(["--config", str(overlay)]).overlong_cache == 51
+    assert config.parse_config(["--config", str(overlay), "--set", "overlong_cache=7"]).overlong_cache == 7
+    assert config.parse_config(["--set", "overlong_cache=7", "--config", str(overlay)]).overlong_cache == 51
+    saved = yaml.safe_load(rundir.config_yaml(cfg))
+    assert config.parse_config([], defaults=saved) == cfg
+    assert config.parse_config(["--config", str(_yaml(tmp_path, "config.yaml", rundir.config_yaml(cfg)))]) == cfg
+    assert config.parse_config(["--set", "gen_batch_size=16"], defaults=saved).gen_batch_size == 16
+    with pytest.raises(cli.UserError, match=r"^--set gen_batch_size=0 is out of range: it must be in \[1, inf\)$"):
+        config.parse_config(["--set", "gen_batch_size=0"])
+    with pytest.raises(cli.UserError, match='Parser key "packed"'):
+        config.parse_config(["--set", "packed=maybe"])
+    with pytest.raises(cli.UserError, match="^--set needs KEY=VALUE; the keys are probe_questions, "):
+        config.parse_config(["--set", "--k", "3"])
+    evaluated = evaluation.EvalConfig(**{k: v for k, v in config.parse_args(
+        config.build_parser(evaluation.EvalConfig), ["--set", "top_k=40", "dtype=float32"], "eval.py",
+        evaluation.EvalConfig).items() if k != "config"})
+    assert (evaluated.top_k, evaluated.dtype) == (40, "float32")
+    with pytest.raises(cli.UserError, match="^--top_k is not a flag but a --set key: use --set top_k=40$"):
+        evaluation.main(["--model", "embedded", "--top_k", "40"])
 
 
 def test_defaults_fit_any_number_of_processes():
@@ -152,11 +191,18 @@ def test_eval_takes_the_runs_settings(setup, monkeypatch, capsys, tmp_path):
 
 
 def test_eval_help_explains_every_flag():
+    """eval.py --help: each flag with its meaning, and --set naming every key that has no flag of its own."""
     proc = subprocess.run([sys.executable, "eval.py", "--help"], cwd=ROOT, capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0
+    text = " ".join(proc.stdout.split())
+    keys = config.expert_keys(evaluation.EvalConfig)
+    assert text.endswith("in a --config file a plain key): " + ", ".join(keys))
     for field in evaluation.EvalConfig.__dataclass_fields__.values():
         first_words = " ".join(field.metadata["help"].split()[:3])
-        assert f"--{field.name}" in proc.stdout and first_words in " ".join(proc.stdout.split()), field.name
+        if field.name in keys:
+            assert f"--{field.name} " not in proc.stdout, field.name
+        else:
+            assert f"--{field.name}" in proc.stdout and first_words in text, field.name
 
 
 def test_search_backend_down_at_start(setup, tmp_path, capsys):
@@ -335,9 +381,13 @@ def boundary_cases():
                          ids=lambda x: str(x))
 def test_every_setting_is_checked_at_its_bounds(command, flag, value, accepted, tmp_path):
     """The range check runs at parse time, before anything is loaded: a value outside is one UserError naming the
-    flag, the value and its valid values. (Cross-setting rules, e.g. --overlong_cache below --max_response_tokens,
-    are other checks; the boundary values here avoid them.)"""
-    argv = [f"--{flag}={value}"]
+    flag (or --set key), the value and its valid values. (Cross-setting rules, e.g. overlong_cache below
+    --max_response_tokens, are other checks; the boundary values here avoid them.)"""
+    cls = config.Config if command == "train" else evaluation.EvalConfig
+    expert = flag in config.expert_keys(cls)
+    argv = [f"--set={flag}={value}" if expert else f"--{flag}={value}"]
+    refused = rf'--set {flag}=.* is out of range: it must be|Parser key "{flag}"' if expert else \
+        rf'--{flag} .* is out of range: it must be|Parser key "{flag}"'
     if flag == "questions_per_step":                                  # the two must divide each other
         argv.append("--mini_batch_size=1")
     if flag == "mini_batch_size" and isinstance(value, int) and value > 0:
@@ -348,7 +398,7 @@ def test_every_setting_is_checked_at_its_bounds(command, flag, value, accepted, 
         if flag == "epochs" and str(value) == "0":
             argv += ["--steps", "1"]
         if not accepted:
-            with pytest.raises(cli.UserError, match=rf'--{flag} .* is out of range: it must be|Parser key "{flag}"'):
+            with pytest.raises(cli.UserError, match=refused):
                 config.parse_config(argv)
         else:
             config.parse_config(argv)
@@ -356,10 +406,10 @@ def test_every_setting_is_checked_at_its_bounds(command, flag, value, accepted, 
     parser = config.build_parser(evaluation.EvalConfig, prog="eval.py")
 
     def parse_and_check():
-        parsed = config.parse_args(parser, argv, "eval.py")
+        parsed = config.parse_args(parser, argv, "eval.py", evaluation.EvalConfig)
         config.check_valid(evaluation.EvalConfig(**{k: v for k, v in parsed.items() if k != "config"}))
     if not accepted:
-        with pytest.raises(cli.UserError, match=rf'--{flag} .* is out of range: it must be|Parser key "{flag}"'):
+        with pytest.raises(cli.UserError, match=refused):
             parse_and_check()
     else:
         parse_and_check()
@@ -372,7 +422,7 @@ def test_out_of_range_settings_end_in_one_line_before_any_work(tmp_path):
              ("train.py", ["--top_p", "2"]), ("train.py", ["--k", "99999999999999999999"]),
              ("train.py", ["--seed", str(2 ** 70)]), ("train.py", ["--search_kw", "{bogus: 1}"]),
              ("eval.py", ["--model", "embedded", "--n", "0"]), ("eval.py", ["--model", "embedded", "--limit", "-1"]),
-             ("eval.py", ["--model", "embedded", "--dtype", "float8"])]
+             ("eval.py", ["--model", "embedded", "--set", "dtype=float8"]), ("train.py", ["--packed", "maybe"])]
     for script, argv in cases:
         out = tmp_path / script.split(".")[0]
         proc = subprocess.run([sys.executable, script, *argv, "--out_dir", str(out)], cwd=ROOT, capture_output=True,

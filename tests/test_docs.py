@@ -1,10 +1,11 @@
-"""The documents stay true to the code: the reference's flag tables are the Config and EvalConfig dataclasses (names,
-defaults, meanings), every metric train.py logs has a row in its metrics table, every `file.py:name` the documents
-cite resolves to a function or class in that file, every § citation in the code and documents resolves to a heading
-of docs/algorithm.md (or names another paper's section), every deviation is cited by a D<n> that exists, the paper's
-files open with the paper and their deviations and harness modules with one line of what they do, every module stays
-within one sitting (<= 400 lines), no test module imports another, the top level holds the paper's files and entry
-points only, and the README stays a reader's guide (<= 350 lines of <= 120 characters)."""
+"""The documents stay true to the code: the reference's flag and --set key tables are the Config and EvalConfig
+dataclasses (names, defaults, meanings) and --help, the flag counts the documents state are --help's, every metric
+train.py logs has a row in its metrics table, every `file.py:name` the documents cite resolves to a function or class
+in that file, every § citation in the code and documents resolves to a heading of docs/algorithm.md (or names another
+paper's section), every deviation is cited by a D<n> that exists, the paper's files open with the paper and their
+deviations and harness modules with one line of what they do, every module stays within one sitting (<= 400 lines),
+no test module imports another, the top level holds the paper's files and entry points only, and the README stays a
+reader's guide (<= 350 lines of <= 120 characters)."""
 import ast
 import dataclasses
 import json
@@ -25,28 +26,55 @@ MODULES = sorted([*ROOT.glob("*.py"), *(p for p in ROOT.glob("harness/**/*.py") 
 PAPER_FILES = {"rollout.py", "loss.py", "advantage.py", "reward.py", "tools.py", "train.py", "eval.py"}
 
 
-def flag_rows(section: str) -> dict[str, tuple[str, str, str]]:
-    """{flag: (default, valid values, meaning)} of the table under the reference's heading `section`."""
+def flag_rows(section: str, dashes: str = "--") -> dict[str, tuple[str, str, str]]:
+    """{flag: (default, valid values, meaning)} of the tables under the reference's heading `section`; dashes="":
+    the rows of its `--set` keys' table instead."""
     text = REFERENCE.split(section, 1)[1].split("\n## ", 1)[0]
     rows = {}
     for line in text.splitlines():
-        m = re.fullmatch(r"\| `--(\w+)` \| `(.*?)` \| (.*?) \| (.*) \|", line)
+        m = re.fullmatch(rf"\| `{dashes}(\w+)` \| `(.*?)` \| (.*?) \| (.*) \|", line)
         if m:
             rows[m.group(1)] = (m.group(2), m.group(3), m.group(4))
     return rows
 
 
+def help_flags(cls) -> list[str]:
+    """The flags `--help` of the command whose config dataclass is `cls` lists, in order (--config and --set too)."""
+    return re.findall(r"^  --(\w+)", config.build_parser(cls).format_help(), re.M)
+
+
 @pytest.mark.parametrize("section, cls", [("## `train.py` flags", config.Config),
                                           ("## `eval.py` flags", evaluation.EvalConfig)], ids=["train", "eval"])
 def test_flag_tables_are_the_configs(section, cls):
-    rows = flag_rows(section)
+    """The flag tables name the flags --help lists, the `--set` keys' table every other setting (the expert ones,
+    which --set's help names); every row has its field's default, valid values and meaning."""
+    flags, keys = flag_rows(section), flag_rows(section, dashes="")
     fields = {f.name: f for f in dataclasses.fields(cls)}
-    assert set(rows) == set(fields)
+    assert help_flags(cls) == ["config", *flags, "set"]                        # the tables in --help's order
+    assert list(keys) == config.expert_keys(cls) and set(fields) == set(flags) | set(keys)
+    set_help = " ".join(config.build_parser(cls).format_help().split("--set KEY=VALUE")[-1].split())
+    assert set_help.endswith(": " + ", ".join(keys)), set_help
     defaults = cls()
-    for name, (default, valid, meaning) in rows.items():
+    for name, (default, valid, meaning) in {**flags, **keys}.items():
         assert default == repr(getattr(defaults, name)), name
         assert valid == (fields[name].metadata.get("valid", "").replace("|", "/") or "—"), name
         assert meaning == fields[name].metadata["help"].replace("|", "/"), name
+
+
+def test_the_flag_counts_the_documents_state_are_the_help():
+    """Where a document says how many flags and --set keys a command has, the numbers are its --help's."""
+    counts = {"train.py": config.Config, "eval.py": evaluation.EvalConfig}
+    said = []
+    for path in [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md")), ROOT / "tests" / "README.md",
+                 ROOT / "bench" / "README.md"]:
+        text = " ".join(path.read_text(encoding="utf-8").split())
+        for script, flags, lines, keys in re.findall(r"python (\w+\.py) --help` lists the (\d+) flags \((\d+) lines "
+                                                     r"with `--config` and `--set`\) and the (\d+)", text):
+            listed = help_flags(counts[script])
+            said.append(script)
+            assert (int(flags), int(lines), int(keys)) == (len(listed) - 2, len(listed),
+                                                           len(config.expert_keys(counts[script]))), (path, script)
+    assert sorted(said) == ["eval.py", "train.py"]
 
 
 def test_the_readme_hyperparameter_table_is_the_first_flag_group():
@@ -58,7 +86,8 @@ def test_the_readme_hyperparameter_table_is_the_first_flag_group():
     first_group = [f.name for f in fields[:second]]
     assert fields[0].metadata["group"].startswith("the paper's") and sorted(in_table) == sorted(first_group)
     help_text = config.build_parser().format_help().split("\noptions:", 1)[1]          # past the usage block
-    assert help_text.index(fields[0].metadata["group"]) < min(help_text.index(f"--{f.name} ") for f in fields[second:])
+    later = [f for f in fields[second:] if not f.metadata.get("expert")]                  # --set keys have no line
+    assert help_text.index(fields[0].metadata["group"]) < min(help_text.index(f"--{f.name} ") for f in later)
 
 
 def test_every_flag_that_went_is_named_with_its_replacement():

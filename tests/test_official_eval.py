@@ -557,7 +557,7 @@ def test_the_system_and_judge_prompts_come_from_files(setup, tmp_path, monkeypat
     judge.write_text("Grade it.\nQuestion = {question}\nGold = {gold}\nPrediction = {prediction}\nCorrect or "
                      "Incorrect? (a brace: {{)")
     with StandIns() as stand:
-        summaries = E.main(served(stand, setup, tmp_path, "--system_prompt", str(system), "--judge_prompt", str(judge)))
+        summaries = E.main(served(stand, setup, tmp_path, "--set", f"system_prompt={system}", f"judge_prompt={judge}"))
     first = [body for body in stand.posted("/v1/completions") if body["max_tokens"] > 1][0]["prompt"]
     assert system.read_text() in first and tools.SYSTEM_PROMPT not in first
     asked = [body["messages"][0]["content"] for body in stand.posted("/v1/chat/completions")
@@ -577,15 +577,15 @@ def test_a_bad_judge_prompt_file_is_one_line_at_start_up(text, message, setup, t
     bad = tmp_path / "judge.txt"
     bad.write_text(text)
     argv = ["--protocol", "official", "--model", str(setup / "tiny"), "--data", str(setup / "qa.jsonl"),
-            "--judge_url", "http://127.0.0.1:9/v1", "--out_dir", str(tmp_path / "out"), "--judge_prompt", str(bad)]
+            "--judge_url", "http://127.0.0.1:9/v1", "--out_dir", str(tmp_path / "out"), "--set", f"judge_prompt={bad}"]
     with pytest.raises(UserError) as err:                    # before any server is asked or any model loaded
         E.main(argv)
     assert str(err.value).startswith(f"--judge_prompt {bad}: ") and message in str(err.value)
     assert "\n" not in str(err.value)
     with pytest.raises(UserError, match="cannot be read"):
         O.prompt_file("system_prompt", str(tmp_path / "absent.txt"))
-    with pytest.raises(UserError, match="--system_prompt is read by --protocol official only"):
-        E.main(argv[2:-2] + ["--system_prompt", str(bad)])
+    with pytest.raises(UserError, match="--set system_prompt is read by --protocol official only"):
+        E.main(argv[2:-2] + ["--set", f"system_prompt={bad}"])
 
 
 def slow_summaries(seconds: float):
@@ -603,7 +603,7 @@ def test_a_slow_summary_arrives_past_the_tool_bound(setup, tmp_path, monkeypatch
     monkeypatch.setenv("BRIGHTDATA_API_KEY", KEY)
     with StandIns() as stand:
         stand.chat = slow_summaries(1.5)
-        summaries = E.main(served(stand, setup, tmp_path, "--tool_timeout_s", "0.3"))
+        summaries = E.main(served(stand, setup, tmp_path, "--set", "tool_timeout_s=0.3"))
     record = json.loads((tmp_path / "out" / "qa_output_1.jsonl").read_text())
     assert record["logs"][1] == "<result>Intro. Paris is the capital of France. More.</result>"
     counts = summaries[0]["per_run"][0]["counts"]
@@ -667,7 +667,8 @@ def test_a_bad_endpoint_is_one_line_before_any_work(endpoint, case, setup, tmp_p
     with StandIns() as stand, StandIns(slow_s=3.0) as bad:
         bad.fault = case if case in ("500", "not_json", "slow") else ""
         url = {"malformed": f"http://127.0.0.1:80a{path}", "closed": closed_url(path)}.get(case, bad.url(path))
-        code, _, err = command(served(stand, setup, tmp_path, "--check_timeout_s", "0.5", **{endpoint: url}), capsys)
+        argv = served(stand, setup, tmp_path, "--set", "check_timeout_s=0.5", **{endpoint: url})
+        code, _, err = command(argv, capsys)
     flag = "--search_kw url" if endpoint == "search" else f"--{endpoint}_url"
     assert len(err) == 1 and err[0].startswith(f"error: {flag} {url}: "), err
     assert re.search(BAD[case][1], err[0]) and code == BAD[case][0], err
@@ -781,7 +782,7 @@ def test_failures_within_the_share_are_a_warning(allow, code, setup, tmp_path, m
     monkeypatch.setenv("BRIGHTDATA_API_KEY", KEY)
     with StandIns() as stand:
         stand.chat = slow_for("query B", 1.0)
-        argv = served(stand, setup, tmp_path, "--summary_timeout_s", "0.3", "--allow_failures", allow,
+        argv = served(stand, setup, tmp_path, "--set", "summary_timeout_s=0.3", f"allow_failures={allow}",
                       queries=("capital of France", "query B"))
         got, out, err = command(argv, capsys)
     word = {0: "warning", 1: "FAILED"}[code]
@@ -799,7 +800,7 @@ def test_with_allow_failures_1_an_unreachable_serp_api_is_a_warning(setup, tmp_p
     monkeypatch.setenv("BRIGHTDATA_API_KEY", KEY)
     closed = closed_url("/request")
     with StandIns() as stand:
-        code, out, err = command(served(stand, setup, tmp_path, "--allow_failures", "1", search=closed), capsys)
+        code, out, err = command(served(stand, setup, tmp_path, "--set", "allow_failures=1", search=closed), capsys)
     assert out[1].startswith(f"warning: --search_kw url {closed}: nothing listens on ") and code == 0
     assert any(line.startswith("warning: the search backend (--search / --search_kw url) failed 1 of 1 requests "
                                "(100%, within --allow_failures 1") for line in out)

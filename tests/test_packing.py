@@ -183,12 +183,12 @@ def test_generation_is_unchanged_after_a_packed_forward(tokenizer):
 
 
 def test_a_train_step_is_the_same_packed_or_padded(setup):
-    """One train.main step from the same seed, --packed false and true: the same rollout, so the same metrics up to
+    """One train.main step from the same seed, --set packed=false and true: the same rollout, so the same metrics up to
     rounding (the entropy z-score of the tiny model magnifies it: 1e-3), and no padding computed when packed."""
     rows = {}
     for packed in ("false", "true"):
         argv = flags(setup, f"packed_{packed}", steps=1, k=4, mini_batch_size=2, max_response_tokens=40, kl_coef=0.05,
-                     packed=packed)
+                     set=f"packed={packed}")
         run = Path(train.main(argv, score=fake_score, make_generator=SearchFirst.factory())["run_dir"])
         rows[packed] = json.loads((run / "metrics.jsonl").read_text().splitlines()[-1])
     padded, packed = rows["false"], rows["true"]
