@@ -17,6 +17,7 @@ import json
 import re
 import signal
 import threading
+import time
 from collections import OrderedDict
 from concurrent.futures import ThreadPoolExecutor, TimeoutError as FutureTimeout
 from dataclasses import dataclass
@@ -361,13 +362,13 @@ class Tools:
                     results[key] = (self.cache[key], "cache")
                 else:
                     todo[call.tool].append(call.argument)
-        jobs = []                                  # (tool, its arguments, the future of their run)
+        jobs, sent = [], time.monotonic()          # (tool, its arguments, the future of their run); when sent
         for name, arguments in todo.items():
             tool = self.by_name[name]
             batches = [arguments] if tool.batch else [[a] for a in arguments]
             jobs += [(tool, a, self.pool.submit(_run, tool, a)) for a in batches if a]
         for tool, arguments, job in jobs:
-            results.update(zip([(tool.name, a) for a in arguments], _collect(tool, job, len(arguments))))
+            results.update(zip([(tool.name, a) for a in arguments], _collect(tool, job, len(arguments), sent)))
         with self._lock:
             for key, (text, status) in results.items():
                 if status == "ok":
@@ -398,10 +399,12 @@ def _run(tool: Tool, arguments: list[str]) -> list:
     return tool.run([{key: a} if key else json.loads(a) for a in arguments])
 
 
-def _collect(tool: Tool, job, n: int) -> list[tuple[str, str]]:
-    """(observation, status) per call of one run() job: its results, or its failure as n observations."""
+def _collect(tool: Tool, job, n: int, sent: float) -> list[tuple[str, str]]:
+    """(observation, status) per call of one run() job sent at time.monotonic() `sent`: its results, or its failure as
+    n observations. Its timeout counts from `sent`, so a job's place among the round's jobs gives it no extra time."""
     try:
-        value = job.result(timeout=tool.timeout_s)
+        wait_s = None if tool.timeout_s is None else max(0.0, sent + tool.timeout_s - time.monotonic())
+        value = job.result(timeout=wait_s)
         if not (isinstance(value, (list, tuple)) and len(value) == n):
             raise TypeError(f"{tool.name}.run returned {type(value).__name__} instead of a list of {n} results")
         out = [(v, "error" if v.startswith("Error:") else "ok") if isinstance(v, str) else v for v in value]

@@ -530,6 +530,7 @@ class NamedQueries(ScriptedGenerator):
 class GatedTools(EchoTools):
     """Question 0's first search waits until `others_done` is set (a slow search), at most `wait_s`; every other call
     returns at once. Logs the slow call's start and end beside the generator's segments."""
+    format = tools.TAGS
 
     def __init__(self, log, others_done, wait_s):
         super().__init__()
@@ -569,3 +570,63 @@ def test_a_tree_waiting_on_a_slow_tool_does_not_hold_the_others():
     assert {(q, step) for _, q, step in between} == {(f"question {i}", s) for i in (1, 2, 3) for s in (1, 2)}
     between, how = run(lockstep=True)
     assert between == [] and how == "back, the others never finished"
+
+
+class Flaky(tools.Tool):
+    """A tool whose call `q0 …` raises, `q1 …` outlasts its 0.2 s timeout, and every other call answers."""
+    name, timeout_s = "flaky", 0.2
+    parameters = {"type": "object", "properties": {"x": {"type": "string"}}, "required": ["x"]}
+
+    def run(self, calls):
+        import time
+        if calls[0]["x"].startswith("q0"):
+            raise RuntimeError("the backend is down")
+        if calls[0]["x"].startswith("q1"):
+            time.sleep(0.6)
+        return [f"ok {c['x']}" for c in calls]
+
+
+def test_failed_and_timed_out_calls_read_the_same_in_both_schedules():
+    """A call that raises and one that times out become the same `Error: ...` observations whether trees wait for
+    each other or not (the tool runner's own rules, now run from worker threads), and every tree still ends."""
+    texts = []
+    for lockstep in (True, False):
+        runner = tools.Tools(None, tools=[Flaky()])
+        try:
+            trajs, stats = tree_rollout(prompts(3), ScriptedGenerator(n_tools=3, tool="flaky"), runner, TOK, k=2,
+                                        seed=4, entropy_branching=False, lockstep=lockstep)
+        finally:
+            runner.close()
+        assert all(t.finished for t in trajs) and stats["tools/flaky/errors"] == stats["tools/flaky/calls"] - 6
+        texts.append([t.observations for t in trajs])
+    assert texts[0] == texts[1]
+    first = texts[0][0]
+    assert first[0] == "Error: flaky failed: RuntimeError: the backend is down"
+    assert first[1] == "Error: flaky timed out after 0.2 s" and first[2].startswith("ok q2")
+
+
+def test_the_watchdog_names_a_stuck_call_while_other_trees_run():
+    """Tool calls run in worker threads: the watchdog watches each thread, so a call that hangs is named ("running
+    search call 'question 0: q0 ...'") while the other trees generate (and the rollout is not blocked)."""
+    import io
+    import threading
+    from harness.run import watchdog
+    out, log, named = io.StringIO(), [], threading.Event()
+
+    class Reporting(io.StringIO):
+        def write(self, text):
+            if "running search call 'question 0: q0" in text:
+                named.set()
+            return out.write(text)
+    dog = watchdog.Watchdog(0, 0.3, out=Reporting())
+    watchdog.set_current(dog)
+    try:
+        runner = watchdog.WatchedTools(GatedTools(log, named, wait_s=5.0))
+        trajs, _ = tree_rollout(prompts(3), NamedQueries(log, n_tools=1), runner, TOK, k=1, seed=0,
+                                entropy_branching=False)
+    finally:
+        dog.close()
+        watchdog.set_current(watchdog.Watchdog(0, 0.0))
+    assert ("slow call", "back") in log, "the watchdog never named the stuck call"          # the 5 s bound a hang
+    assert "watchdog: rank 0 has been running search call 'question 0: q0" in out.getvalue()
+    assert all(t.finished for t in trajs)
