@@ -4,8 +4,8 @@ train.py logs has a row in its metrics table, every `file.py:name` the documents
 in that file, every § citation in the code and documents resolves to a heading of docs/algorithm.md (or names another
 paper's section), every deviation is cited by a D<n> that exists, the paper's files open with the paper and their
 deviations and harness modules with one line of what they do, every module stays within one sitting (<= 400 lines),
-no test module imports another, the top level holds the paper's files and entry points only, and the README stays a
-reader's guide (<= 350 lines of <= 120 characters)."""
+no test module imports another nor asserts on elapsed time, the top level holds the paper's files and entry points
+only, and the README stays a reader's guide (<= 350 lines of <= 120 characters)."""
 import ast
 import dataclasses
 import json
@@ -195,6 +195,30 @@ def test_no_test_module_imports_another():
     for path in sorted((ROOT / "tests").glob("test_*.py")):
         imports = re.findall(r"^\s*(?:from|import) tests\.(test_\w+)", path.read_text(encoding="utf-8"), re.M)
         assert not imports, f"{path.name} imports {imports}"
+
+
+# a clock read in an assert statement, a measured duration bounded, a clock difference bounded
+TIMED = [re.compile(r"\btime\.(monotonic|time|perf_counter)\(\)"),
+         re.compile(r"\b(elapsed|seconds|duration|took)\w*\s*<"), re.compile(r"-\s*(start|started|t0)\b\s*<")]
+
+
+def timed_assertions(text: str, name: str) -> list[str]:
+    """`name:line` of every assert statement of the Python source `text` that asserts on elapsed time (TIMED)."""
+    return [f"{name}:{node.lineno}" for node in ast.walk(ast.parse(text)) if isinstance(node, ast.Assert)
+            and any(pattern.search(ast.get_source_segment(text, node)) for pattern in TIMED)]
+
+
+def test_no_test_asserts_on_elapsed_time():
+    """A test asserts what a call returned or did, never how long it took (a loaded machine fails it; bench/ measures
+    time). A polling helper's deadline only bounds a wait that would otherwise hang: past it the helper fails with
+    "X never happened", not with an assert on the clock. Every Python file under tests/ is read."""
+    old_mcp_test = ("def test_a_call_past_the_timeout_is_an_observation(server):\n    start = time.monotonic()\n"
+                    "    assert tool(server, 'sleep').run([{'seconds': 30}]) == [('timed out', 'timeout')]\n"
+                    "    assert time.monotonic() - start < 10\n")
+    assert timed_assertions(old_mcp_test, "test_mcp.py") == ["test_mcp.py:4"]        # the detector detects
+    found = [hit for path in sorted((ROOT / "tests").rglob("*.py"))
+             for hit in timed_assertions(path.read_text(encoding="utf-8"), str(path.relative_to(ROOT)))]
+    assert not found, f"assertions on elapsed time: {', '.join(found)}"
 
 
 def test_the_readmes_deviation_range_is_the_lists():

