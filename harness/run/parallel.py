@@ -50,7 +50,7 @@ _ON_CLOSE = []
 
 def on_close(fn) -> None:
     """Run fn() in close(), after the last barrier and before leaving the process group (a vLLM engine's shutdown
-    destroys the process groups it made and the default one: vllm_generation.VLLMGenerator.close)."""
+    destroys the process groups it made and the default one: harness/generation/vllm.py, VLLMGenerator.close)."""
     _ON_CLOSE.append(fn)
 
 
