@@ -186,3 +186,64 @@ def varied_reward(response_text, golds):
     over the texts, so advantages and gradients are not zero)."""
     import zlib
     return (zlib.crc32(response_text.encode()) % 97) / 97.0
+
+
+class FirstCall:
+    """A generator with `start` (rollout.Decoding) over a real one whose first segment of every trajectory is a scripted
+    search call (a random or untrained model never writes one), with no generator log-probs (nan) and a segment
+    entropy that depends on the request's seed (so trees branch); later segments are the real generator's."""
+
+    def __init__(self, inner, tokenizer, prompts):
+        self.inner, self.tok, self.vocab_size = inner, tokenizer, inner.vocab_size
+        self.prompts = {tuple(p) for p in prompts}
+
+    def start(self, sampling=None, on_step=None):
+        self.decoding = FirstCallDecoding(self.inner.start(sampling, on_step), self.tok, self.prompts)
+        return self.decoding
+
+
+class FirstCallDecoding:
+    """FirstCall's decoding: a request whose context is a prompt gets its scripted call at the next step, every other
+    one is the real decoding's. `joined` records, for each request the real decoding gets, how many of its requests
+    were in flight then (more than 0: it joined a running batch)."""
+
+    def __init__(self, inner, tokenizer, prompts):
+        self.inner, self.tok, self.prompts, self.scripted, self.added = inner, tokenizer, prompts, [], 0
+        self.ids, self.joined = {}, []                          # inner request id -> ours
+
+    def add(self, context, max_new_tokens, seed):
+        from rollout import Segment
+        request, self.added = self.added, self.added + 1
+        if tuple(context) in self.prompts:
+            text = "<think> look it up </think> <search> Eiffel Tower Paris </search>"
+            ids = self.tok.encode(text, add_special_tokens=False)
+            self.scripted.append((request, Segment(ids, "tool", 0.2 + (seed % 1000) / 1000, text,
+                                                   [float("nan")] * len(ids))))
+        else:
+            self.joined.append(len(self.ids))
+            self.ids[self.inner.add(context, max_new_tokens, seed)] = request
+        return request
+
+    def step(self):
+        done, self.scripted = self.scripted, []
+        if self.ids:
+            done += [(self.ids.pop(i), seg) for i, seg in self.inner.step()]
+        return done
+
+
+class Delayed:
+    """A tool runner whose every run first waits a random 0..most_s seconds (its own seeded draws), so that results
+    come back in an order that changes from run to run; the inner runner's format."""
+
+    def __init__(self, inner, seed, most_s=0.03):
+        import threading
+        self.inner, self.rng, self.lock, self.most_s = inner, random.Random(seed), threading.Lock(), most_s
+        if hasattr(inner, "format"):
+            self.format = inner.format
+
+    def run(self, calls):
+        import time
+        with self.lock:
+            delay = self.rng.uniform(0.0, self.most_s)
+        time.sleep(delay)
+        return self.inner.run(calls)

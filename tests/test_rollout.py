@@ -10,7 +10,7 @@ import pytest
 import rollout
 import tools
 from rollout import branch_probability, global_budget, segment_entropy, tree_rollout
-from tests.fakes import TOK, EchoTools, ScriptedGenerator, prompts
+from tests.fakes import TOK, Delayed, EchoTools, ScriptedGenerator, prompts
 
 
 def run(n_q=2, k=8, seed=0, gen=None, **kw):
@@ -453,22 +453,6 @@ def test_a_trajectory_past_its_deadline_ends_truncated():
 # (algorithm.md §2e: each tree keeps its round order; different trees are at different rounds at once)
 
 
-class LatencyTools(EchoTools):
-    """EchoTools whose every run sleeps a random 0-30 ms first (its own seeded draws): tool results come back in an
-    order that changes from run to run."""
-
-    def __init__(self, seed):
-        super().__init__()
-        self.rng, self.lock = random.Random(seed), __import__("threading").Lock()
-
-    def run(self, calls):
-        import time
-        with self.lock:
-            delay = self.rng.uniform(0.0, 0.03)
-        time.sleep(delay)
-        return super().run(calls)
-
-
 def tree_record(trajs, stats):
     """Everything a tree is: tokens, masks, branch points, kinds, rounds, l, tool calls, entropies, and the budgets."""
     return ([(t.group_id, t.traj_id, t.parent, t.fork_offset, t.round, t.l, t.kind, t.branch_l, t.result_ends,
@@ -499,7 +483,7 @@ def test_trees_at_their_own_pace_equal_the_lockstep_trees(seed):
             decoding.step = step
             return decoding
         gen.start = start
-        trajs, stats = tree_rollout(prompts(4), gen, LatencyTools(seed), TOK, k=6, seed=seed, gamma=0.8,
+        trajs, stats = tree_rollout(prompts(4), gen, Delayed(EchoTools(), seed), TOK, k=6, seed=seed, gamma=0.8,
                                     lockstep=lockstep)
         return tree_record(trajs, stats), steps
     together, lockstep_steps = rollout_with(True)

@@ -9,6 +9,7 @@ import tools
 from harness.generation import TransformersGenerator
 from rollout import Sampling, Segment, tree_rollout
 from tests.conftest import as_ids, chat_prompt, make_tiny_model
+from tests.fakes import Delayed, FirstCall
 
 
 class ForcedFirstCall:
@@ -254,57 +255,6 @@ def test_waiting_contexts_join_the_running_batch(tokenizer, tiny_model):
     assert [s.token_ids for s in sampled[0]] == [s.token_ids for s in sampled[1]]
 
 
-class FirstCallDecoding:
-    """A decoding wrapper (rollout.Decoding): a request right after the prompt gets a scripted search call at the next
-    step (a random model never writes one; its entropy depends on the request's seed, so trees branch), every other
-    request is the real decoding's."""
-
-    def __init__(self, inner, tokenizer, prompt_len):
-        self.inner, self.tok, self.prompt_len, self.scripted, self.added = inner, tokenizer, prompt_len, [], 0
-        self.ids = {}                                          # inner request id -> ours
-
-    def add(self, context, max_new_tokens, seed):
-        request, self.added = self.added, self.added + 1
-        if len(context) == self.prompt_len:
-            text = "<think> look it up </think> <search> Eiffel Tower Paris </search>"
-            ids = self.tok.encode(text, add_special_tokens=False)       # no generator log-probs: nan
-            self.scripted.append((request, Segment(ids, "tool", 0.2 + (seed % 1000) / 1000, text,
-                                                   [float("nan")] * len(ids))))
-        else:
-            self.ids[self.inner.add(context, max_new_tokens, seed)] = request
-        return request
-
-    def step(self):
-        done, self.scripted = self.scripted, []
-        if self.ids:
-            done += [(self.ids.pop(i), seg) for i, seg in self.inner.step()]
-        return done
-
-
-class FirstCall:
-    def __init__(self, inner, tokenizer, prompt_len):
-        self.inner, self.tok, self.prompt_len, self.vocab_size = inner, tokenizer, prompt_len, inner.vocab_size
-
-    def start(self, sampling=None, on_step=None):
-        return FirstCallDecoding(self.inner.start(sampling, on_step), self.tok, self.prompt_len)
-
-
-class SlowTools:
-    """The real tools, each run after a random 0-50 ms wait (own seeded draws)."""
-
-    def __init__(self, inner, seed):
-        import random
-        import threading
-        self.inner, self.format, self.rng, self.lock = inner, inner.format, random.Random(seed), threading.Lock()
-
-    def run(self, calls):
-        import time
-        with self.lock:
-            delay = self.rng.uniform(0.0, 0.05)
-        time.sleep(delay)
-        return self.inner.run(calls)
-
-
 def test_trees_at_their_own_pace_on_a_real_model(tokenizer, tiny_model, real_tools):
     """The tiny model in float32 with the real tools behind random latencies: the asynchronous rollout and the
     lockstep one give the same trees (kinds, parents, forks, rounds, tokens: each request samples with its own
@@ -315,8 +265,8 @@ def test_trees_at_their_own_pace_on_a_real_model(tokenizer, tiny_model, real_too
     prompt = as_ids(chat_prompt(tokenizer, "Where is the Eiffel Tower?"))
     shapes, k3 = [], []
     for lockstep in (True, False):
-        gen = FirstCall(TransformersGenerator(tiny_model, tokenizer, batch_size=4), tokenizer, len(prompt))
-        trajs, stats = tree_rollout([prompt, prompt], gen, SlowTools(real_tools, 3), tokenizer, k=4, gamma=5.0,
+        gen = FirstCall(TransformersGenerator(tiny_model, tokenizer, batch_size=4), tokenizer, [prompt])
+        trajs, stats = tree_rollout([prompt, prompt], gen, Delayed(real_tools, seed=3, most_s=0.05), tokenizer, k=4, gamma=5.0,
                                     max_response_tokens=160, seed=2, lockstep=lockstep)
         shapes.append([(t.group_id, t.traj_id, t.parent, t.fork_offset, t.round, t.kind, t.response_ids, t.loss_mask)
                        for t in trajs])

@@ -9,6 +9,9 @@ In the project's own environment vllm is not importable and every test here is s
   parameter out is an error.
 - `train.py --backend vllm --device cpu`: 2 steps with tool calls and branches, in 1 process and in 2 under torchrun,
   exit 0 without a traceback, metrics written (the commands the README gives, in a quick form).
+- Trees at their own pace: the engine's requests join and leave its running batch (LLM.enqueue, LLMEngine.step) while
+  tool calls come back at random times; the trees equal the lockstep rollout's, and the generator's log-probs the
+  trainer's (k3 at float32 rounding).
 - LoRA: the engine holds the base model and takes only the adapter; after every step its log-probs are the adapted
   trainer's (the mismatch metric at float32 rounding, the stale-weight watch silent), a skipped sync trips the watch;
   `train.py --backend vllm --config configs/lora.yaml` runs, and the export's merged model and adapter load in vLLM.
@@ -98,6 +101,43 @@ def test_a_sampled_batch_larger_than_one_prefill_step(cache):
         vgen.close()
     assert [x.token_ids for x in first] == [x.token_ids for x in again]
     assert [x.token_ids for x in first] != [x.token_ids for x in other]
+
+
+def test_trees_at_their_own_pace_on_the_engine(cache):
+    """The embedded model in float32 on the engine, each trajectory's first segment a scripted search (fakes.FirstCall)
+    whose results come back after random delays: the asynchronous rollout's trees equal the lockstep one's (kinds,
+    parents, forks, rounds, tokens), requests joined the engine while others of it ran, and the engine's log-probs are
+    the trainer's (mean k3 < 1e-6)."""
+    import tools
+    from harness import mismatch
+    from harness.run import policy as policy_mod
+    from rollout import tree_rollout
+    from tests.fakes import Delayed, EchoTools, FirstCall
+    from transformers import AutoModelForCausalLM
+    _, model_dir = cache
+    vgen = VLLMGenerator(str(model_dir), dtype="float32")
+    prompts = [list(tools.build_prompt(vgen.tokenizer, q)) for q in ("Where is the Eiffel Tower?", "Who built it?")]
+    shapes, k3, flights = [], [], []
+    lm = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    for lockstep in (True, False):
+        gen = FirstCall(vgen, vgen.tokenizer, prompts)
+        trajs, stats = tree_rollout(prompts, gen, Delayed(EchoTools(), seed=5, most_s=0.3), vgen.tokenizer, k=4,
+                                    gamma=5.0, max_response_tokens=96, seed=3, lockstep=lockstep)
+        assert stats["branches"] > 0
+        shapes.append([(t.group_id, t.traj_id, t.parent, t.fork_offset, t.round, t.kind, t.response_ids)
+                       for t in trajs])
+        flights.append(gen.decoding.joined)
+        batch = policy_mod.tensorize([(t.prompt_ids, t.response_ids, t.loss_mask) for t in trajs],
+                                     vgen.tokenizer.pad_token_id, "cpu", gen_logp=[t.gen_logp for t in trajs])
+        with torch.no_grad():
+            old_logp, _ = policy_mod.Policy(lm)(batch.input_ids, batch.attention_mask, batch.mask)
+        sums = mismatch.mismatch_stats(old_logp, batch.gen_logp, batch.mask)
+        k3.append(float(sums.k3) / float(sums.tokens))
+    vgen.close()
+    print("k3 lockstep, asynchronous:", k3, "requests in flight when each joined (asynchronous):", flights[1])
+    assert shapes[0] == shapes[1]
+    assert max(k3) < 1e-6, k3
+    assert max(flights[1]) > 0, "no request ever joined a running batch"
 
 
 @pytest.mark.parametrize("tie", [True, False], ids=["tied", "untied"])
