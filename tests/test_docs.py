@@ -70,10 +70,11 @@ def test_the_flag_counts_the_documents_state_are_the_help():
         text = " ".join(path.read_text(encoding="utf-8").split())
         for script, flags, lines, keys in re.findall(r"python (\w+\.py) --help` lists the (\d+) flags \((\d+) lines "
                                                      r"with `--config` and `--set`\) and the (\d+)", text):
-            listed = help_flags(counts[script])
+            listed, expert = help_flags(counts[script]), config.expert_keys(counts[script])
             said.append(script)
-            assert (int(flags), int(lines), int(keys)) == (len(listed) - 2, len(listed),
-                                                           len(config.expert_keys(counts[script]))), (path, script)
+            assert (int(flags), int(lines), int(keys)) == (len(listed) - 2, len(listed), len(expert)), \
+                f"{path.relative_to(ROOT)} says {script} has {flags} flags ({lines} lines) and {keys} --set keys; " \
+                f"its --help has {len(listed) - 2} ({len(listed)}) and {len(expert)}"
     assert sorted(said) == ["eval.py", "train.py"]
 
 
