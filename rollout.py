@@ -6,29 +6,30 @@ Paper: Dong et al., "Agentic Entropy-Balanced Policy Optimization", arXiv:2510.1
 measures how uncertain the policy is at the start (H_root) and after tool results (H_tool); that sets how many of
 the k are independent global samples (m) and how many come from branching the tree after tool calls whose segment
 entropy rose, with a penalty that stops one chain from taking every branch. The generator and the tools are passed
-in (`Generator`, `tools.Tools`), so the rollout runs with a scripted model and fake tools (tests/fakes.py); this
-file and tools.py copy alone.
+in (`sampler.Generator`, `tools.Tools`), so the rollout runs with a scripted model and fake tools (tests/fakes.py);
+this file copies with sampler.py and tools.py. Each tree moves at its own pace (algorithm.md §2e).
 
 Deviations from the paper / official code (algorithm.md §8): D1 (one pre-monitor, kept as a global sample), D2
 (H_tool over its post-tool segments), D3 (m rounded up; no pre-monitor without the dynamic budget), D4 (the
 consecutive-branch count per path, fresh every step), D5 (a branch's ΔH reference is its path's first segment), D6
 (the pre-monitor's branching decisions taken when it finishes), D7 (groups completed with fresh samples, all at once,
-never branching), D10 (a
-notice at the tool-call limit; `tool_limit_ends` does what the official code does).
+never branching), D10 (a notice at the tool-call limit; `tool_limit_ends` does what the official code does).
 """
 from __future__ import annotations
 
 import dataclasses
-import hashlib
 import math
 import random
 import time
+import warnings
 from collections import Counter
 from concurrent.futures import FIRST_COMPLETED, ThreadPoolExecutor, wait
 from dataclasses import dataclass, field
-from typing import Any, Callable, Iterable, Protocol
+from typing import Any
 
 import tools
+import sampler
+from sampler import Generator, Sampling, Segment, WholeCalls, request_seed
 
 # --------------------------------------------------------------------------------------------------
 # The three formulas (algorithm.md §1, §2a, §2b)
@@ -37,9 +38,8 @@ import tools
 def segment_entropy(topk_logprobs: list[list[float]], vocab_size: int, n: int = 20) -> float:
     """Eq.: H_seg = (1 / log|V|) · Σ_{j<n} Σ_{c ∈ topk_j} −exp(l_c)·l_c  (a sum over positions).
 
-    topk_logprobs: one list per generated position of the top-k log-probs (k = 10) returned for it,
-    not renormalised. Only the first n positions count; a shorter segment sums what it has.
-    """
+    topk_logprobs: per generated position the top-k log-probs (k = 10) returned for it, not renormalised. Only the
+    first n positions count; a shorter segment sums what it has."""
     if vocab_size < 2:
         raise ValueError(f"vocab_size must be >= 2, got {vocab_size}")
     total = 0.0
@@ -58,11 +58,8 @@ def global_budget(k: int, h_root: float, h_tool: float, beta: float = 0.5) -> in
 
 
 def branch_probability(u: float, delta_h: float, l: int, gamma: float = 0.2, lam: float = 0.05) -> float:
-    """Eq.: P_t = (u + γ·ΔH_t) · (1 − min(1, λ·l)); the caller branches iff P_t ≥ τ.
-
-    u ~ U(0,1); delta_h = H_seg(latest segment) − H_seg(first segment of this path);
-    l = consecutive branch-creating tool steps on this path.
-    """
+    """Eq.: P_t = (u + γ·ΔH_t) · (1 − min(1, λ·l)); the caller branches iff P_t ≥ τ. u ~ U(0,1); delta_h =
+    H_seg(latest segment) − H_seg(first segment of this path); l = consecutive branch-creating tool steps on it."""
     return (u + gamma * delta_h) * (1.0 - min(1.0, lam * l))
 
 
@@ -73,113 +70,6 @@ def premonitor_budget(premonitor: "Trajectory", k: int, beta: float = 0.5) -> in
     after_tool = premonitor.seg_entropies[1:]
     h_tool = sum(after_tool) / len(after_tool) if after_tool else h_root
     return global_budget(k, h_root, h_tool, beta)
-
-
-# --------------------------------------------------------------------------------------------------
-# The generation interface (harness/generation/__init__.py implements it for transformers and vLLM): ids in, segments out
-
-
-@dataclass(frozen=True)
-class Sampling:
-    """How a generator samples, given with every call: temperature, nucleus top-p, top-k (0 = off) and a repetition
-    penalty (1 = off). They shape the samples only; the segment entropy and the trainer's log-probs read the model's
-    own distribution."""
-    temperature: float = 1.0
-    top_p: float = 1.0
-    top_k: int = 0
-    repetition_penalty: float = 1.0
-
-
-@dataclass
-class Segment:
-    """What the policy generated between two environment events."""
-    token_ids: list[int]
-    finish_reason: str  # "tool" (closing tool tag), "answer" (</answer>), "eos", "length", "error" (a failed request)
-    h_seg: float        # segment_entropy of its first 20 positions
-    text: str           # decoded, for parsing the tool call only (never re-encoded)
-    logprobs: list[float] | None = None  # log-prob of each token at the sampling temperature, over the whole
-    #                                      vocabulary (no top-k/top-p renormalisation); None where the backend has none
-
-
-class Decoding(Protocol):
-    """A running batch that requests join and leave one by one (`Generator.start`): a request added between two steps
-    joins the batch at the next step, and one whose segment ended leaves it, so that nothing waits for the slowest."""
-
-    def add(self, context: list[int], max_new_tokens: int, seed: int) -> int:
-        """Queue one context; returns its request id. Its tokens are drawn from a generator of its own seeded with
-        `seed`, so they do not depend on which other requests share the batch."""
-
-    def step(self) -> list[tuple[int, Segment]]:
-        """Advance every running request by one decoding step (or prefill the ones that joined); returns (request id,
-        segment) for each request that ended in it."""
-
-
-class Generator(Protocol):
-    """What the rollout and the trainer need of a generation backend; both backends implement all of it, and where a
-    call means nothing for a backend it is a no-op. `start` is what lets trees advance each at its own pace; a
-    generator with `generate` only is called once per lockstep round (`WholeCalls`)."""
-    vocab_size: int
-    takes_adapter: bool               # LoRA: update_weights takes the adapters' tensors (else the merged weights)
-
-    def generate(self, contexts: list[list[int]], max_new_tokens: list[int], seed: int, sampling: Sampling,
-                 on_step: Callable[[int], None] | None = None) -> list[Segment]:
-        """One segment per context, context i sampled with the seed request_seed(seed, i); on_step(rows) after every
-        decoding step (progress), where the backend can."""
-
-    def start(self, sampling: Sampling, on_step: Callable[[int], None] | None = None) -> Decoding:
-        """A decoding that requests join and leave as they come (optional: see the class docstring)."""
-
-    def sleep(self) -> None:
-        """Give memory back for the policy update (vLLM on a GPU); the next update_weights wakes it."""
-
-    def update_weights(self, named_tensors: Iterable[tuple[str, Any]]) -> None:
-        """Take the policy's new weights, (name, full tensor) pairs in the Hugging Face layout, read to the end."""
-
-    def close(self) -> None:
-        """Release the backend (idempotent)."""
-
-
-def request_seed(*parts) -> int:
-    """A seed in [0, 2^63) from `parts` (ints and strings), the same in every process and every run (vLLM keeps
-    per-request seeds in an int64): a trajectory's segment is sampled with request_seed(seed, question, traj_id,
-    segment index), a tree's branching draws with request_seed(seed, question)."""
-    digest = hashlib.blake2b("/".join(map(str, parts)).encode(), digest_size=8).digest()
-    return int.from_bytes(digest, "big") >> 1
-
-
-def generate_all(decoding: Decoding, contexts: list[list[int]], max_new_tokens: list[int], seed: int) -> list[Segment]:
-    """Every context's segment from one decoding, context i seeded with request_seed(seed, i): `Generator.generate`
-    for a backend that has `start`."""
-    ids = [decoding.add(c, n, request_seed(seed, i)) for i, (c, n) in enumerate(zip(contexts, max_new_tokens))]
-    done: dict[int, Segment] = {}
-    while len(done) < len(ids):
-        done.update(decoding.step())
-    return [done[i] for i in ids]
-
-
-class WholeCalls:
-    """The `Decoding` of a generator that has only `generate` (a test double, your own): each step generates every
-    request added since the last one in one call, with the first request's seed (so its draws depend on the call's
-    other contexts, unlike a backend's `start`). The rollout then moves in lockstep rounds, one call per round, so
-    that which contexts share a call, and so the tree, does not depend on when tool calls come back."""
-
-    def __init__(self, generator: Generator, sampling: Sampling, on_step=None):
-        self.generator, self.sampling, self.on_step = generator, sampling, on_step
-        self.queue: list[tuple[int, list[int], int, int]] = []
-        self.added = 0
-
-    def add(self, context: list[int], max_new_tokens: int, seed: int) -> int:
-        self.queue.append((self.added, context, max_new_tokens, seed))
-        self.added += 1
-        return self.added - 1
-
-    def step(self) -> list[tuple[int, Segment]]:
-        batch, self.queue = self.queue, []
-        if not batch:
-            return []
-        segments = self.generator.generate([c for _, c, _, _ in batch], [n for _, _, n, _ in batch], batch[0][3],
-                                           self.sampling, self.on_step)
-        return [(request, segment) for (request, *_), segment in zip(batch, segments)]
 
 
 # --------------------------------------------------------------------------------------------------
@@ -200,8 +90,7 @@ class TreeSettings:
     max_response_tokens: int = 4096   # policy tokens and tool results together
     tool_limit_ends: bool = False     # past max_tool_calls: EOS and the end, as the official code (D10)
     deadline_s: float = 0.0           # wall-clock seconds a trajectory may take (0 = none), checked after each round
-    lockstep: bool = False            # every tree waits for every other at each round (the synchronous rollout,
-    #                                   algorithm.md §2e); False: each tree starts its next round when its own is done
+    lockstep: bool = False            # every tree waits for every other at each round (algorithm.md §2e)
 
 
 @dataclass
@@ -220,9 +109,8 @@ class Trajectory:
     kind: str = "global"              # "premonitor" | "global" | "branch" | "completion"
     tool_calls: list[tuple[str, str]] = field(default_factory=list)
     observations: list[str] = field(default_factory=list)  # what each call returned (before format_result)
-    gen_logp: list[float] | None = field(default_factory=list)  # the generator's log-prob of each response token
-    #                                      (Segment.logprobs; 0.0 at tool tokens, nan at a token it did not sample),
-    #                                      None once a segment came without them
+    gen_logp: list[float] | None = field(default_factory=list)  # the generator's log-prob of each response token (0
+    #                      at tool tokens, nan at a token it did not sample), None once a segment came without them
     seg_entropies: list[float] = field(default_factory=list)
     branch_l: list[int] = field(default_factory=list)   # l at each branch this trajectory created
     result_ends: list[int] = field(default_factory=list)  # len(response_ids) after each tool result
@@ -260,14 +148,14 @@ def tree_rollout(prompts: list[list[int]], generator: Generator, tool_runner, to
     rollout's sums and counts (`tree_stats`).
 
     prompts: token ids per question (chat template applied); tool_runner: `.run(calls) -> (observations, counts)`
-    like `tools.Tools`, called from worker threads; settings: `TreeSettings`, any of whose fields may also be given as
-    a keyword (k=8); progress: None, or `progress(rounds_done, finished, total)` after every round of a tree, whose
-    `on_step` method (if any) the generator calls after every decoding step."""
+    like `tools.Tools`, run in worker threads; settings: `TreeSettings`, whose fields may also be given as keywords
+    (k=8); progress: None, or `progress(rounds_done, finished, total)` after every round of a tree, whose `on_step`
+    (if any) the generator calls after every decoding step."""
     s = dataclasses.replace(settings or TreeSettings(), **overrides)
     if s.k < 1:
         raise ValueError(f"k must be >= 1, got {s.k}")
-    trees = [_start(Tree(g, list(prompt), rng=random.Random(request_seed(seed, g))), s)    # round 0 of each
-             for g, prompt in enumerate(prompts)]
+    trees = [_start(Tree(g, list(prompt), rng=random.Random(request_seed(seed, g))), s) for g, prompt in
+             enumerate(prompts)]                                                  # round 0 of each, its own draws u
     rounds = _Rounds(trees, generator, tool_runner, tokenizer, s, sampling, seed, progress)
     counts = rounds.run()
     trajectories = [t for tree in trees for t in tree.trajectories]
@@ -278,29 +166,21 @@ def tree_rollout(prompts: list[list[int]], generator: Generator, tool_runner, to
 
 
 class _Rounds:
-    """The trees' rounds (algorithm.md §2e): in a tree's round each of its active trajectories generates one segment
-    and the tool call it ends with runs; when all of them are back, the round's results are appended in trajectory
-    order, with the branching decisions (§2b), the deadline, m (§2a) and completion (§2c), and the tree's next round
-    starts. Segments of every tree decode in one running batch (`Generator.start`) and tool calls run in worker
-    threads as soon as their segment ends (one tool run per tree and decoding step), so a tree waits only for its own
-    calls. With `lockstep` every tree waits
-    for every other: the round's calls run together once all its segments are in, and the next round starts when
-    all trees' calls are back (the synchronous rollout; also with a generator that has no `start`)."""
+    """The trees' rounds (algorithm.md §2e): a tree's next round starts when its own segments and calls are back. All
+    trees' segments decode in one running batch (`Generator.start`); calls run in worker threads as their segments end
+    (a tool run per tree and step). lockstep (also without `start`): every tree waits for every other at each round."""
 
     def __init__(self, trees, generator, tool_runner, tokenizer, s: TreeSettings, sampling, seed, progress):
         self.trees, self.tool_runner, self.tokenizer, self.s, self.seed = trees, tool_runner, tokenizer, s, seed
         self.fmt = getattr(tool_runner, "format", tools.TAGS)   # how calls are written and results rendered
-        self.progress = progress
-        on_step = getattr(progress, "on_step", None)
+        self.progress, on_step = progress, getattr(progress, "on_step", None)
         streams = callable(getattr(generator, "start", None))
         self.decoding = generator.start(sampling, on_step) if streams else WholeCalls(generator, sampling, on_step)
         self.lockstep = s.lockstep or not streams      # one generate call per round: which trees share it is fixed
-        self.generating: dict[int, Trajectory] = {}            # request id -> its trajectory
-        self.calling: dict[Any, list] = {}                     # future of a tool run -> [(trajectory, call)]
-        self.held: list[tuple[Trajectory, Any]] = []           # calls not yet sent (lockstep: until the round's end)
-        self.members: dict[int, list[Trajectory]] = {}         # group -> its round's trajectories, in order
-        self.calls: dict[int, dict[int, Any]] = {}             # group -> traj_id -> the call its segment ended with
-        self.results: dict[int, dict[int, str]] = {}           # group -> traj_id -> that call's observation
+        self.generating: dict[int, list] = {}          # request id -> its round entry
+        self.held: list[list] = []                     # round entries whose calls are not sent yet
+        self.calling: dict[Any, list] = {}             # future of a tool run -> the round entries it answers
+        self.round: dict[int, list[list]] = {}         # group -> [trajectory, call, observation] per member, in order
         self.counts: Counter = Counter()
 
     def run(self) -> Counter:
@@ -311,25 +191,22 @@ class _Rounds:
             for tree in self.trees:
                 self._begin(tree)
             while self.generating or self.calling or self.held:
-                ended = self.decoding.step() if self.generating else []
-                for request, segment in ended:
-                    t = self.generating.pop(request)
-                    call = _append_segment(t, segment, self.s, self.fmt, self.tokenizer, self.counts)
-                    if call is not None:
-                        self.calls[t.group_id][t.traj_id] = call
-                        self.held.append((t, call))
-                if self.held and not (self.lockstep and self.generating):       # send the calls: each tree's
-                    batches: dict[int, list] = {}                                # own (lockstep: all together)
-                    for t, call in self.held:
-                        batches.setdefault(-1 if self.lockstep else t.group_id, []).append((t, call))
+                for request, segment in self.decoding.step() if self.generating else []:
+                    entry = self.generating.pop(request)
+                    entry[1] = _append_segment(entry[0], segment, self.s, self.fmt, self.tokenizer, self.counts)
+                    self.held += [entry] if entry[1] is not None else []
+                if self.held and not (self.lockstep and self.generating):      # send: each tree's calls together
+                    batches: dict[int, list] = {}
+                    for entry in self.held:
+                        batches.setdefault(-1 if self.lockstep else entry[0].group_id, []).append(entry)
+                    self.calling.update({pool.submit(self.tool_runner.run, [e[1] for e in batch]): batch
+                                         for batch in batches.values()})
                     self.held = []
-                    for batch in batches.values():
-                        self.calling[pool.submit(self.tool_runner.run, [call for _, call in batch])] = batch
                 for future in [f for f in self.calling if f.done()]:
                     observations, tool_counts = future.result()
                     self.counts.update({f"tools/{key}": value for key, value in tool_counts.items()})
-                    for (t, _), observation in zip(self.calling.pop(future), observations):
-                        self.results[t.group_id][t.traj_id] = observation
+                    for entry, observation in zip(self.calling.pop(future), observations):
+                        entry[2] = observation
                 self._end_rounds()
                 if not self.generating and self.calling:                       # the generator has nothing to do
                     idle = time.monotonic()
@@ -340,38 +217,31 @@ class _Rounds:
         return self.counts
 
     def _begin(self, tree: Tree) -> None:
-        """A round of `tree`: each of its active trajectories asks for one segment, seeded by (seed, question,
-        trajectory, segment index)."""
-        g = tree.group_id
-        self.members[g] = [t for t in tree.trajectories if not t.finished]
-        self.calls[g], self.results[g] = {}, {}
-        for t in self.members[g]:
-            request = self.decoding.add(t.prompt_ids + t.response_ids, self.s.max_response_tokens - len(t.response_ids),
-                                        request_seed(self.seed, g, t.traj_id, len(t.seg_entropies)))
-            self.generating[request] = t
+        """A round of `tree`: a segment for each active trajectory, seeded by (seed, question, trajectory, segment)."""
+        self.round[tree.group_id] = [[t, None, None] for t in tree.trajectories if not t.finished]
+        for entry in self.round[tree.group_id]:
+            t = entry[0]
+            self.generating[self.decoding.add(t.prompt_ids + t.response_ids, self.s.max_response_tokens -
+                                              len(t.response_ids), request_seed(self.seed, t.group_id, t.traj_id,
+                                                                                len(t.seg_entropies)))] = entry
 
     def _end_rounds(self) -> None:
         """End the round of every tree whose segments and calls are all back (lockstep: once every tree's are)."""
-        busy = {t.group_id for t in self.generating.values()} | {t.group_id for t, _ in self.held} | \
-            {t.group_id for batch in self.calling.values() for t, _ in batch}
-        done = [tree for tree in self.trees if tree.group_id in self.members and tree.group_id not in busy]
-        if self.lockstep and busy:
-            return
-        for tree in done:
-            self._end(tree)
+        busy = {e[0].group_id for e in [*self.generating.values(), *self.held, *sum(self.calling.values(), [])]}
+        if not (self.lockstep and busy):
+            for tree in [tree for tree in self.trees if tree.group_id in self.round and tree.group_id not in busy]:
+                self._end(tree)
 
     def _end(self, tree: Tree) -> None:
         """The round's results appended in trajectory order, each followed by its branching decision (§2b); then the
         deadline, §2a's m and §2c's completion; then the next round, if the tree has active trajectories."""
-        g, s = tree.group_id, self.s
-        for t in self.members.pop(g):
-            if t.traj_id in self.calls[g]:
-                if _append_result(t, self.results[g][t.traj_id], self.fmt, self.tokenizer, s.max_response_tokens) \
-                        and s.entropy_branching and tree.m is not None and len(tree.trajectories) < s.k:
-                    _maybe_branch(t, len(t.result_ends) - 1, tree, tree.rng, tree.rounds, s)
+        s = self.s
+        for t, call, observation in self.round.pop(tree.group_id):
+            if call is not None and _append_result(t, observation, self.fmt, self.tokenizer, s.max_response_tokens) \
+                    and s.entropy_branching and tree.m is not None and len(tree.trajectories) < s.k:
+                _maybe_branch(t, len(t.result_ends) - 1, tree, tree.rng, tree.rounds, s)
         tree.rounds += 1
-        _expire(tree, s.deadline_s, self.counts)
-        _settle(tree, tree.rng, tree.rounds, s)
+        _settle(tree, tree.rng, tree.rounds, s, self.counts)
         if self.progress is not None:
             self.progress(max(tr.rounds for tr in self.trees),
                           sum(t.finished for tr in self.trees for t in tr.trajectories), s.k * len(self.trees))
@@ -380,8 +250,7 @@ class _Rounds:
 
 
 def _start(tree: Tree, s: TreeSettings) -> Tree:
-    """Round 0 of one question: k independent samples (no branching), a pre-monitor (dynamic budget), or m = k // 2
-    global samples."""
+    """Round 0 of a question: k independent samples (no branching), a pre-monitor, or m = k // 2 global samples."""
     if not s.entropy_branching:
         tree.m = s.k
     elif not s.dynamic_budget:
@@ -437,20 +306,15 @@ def _append_result(t: Trajectory, observation: str, fmt, tokenizer, max_response
     return True
 
 
-def _expire(tree: Tree, deadline_s: float, counts: Counter) -> None:
-    """End (truncated, finish_reason "deadline") every active trajectory older than deadline_s, as one past its token
-    budget: a slow tool or a long tail does not hold its round, and every other rank, for ever."""
-    if deadline_s <= 0:
-        return
-    for t in tree.trajectories:
-        if not t.finished and time.monotonic() - t.started > deadline_s:
+def _settle(tree: Tree, rng: random.Random, rnd: int, s: TreeSettings, counts: Counter) -> None:
+    """After a round: an active trajectory older than deadline_s ends (truncated, "deadline": a slow tool or a long
+    tail does not hold its round, and every other rank, for ever); a finished pre-monitor sets m (§2a), starts the
+    other m − 1 global samples and takes its deferred branching decisions (§2d); a question with no active trajectory
+    and fewer than k gets fresh samples (§2c)."""
+    for t in tree.trajectories if s.deadline_s > 0 else []:
+        if not t.finished and time.monotonic() - t.started > s.deadline_s:
             t.finish_reason, t.truncated = "deadline", True
             counts["deadline_hits"] += 1
-
-
-def _settle(tree: Tree, rng: random.Random, rnd: int, s: TreeSettings) -> None:
-    """After a round: a finished pre-monitor sets m (§2a), starts the other m − 1 global samples and takes its deferred
-    branching decisions (§2d); a question with no active trajectory and fewer than k gets fresh samples (§2c)."""
     first = tree.trajectories[0]
     if tree.m is None and first.finished:
         tree.m = premonitor_budget(first, s.k, s.beta)
@@ -463,9 +327,8 @@ def _settle(tree: Tree, rng: random.Random, rnd: int, s: TreeSettings) -> None:
 
 
 def _maybe_branch(t: Trajectory, step: int, tree: Tree, rng: random.Random, rnd: int, s: TreeSettings) -> None:
-    """One branching decision after tool result `step` of t (algorithm.md §2b). The branch copies t's context
-    up to the end of that result; l follows the path (inherited by the branch, reset by a step
-    without a branch)."""
+    """One branching decision after tool result `step` of t (algorithm.md §2b). The branch copies t's context up to
+    the end of that result; l follows the path (inherited by the branch, reset by a step without a branch)."""
     delta_h = t.seg_entropies[step] - t.seg_entropies[0]  # segment `step` ended with this tool call
     p = min(1.0, max(0.0, branch_probability(rng.random(), delta_h, t.l, s.gamma, s.lam)))   # clipped, as officially
     if p < s.tau:
@@ -483,13 +346,11 @@ def _maybe_branch(t: Trajectory, step: int, tree: Tree, rng: random.Random, rnd:
 
 
 def tree_stats(trajectories: list[Trajectory], m_per_question: list, counts: dict, rounds: int) -> dict:
-    """Sums and counts over a rollout's trees (the means are formed once, when they are logged; docs/reference.md):
-    questions, trajectories, Σ m, branches, trees with a branch and the sum of their top-chain shares (the share of a
-    tree's branches on its busiest root), tool calls, policy tokens (gen_len), response tokens (resp_len), prompt +
-    response tokens (seq_len), truncated trajectories, context tokens a prefix cache reuses at their start
-    (shared_prefix, of seq_len), tool-limit hits, rounds (the most any tree took), the seconds the generator sat idle
-    while tool calls ran (gen_idle_s), the histogram of l at each branch, m per question, and the
-    tool runner's counts (counts' tools/<tool>/<count> keys)."""
+    """Sums and counts over a rollout's trees (means are formed when logged; docs/reference.md): questions,
+    trajectories, Σ m, branches, trees with a branch and the sum of their top-chain shares (a tree's branches on its
+    busiest root), tool calls, gen_len, resp_len, seq_len, truncated, shared_prefix (context tokens a prefix cache
+    reuses), tool-limit and deadline hits, rounds (the most any tree took), gen_idle_s, the histogram of l at each
+    branch, m per question, and the tool runner's counts (counts' tools/<tool>/<count> keys)."""
     by_group: dict[int, list[Trajectory]] = {}
     for t in trajectories:
         by_group.setdefault(t.group_id, []).append(t)
@@ -525,17 +386,15 @@ def tree_stats(trajectories: list[Trajectory], m_per_question: list, counts: dic
     return out
 
 
-_RENAMED = {"ends_with_stop": "tools.ends_with_stop", "first_stop": "tools.first_stop",
-            "finish_reason": "tools.stop_reason"}
+_MOVED = {"ends_with_stop": "ends_with_stop", "first_stop": "first_stop", "finish_reason": "stop_reason"}  # sampler's
 _warned: set[str] = set()
 
 
 def __getattr__(name: str):
-    """Names that moved (docs/reference.md, the copy surface): they still work, with one DeprecationWarning each."""
-    if name not in _RENAMED:
+    """Names that moved to sampler.py (docs/reference.md, the copy surface): they work, with one DeprecationWarning."""
+    if name not in _MOVED:
         raise AttributeError(f"module 'rollout' has no attribute {name!r}")
     if name not in _warned:
         _warned.add(name)
-        import warnings
-        warnings.warn(f"rollout.{name} is now {_RENAMED[name]}", DeprecationWarning, stacklevel=2)
-    return getattr(tools, _RENAMED[name].split(".")[1])
+        warnings.warn(f"rollout.{name} is now sampler.{_MOVED[name]}", DeprecationWarning, stacklevel=2)
+    return getattr(sampler, _MOVED[name])

@@ -243,24 +243,6 @@ class TagFormat:
 TAGS = TagFormat([SearchTool(None), PythonTool()])    # the paper's: search and python in tags
 
 
-# ---- Where a segment ends: a format's stop strings (the generation backends read them) ------------------------------
-def ends_with_stop(text: str, stop_strings: tuple[str, ...] = STOP_STRINGS) -> str | None:
-    """The stop string (one of stop_strings) that `text` ends with, trailing whitespace allowed; else None."""
-    stripped = text.rstrip()
-    return next((s for s in stop_strings if stripped.endswith(s)), None)
-
-
-def first_stop(text: str, stop_strings: tuple[str, ...] = STOP_STRINGS) -> tuple[int, str] | None:
-    """(end offset, stop string) of the earliest stop string in `text`, or None (to cut an overshooting segment)."""
-    hits = [(i + len(s), s) for s in stop_strings if (i := text.find(s)) >= 0]
-    return min(hits) if hits else None
-
-
-def stop_reason(stop: str) -> str:
-    """A segment's finish reason when it ends with stop string `stop`: "answer" (</answer>) or "tool" (any other)."""
-    return "answer" if stop == "</answer>" else "tool"
-
-
 # ---- Python tool -----------------------------------------------------------------------------------------------------
 def _run_python(code: str, timeout_s: float = 10.0, max_output_chars: int = 4_000, memory_mb: int = 1_024,
                 cpu_s: int | None = None, file_size_mb: int = 16, no_network: bool = True,

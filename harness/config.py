@@ -173,6 +173,8 @@ class Config:
     trajectory_deadline_s: float = expert(0.0, "wall-clock seconds one trajectory may take; past it it ends, "
                                                "truncated, like one past its token budget (0 = no deadline)",
                                           valid="[0, inf)")
+    lockstep_rollout: bool = expert(False, "every tree waits for every other at each round (the synchronous "
+                                           "rollout); false: each at its own pace, the same trees (algorithm.md §2e)")
     # optimisation
     ppo_epochs: int = arg(1, "passes over each rollout batch", valid="[1, inf)", group="optimisation")
     micro_batch_size: int = arg(4, "trajectories per forward/backward (gradient accumulation); memory only",

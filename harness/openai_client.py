@@ -1,5 +1,5 @@
 """Requests to an OpenAI-compatible server (`vllm serve`, or any /v1 API): chat replies, the served model's name, and
-a `rollout.Generator` over /v1/completions for a policy served that way.
+a `sampler.Generator` over /v1/completions for a policy served that way.
 
 Every request goes through `http_client` (one deadline for the whole request, a cap on the reply's size); a failure is
 an `EndpointError` naming the server and what went wrong, never the API key.
@@ -10,10 +10,10 @@ import json
 import os
 from concurrent.futures import ThreadPoolExecutor
 
-import rollout
+import sampler
 import tools
 from harness import http_client
-from rollout import Sampling, Segment
+from sampler import Sampling, Segment
 
 
 class EndpointError(RuntimeError):
@@ -82,7 +82,7 @@ def chat(url: str, model: str, prompt: str, params: dict | None = None, api_key:
 
 
 class CompletionsGenerator:
-    """A `rollout.Generator` whose policy is served behind an OpenAI-compatible /v1/completions endpoint (`vllm serve
+    """A `sampler.Generator` whose policy is served behind an OpenAI-compatible /v1/completions endpoint (`vllm serve
     CHECKPOINT`), as the official evaluation runs its policy: each context is sent as text (the decoded ids; the
     server tokenises it) with the call's sampling settings (top_k and repetition_penalty as vLLM's extra parameters),
     a seed per request, and the closing tool tags and </answer> as stop strings kept in the output. The segment's ids
@@ -120,8 +120,8 @@ class CompletionsGenerator:
         else:
             self.first_error = self.first_error or self.last_error
             return Segment([], "error", 0.0, "")
-        stop = tools.ends_with_stop(text)
-        reason = "length" if finish == "length" else tools.stop_reason(stop) if stop else "eos"
+        stop = sampler.ends_with_stop(text)
+        reason = "length" if finish == "length" else sampler.stop_reason(stop) if stop else "eos"
         return Segment(self.tokenizer.encode(text, add_special_tokens=False), reason, 0.0, text)
 
     def generate(self, contexts, max_new_tokens, seed, sampling: Sampling = Sampling(), on_step=None):

@@ -56,7 +56,7 @@ class ScriptedGenerator:
         return Segment(ids, reason, float(self.entropy(step)), TOK.decode(ids))
 
     def generate(self, contexts, max_new_tokens, seed, sampling=None, on_step=None):
-        from rollout import request_seed
+        from sampler import request_seed
         self.calls.append((len(contexts), seed))
         return [self.segment(c, n, request_seed(seed, i)) for i, (c, n) in enumerate(zip(contexts, max_new_tokens))]
 
@@ -189,7 +189,7 @@ def varied_reward(response_text, golds):
 
 
 class FirstCall:
-    """A generator with `start` (rollout.Decoding) over a real one whose first segment of every trajectory is a scripted
+    """A generator with `start` (sampler.Decoding) over a real one whose first segment of every trajectory is a scripted
     search call (a random or untrained model never writes one), with no generator log-probs (nan) and a segment
     entropy that depends on the request's seed (so trees branch); later segments are the real generator's."""
 

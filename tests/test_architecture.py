@@ -8,7 +8,7 @@ import re
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-MATH = {"rollout", "loss", "advantage", "reward", "tools"}
+MATH = {"rollout", "sampler", "loss", "advantage", "reward", "tools"}
 ENTRY = {"eval", "train"}
 
 

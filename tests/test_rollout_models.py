@@ -4,6 +4,7 @@ import pytest
 import torch
 
 import rollout
+import sampler
 from harness import search as search_mod
 import tools
 from harness.generation import TransformersGenerator
@@ -204,7 +205,7 @@ def test_a_single_context_samples_what_model_generate_does(tokenizer, sampling):
     context = as_ids(chat_prompt(tokenizer, "Name a planet."))
     seg = TransformersGenerator(model, tokenizer, stop_strings=("</nothing>",)).generate(
         [context], [24], seed=5, sampling=sampling)[0]
-    torch.manual_seed(rollout.request_seed(5, 0))                    # the seed of context 0 of a call with seed 5
+    torch.manual_seed(sampler.request_seed(5, 0))                    # the seed of context 0 of a call with seed 5
     sample = sampling.temperature > 0
     with torch.no_grad():
         ref = model.generate(torch.tensor([context]), attention_mask=torch.ones(1, len(context), dtype=torch.long),

@@ -217,7 +217,7 @@ def test_cpu_build_tied_head_is_refreshed_after_a_sync(tokenizer, tiny_model_dir
 
 def test_request_seeds_fit_int64(tokenizer, tiny_model_dir, one_process):
     """vLLM's GPU runner keeps per-request seeds in an int64 array: a call's seed far past 2^63 (the stand-in raises
-    OverflowError on a seed outside int64) still gives seeds that fit (rollout.request_seed), distinct per request."""
+    OverflowError on a seed outside int64) still gives seeds that fit (sampler.request_seed), distinct per request."""
     vgen = VLLMGenerator(str(tiny_model_dir), vllm_module=fake_vllm)
     ctx = as_ids(chat_prompt(tokenizer, "q?"))
     out = vgen.generate([ctx, ctx], [4, 4], seed=2**80 + 7)

@@ -1,11 +1,11 @@
 """The run's generator (`make_generator`): the transformers backend (harness/generation/transformers.py, any device) or
-vLLM's (harness/generation/vllm.py). Both implement `rollout.Generator`, `start` included: requests join and leave a
+vLLM's (harness/generation/vllm.py). Both implement `sampler.Generator`, `start` included: requests join and leave a
 running batch one by one, each sampled with its own seed.
 
 A backend returns, per context, the segment the policy generated up to the next tool stop, `</answer>`, EOS or the
 token budget, with its segment entropy H_seg (algorithm.md §1: `rollout.segment_entropy` over the top-10 log-probs of
 the first 20 positions). Both read the top-10 of the raw (temperature 1) distribution and sample only as the call's
-`rollout.Sampling` says, so a tree does not depend on the backend or on a checkpoint's generation_config.
+`sampler.Sampling` says, so a tree does not depend on the backend or on a checkpoint's generation_config.
 """
 from __future__ import annotations
 

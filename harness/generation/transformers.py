@@ -10,9 +10,10 @@ import inspect
 
 import torch
 
-import rollout
+import sampler
 import tools
-from rollout import Sampling, Segment, segment_entropy
+from rollout import segment_entropy
+from sampler import Sampling, Segment
 
 
 class TransformersGenerator:
@@ -59,13 +60,13 @@ class TransformersGenerator:
         """Nothing to shut down."""
 
     def generate(self, contexts, max_new_tokens, seed, sampling: Sampling = Sampling(), on_step=None):
-        """Each context's segment, context i sampled with the seed rollout.request_seed(seed, i): at most batch_size
+        """Each context's segment, context i sampled with the seed sampler.request_seed(seed, i): at most batch_size
         rows decode at once; as rows end, waiting contexts join the running batch (their prefill, then the merged
         cache). A single context samples what `model.generate` does after torch.manual_seed of that seed."""
-        return rollout.generate_all(Decoding(self, sampling, on_step), contexts, max_new_tokens, seed)
+        return sampler.generate_all(Decoding(self, sampling, on_step), contexts, max_new_tokens, seed)
 
     def start(self, sampling: Sampling = Sampling(), on_step=None) -> Decoding:
-        """A running batch that contexts join and leave one by one (rollout.Decoding)."""
+        """A running batch that contexts join and leave one by one (sampler.Decoding)."""
         return Decoding(self, sampling, on_step)
 
 
@@ -235,9 +236,9 @@ class _Row:
             self.reason = "eos"
             return
         self.text += gen.tokenizer.decode([token])
-        hit = tools.first_stop(self.text[-64:], gen.stop_strings)   # (end offset, stop string) or None
+        hit = sampler.first_stop(self.text[-64:], gen.stop_strings)   # (end offset, stop string) or None
         if hit is not None:
-            self.reason = tools.stop_reason(hit[1])
+            self.reason = sampler.stop_reason(hit[1])
         elif len(self.token_ids) >= self.limit:
             self.reason = "length"
         if self.reason:

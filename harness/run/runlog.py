@@ -58,8 +58,9 @@ def step_metrics(step: int, batch: StepBatch, tree_stats: dict, adv, entropy, lo
     scores = batch.scores
     local = {key: float(tree_stats[key]) for key in ("trajectories", "questions", "tool_calls", "resp_len", "seq_len",
                                                "gen_len", "truncated", "m", "branches", "branch_top_chain",
-                                               "trees_branched", "deadline_hits")}
+                                               "trees_branched", "deadline_hits", "gen_idle_s")}
     local.update({key: float(v) for key, v in tree_stats.items() if key.startswith("tools/")})
+    local["ranks"] = 1.0
     local.update({key: float(v) for key, v in losses.items()})
     local.update({"reward": float(batch.rewards.sum()), "acc": sum(s["em"] for s in scores),
                   "f1": sum(s["f1"] for s in scores), "format_ok": sum(s["format_valid"] for s in scores),
@@ -75,7 +76,7 @@ def step_metrics(step: int, batch: StepBatch, tree_stats: dict, adv, entropy, lo
     out.update({key: g[key] / n_opt for key in PER_OPTIMISER_STEP})
     out.update({"branch_top_chain": g["branch_top_chain"] / g["trees_branched"] if g["trees_branched"] else 0.0,
               "entropy": mean_h, "entropy_std": std_h, "n_valid_tokens": float(entropy[0]),
-              "deadline_hits": g["deadline_hits"],
+              "deadline_hits": g["deadline_hits"], "time/gen_idle": g["gen_idle_s"] / g["ranks"],
               "grad_norm": sum(grad_norms) / n_opt})
     out.update({key: g[key] / g["questions"] for key in sorted(g) if key.startswith("diversity/")})
     out.update({key: v for key, v in g.items() if key.startswith("tools/")})

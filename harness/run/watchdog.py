@@ -79,7 +79,7 @@ def activity(what: str):
 
 
 class WatchedGenerator:
-    """A rollout.Generator whose generate calls and decoding steps the process's watchdog is told about."""
+    """A sampler.Generator whose generate calls and decoding steps the process's watchdog is told about."""
 
     def __init__(self, inner):
         self.inner, self.vocab_size = inner, inner.vocab_size
@@ -106,7 +106,7 @@ class WatchedGenerator:
 
 
 class WatchedDecoding:
-    """A rollout.Decoding whose steps the watchdog is told about (a step that never returns is named)."""
+    """A sampler.Decoding whose steps the watchdog is told about (a step that never returns is named)."""
 
     def __init__(self, inner):
         self.inner, self.requests = inner, 0
