@@ -16,12 +16,11 @@ exp and 0 at mask-0 tokens, a safeguard neither official loss has; k3 clamped to
 low_var_kl), D20 (token entropy over the full vocabulary in float32, chunk by chunk from the hidden states), D21 (the
 entropy bonus a setting of its own), D22 (CISPO's lower bound off through eps_low = 1).
 """
+import dataclasses
+import warnings
 from dataclasses import dataclass
 
 import torch
-
-# ---------------------------------------------------------------------------------------------
-# Checks
 
 
 def check_finite(name: str, tensor: torch.Tensor, mask: torch.Tensor | None = None) -> None:
@@ -248,15 +247,15 @@ def clip_metrics(ratio, log_ratio, adv, valid, eps_low, eps_high, clip_c, kept_h
             "approx_kl": ((rd - 1.0 - log_ratio.detach().double()) * m).sum(), "ratio": (rd * m).sum()}
 
 
-SURROGATES = ("aepo", "ppo", "gppo", "cispo")
+SURROGATES = ("aepo", "gppo", "cispo")
 
 
 @dataclass(frozen=True)
 class LossSettings:
-    """The objective, chosen once at set-up (algorithm.md §4, §7): the surrogate J (aepo: `aepo_surrogate`; ppo: its
-    sg_clip=False; gppo: `gppo_surrogate`; cispo: `cispo_surrogate`), its clip bounds ε_l, ε_h and dual-clip c, the
-    KL coefficient (to a frozen reference), the entropy-bonus coefficient, and the aggregation (`aggregate`; max_len
-    for seq-mean-token-sum-norm)."""
+    """The objective, chosen once at set-up (algorithm.md §4, §7): the surrogate J (`aepo_surrogate`,
+    `gppo_surrogate`, `cispo_surrogate`), the sg_clip switch (the stop-gradient upper bound; off: PPO's clip), ε_l, ε_h
+    and dual-clip c, the KL and entropy-bonus coefficients, the aggregation (`aggregate`; max_len for
+    seq-mean-token-sum-norm). surrogate="ppo" (before sg_clip was one) is aepo, sg_clip False (warned once)."""
     surrogate: str = "aepo"
     eps_low: float = 0.2
     eps_high: float = 0.2
@@ -265,78 +264,136 @@ class LossSettings:
     entropy_coef: float = 0.0
     loss_agg: str = "token-mean"
     max_len: int | None = None
+    sg_clip: bool = True                     # last, so that the fields before it keep their positions
 
     def __post_init__(self):
+        if self.surrogate == "ppo":
+            _warn_once("LossSettings(surrogate='ppo')", "LossSettings(sg_clip=False)")
+            object.__setattr__(self, "surrogate", "aepo")
+            object.__setattr__(self, "sg_clip", False)
         if self.surrogate not in SURROGATES:
             raise ValueError(f"surrogate must be one of {', '.join(SURROGATES)}; got {self.surrogate!r}")
+        if not isinstance(self.sg_clip, bool):
+            raise TypeError(f"sg_clip is a switch, True or False; got {self.sg_clip!r}")
         if self.loss_agg not in LOSS_AGGS:
             raise ValueError(f"loss_agg must be one of {', '.join(LOSS_AGGS)}; got {self.loss_agg!r}")
 
 
+def log_ratio(logp: torch.Tensor, old_logp: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:
+    """Eq.: log r_t = clamp(log π_θ(y_t) − log π_old(y_t), −20, 20) where valid, else 0 (D19); r = exp(log r).
+    logp: (B, T) current-policy log-probs (carry the gradient); old_logp: (B, T) behaviour policy; valid: (B, T)
+    bool, True = token sampled by the policy. Returns (B, T) float32."""
+    return torch.where(valid, (logp.float() - old_logp.float()).clamp(-20.0, 20.0), 0.0)
+
+
+def k3(logp: torch.Tensor, ref_logp: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:
+    """Eq.: k3_t = clamp(e^d − d − 1, −10, 10), d = clamp(log π_ref(y_t) − log π_θ(y_t), −20, 20) where valid,
+    else 0 (so k3 = 0 there): the low-variance estimate of KL(π_θ‖π_ref), verl's low_var_kl (D19).
+    logp: (B, T) current-policy log-probs (carry the gradient); ref_logp: (B, T) the frozen reference's; valid: (B, T)
+    bool, True = token sampled by the policy. Returns (B, T) float32."""
+    d = torch.where(valid, (ref_logp.float() - logp.float()).clamp(-20.0, 20.0), 0.0)
+    return (torch.exp(d) - d - 1.0).clamp(-10.0, 10.0)
+
+
 def policy_loss(logp, old_logp, advantages, mask, n_valid, settings: LossSettings = LossSettings(), *,
-                ref_logp=None, entropy=None, n_seqs=None, weights=None):
-    """Eq. (algorithm.md §4): r = exp(logp − old_logp); loss = aggregate(−J) + kl_coef·aggregate(k3)
-    − entropy_coef·aggregate(H), J the settings' surrogate; k3 = clamp(e^d − d − 1, −10, 10), d = ref_logp − logp
-    (verl's low_var_kl); aggregate: token-mean Σ·mask / n_valid by default (`aggregate` has verl's others).
+                ref_logp=None, entropy=None, n_seqs=None, weights=None, **old_keywords):
+    """Eq. (algorithm.md §4): r = exp(`log_ratio`); loss = aggregate(−J) + kl_coef·aggregate(`k3`)
+    − entropy_coef·aggregate(H), J the settings' surrogate; aggregate: token-mean Σ·mask / n_valid (or verl's).
     logp: (B, T) current-policy log-probs (carry gradient); old_logp: (B, T) behaviour policy; advantages: (B, T) Ã,
     or (B,) one per sequence (TRL's), broadcast over T; mask: (B, T), 1 = token sampled by the policy; n_valid:
     mask-1 tokens of the whole optimiser mini-batch (all micro-batches and ranks); ref_logp: (B, T) frozen reference
     (k3 always reported, in the loss when kl_coef > 0); entropy: (B, T) current-policy H with its gradient (in the
     loss when entropy_coef != 0); n_seqs: sequences of the mini-batch (seq-mean-*); weights: (B, T) detached
-    per-token factors of J (harness/mismatch.py's correction), None = 1. The log-ratio is clamped to [−20, 20] and 0
-    at mask-0 tokens (D19).
+    per-token factors of J (harness/mismatch.py's correction), None = 1. Its keywords before LossSettings still work
+    (`_settings_of`, a DeprecationWarning once each); any other keyword is a TypeError.
     Returns (loss 0-d, metrics): `clip_metrics`' sums, and "kl_ref" (Σ k3), "pg_loss", "kl_loss", "entropy_loss"
     (this call's additive parts of the loss); sum them over micro-batches and ranks, divide by the global count."""
-    s, shape = settings, logp.shape
-    if not isinstance(s, LossSettings):
-        raise TypeError(f"settings must be a loss.LossSettings (the clip bounds, surrogate and coefficients), got "
-                        f"{type(s).__name__}")
-    if advantages.dim() == 1 and len(shape) == 2 and advantages.shape[0] == shape[0]:
-        advantages = advantages[:, None].expand(shape)                       # one advantage per sequence
-    for name, t in (("old_logp", old_logp), ("advantages", advantages), ("mask", mask), ("ref_logp", ref_logp),
-                    ("entropy", entropy), ("weights", weights)):
-        if t is not None and t.shape != shape:
-            raise ValueError(f"{name} has shape {tuple(t.shape)}, expected {tuple(shape)} like logp")
-    for name, t in (("logp", logp), ("old_logp", old_logp), ("advantages", advantages), ("mask", mask)):
-        check_finite(name, t)
-    n_valid = float(n_valid)
-    if not n_valid > 0:
-        raise ValueError(f"n_valid must be > 0 (global count of mask-1 tokens), got {n_valid}")
+    s = _settings_of(settings, old_keywords) if old_keywords else settings
+    advantages, n_valid = check_inputs(logp, old_logp, advantages, mask, n_valid, s, ref_logp, entropy, weights)
     agg = dict(n_valid=n_valid, loss_agg=s.loss_agg, n_seqs=n_seqs, max_len=s.max_len)
     valid, adv = mask.bool(), advantages.float()
-    log_ratio = torch.where(valid, (logp.float() - old_logp.float()).clamp(-20.0, 20.0), 0.0)
-    ratio = torch.exp(log_ratio)
+    log_r = log_ratio(logp, old_logp, valid)
+    ratio = torch.exp(log_r)
     if s.surrogate == "cispo":
         j = cispo_surrogate(ratio, logp.float(), adv, s.eps_low, s.eps_high)
     elif s.surrogate == "gppo":
-        j = gppo_surrogate(ratio, adv, s.eps_low, s.eps_high, s.clip_c)
+        j = gppo_surrogate(ratio, adv, s.eps_low, s.eps_high, s.clip_c, s.sg_clip)
     else:
-        j = aepo_surrogate(ratio, adv, s.eps_low, s.eps_high, s.clip_c, sg_clip=s.surrogate == "aepo")
+        j = aepo_surrogate(ratio, adv, s.eps_low, s.eps_high, s.clip_c, s.sg_clip)
     if weights is not None:
-        j = j * weights.detach()                                             # sg(.): the rollout correction
+        w_sg = weights.detach()                                              # sg(.): the rollout correction
+        j = j * w_sg
     pg_loss = aggregate(j, valid, scale=-1.0, **agg)
     zero = torch.zeros((), dtype=torch.float32, device=logp.device)
     kl_ref, kl_loss, entropy_loss = zero, zero, zero
     if ref_logp is not None:
-        check_finite("ref_logp", ref_logp)
-        d = torch.where(valid, (ref_logp.float() - logp.float()).clamp(-20.0, 20.0), 0.0)
-        k3 = (torch.exp(d) - d - 1.0).clamp(-10.0, 10.0)                     # KL(π_θ‖π_ref), k3 (low_var_kl)
-        kl_ref = torch.where(valid, k3, 0.0).sum()
-        kl_loss = aggregate(k3, valid, scale=s.kl_coef, **agg) if s.kl_coef else zero
+        kl = k3(logp, ref_logp, valid)                                       # KL(π_θ‖π_ref) per token
+        kl_ref = torch.where(valid, kl, 0.0).sum()
+        kl_loss = aggregate(kl, valid, scale=s.kl_coef, **agg) if s.kl_coef else zero
     if entropy is not None and s.entropy_coef:
-        check_finite("entropy (mask-1 tokens)", entropy, valid)
         entropy_loss = aggregate(entropy.float(), valid, scale=-s.entropy_coef, **agg)   # bonus: −c·H
-    metrics = clip_metrics(ratio, log_ratio, adv, valid, s.eps_low, s.eps_high, s.clip_c,
-                           kept_hi=s.surrogate != "ppo", kept_lo=s.surrogate in ("gppo", "cispo"),
+    metrics = clip_metrics(ratio, log_r, adv, valid, s.eps_low, s.eps_high, s.clip_c,
+                           kept_hi=s.sg_clip or s.surrogate == "cispo", kept_lo=s.surrogate in ("gppo", "cispo"),
                            dual_clip=s.surrogate != "cispo")
     metrics.update({name: value.detach().double() for name, value in
                     (("kl_ref", kl_ref), ("pg_loss", pg_loss), ("kl_loss", kl_loss), ("entropy_loss", entropy_loss))})
     return pg_loss + kl_loss + entropy_loss, metrics
 
 
-def __getattr__(name):
-    """The mismatch statistics and correction lived here before harness/mismatch.py: the old names still import."""
-    if name in ("mismatch_stats", "rollout_correction", "LOG_RATIO_EDGES"):
-        from harness import mismatch
-        return getattr(mismatch, name)
-    raise AttributeError(f"module 'loss' has no attribute {name!r}")
+def check_inputs(logp, old_logp, advantages, mask, n_valid, settings, ref_logp=None, entropy=None, weights=None):
+    """policy_loss's inputs checked, each problem a specific error: settings a LossSettings, every tensor (B, T) like
+    logp (advantages (B,), one per sequence, broadcast to it), the tensors finite (entropy at mask-1 tokens, when in
+    the loss), n_valid > 0. Returns (advantages (B, T), n_valid as a float)."""
+    shape = logp.shape
+    if not isinstance(settings, LossSettings):
+        raise TypeError(f"settings must be a loss.LossSettings (the clip bounds, surrogate and coefficients), got "
+                        f"{type(settings).__name__}")
+    if advantages.dim() == 1 and len(shape) == 2 and advantages.shape[0] == shape[0]:
+        advantages = advantages[:, None].expand(shape)                       # one advantage per sequence
+    for name, t in (("logp", logp), ("old_logp", old_logp), ("advantages", advantages), ("mask", mask),
+                    ("ref_logp", ref_logp), ("entropy", entropy), ("weights", weights)):
+        if t is not None and t.shape != shape:
+            raise ValueError(f"{name} has shape {tuple(t.shape)}, expected {tuple(shape)} like logp")
+        if t is not None and name not in ("entropy", "weights"):
+            check_finite(name, t)
+    if entropy is not None and settings.entropy_coef:
+        check_finite("entropy (mask-1 tokens)", entropy, mask)
+    n_valid = float(n_valid)
+    if not n_valid > 0:
+        raise ValueError(f"n_valid must be > 0 (global count of mask-1 tokens), got {n_valid}")
+    return advantages, n_valid
+
+
+# policy_loss's keywords before LossSettings (docs/reference.md: The copy surface) that are not LossSettings fields
+_OLD_KEYWORDS = {"entropy_coeff": "entropy_coef=...", "sg_clip_low": "surrogate='gppo'", "cispo": "surrogate='cispo'"}
+_warned: set[str] = set()
+
+
+def _warn_once(old: str, new: str) -> None:
+    """A DeprecationWarning that loss.`old` is now loss.`new`, once per name in this process."""
+    if old not in _warned:
+        _warned.add(old)
+        warnings.warn(f"loss.{old} is now loss.{new}", DeprecationWarning, stacklevel=4)
+
+
+def _settings_of(settings: LossSettings, old_keywords: dict) -> LossSettings:
+    """`settings` with the keywords policy_loss took before LossSettings: a field given directly (sg_clip=False,
+    eps_low=0.1, ...), entropy_coeff=, sg_clip_low=True (gppo), cispo=True (cispo; it wins, as it did). Each warns
+    once that it moved into LossSettings; any other keyword is a TypeError naming it and the valid ones."""
+    fields = [f.name for f in dataclasses.fields(LossSettings)]
+    unknown = [name for name in old_keywords if name not in fields and name not in _OLD_KEYWORDS]
+    if unknown:
+        raise TypeError(f"policy_loss() got unknown keyword(s) {', '.join(unknown)}; its keywords are ref_logp, "
+                        f"entropy, n_seqs, weights and settings, a LossSettings of {', '.join(fields)} (these given "
+                        f"directly, and the old {', '.join(_OLD_KEYWORDS)}, still work)")
+    for name in old_keywords:
+        new = _OLD_KEYWORDS.get(name, name + "=...")
+        _warn_once(f"policy_loss({name}=)", f"policy_loss(settings=LossSettings({new}))")
+    changes = {name: value for name, value in old_keywords.items() if name not in _OLD_KEYWORDS}
+    if "entropy_coeff" in old_keywords:
+        changes["entropy_coef"] = old_keywords["entropy_coeff"]
+    if old_keywords.get("sg_clip_low"):
+        changes["surrogate"] = "gppo"
+    if old_keywords.get("cispo"):
+        changes["surrogate"] = "cispo"
+    return dataclasses.replace(settings, **changes)

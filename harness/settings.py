@@ -17,13 +17,12 @@ from harness.cli import UserError
 
 
 def loss_settings(cfg) -> loss.LossSettings:
-    """The objective of a training Config: --surrogate (aepo with --sg_clip false is PPO's clip), the clip bounds, the
+    """The objective of a training Config: --surrogate, the --sg_clip switch (off: PPO's clip), the clip bounds, the
     KL coefficient (0 in the loss when REINFORCE++ puts the KL into the reward), the entropy bonus, the aggregation
     and, for seq-mean-token-sum-norm, the constant length --max_response_tokens."""
-    surrogate = "ppo" if cfg.surrogate == "aepo" and not cfg.sg_clip else cfg.surrogate
-    return loss.LossSettings(surrogate, cfg.eps_low, cfg.eps_high, cfg.clip_c,
-                             kl_coef=0.0 if cfg.reinforce_pp else cfg.kl_coef, entropy_coef=cfg.entropy_coef,
-                             loss_agg=cfg.loss_agg, max_len=cfg.max_response_tokens)
+    return loss.LossSettings(cfg.surrogate, sg_clip=cfg.sg_clip, eps_low=cfg.eps_low, eps_high=cfg.eps_high,
+                             clip_c=cfg.clip_c, kl_coef=0.0 if cfg.reinforce_pp else cfg.kl_coef,
+                             entropy_coef=cfg.entropy_coef, loss_agg=cfg.loss_agg, max_len=cfg.max_response_tokens)
 
 
 def correction(cfg) -> mismatch.Correction:

@@ -40,7 +40,7 @@ def rows_of(run: Path, name: str) -> list[dict]:
 class Spy:
     """Records what the loop hands to the algorithm; every wrapper calls the real function.
 
-    losses: (surrogate, advantages (b, T), mask (b, T)) per loss.policy_loss call; groups: (rewards, group ids, A) per
+    losses: (sg_clip, advantages (b, T), mask (b, T)) per loss.policy_loss call; groups: (rewards, group ids, A) per
     advantage.group_advantages call; lrs, grads: the learning rate and the whole gradient (flattened, before
     clipping) at each optimiser step; backwards: backward passes;
     recomputed: decoder-layer MLP forwards run inside a backward pass (activation checkpointing)."""
@@ -53,7 +53,7 @@ class Spy:
         real_step, real_load, real_backward = train.optimizer_step, startup.load_policy, torch.Tensor.backward
 
         def policy_loss(logp, old_logp, advantages, mask, n_valid, settings, **kw):
-            self.losses.append((settings.surrogate, advantages.detach().clone(), mask.clone()))
+            self.losses.append((settings.sg_clip, advantages.detach().clone(), mask.clone()))
             return real_loss(logp, old_logp, advantages, mask, n_valid, settings, **kw)
 
         def group_advantages(rewards, group_ids, **kw):
@@ -196,7 +196,7 @@ def test_aepo_switches_and_activation_checkpointing_in_the_loop(setup, monkeypat
     spy = Spy(monkeypatch)
     train.main(flags(setup, "checkpointed", gradient_checkpointing="true"), score=fake_score)
     assert spy.backwards == 4 and spy.recomputed == 2 * 4
-    assert len(spy.losses) == 4 and all(sg_clip for sg_clip, _, _ in spy.losses)
+    assert len(spy.losses) == 4 and all(sg_clip is True for sg_clip, _, _ in spy.losses)
     rows = [a[i][m[i] > 0] for _, a, m in spy.losses for i in range(len(a))]
     assert any(row.abs().sum() > 0 for row in rows)
     assert all(len(set(row.tolist())) > 1 for row in rows if row.abs().sum() > 0)
@@ -227,7 +227,7 @@ def test_gradient_checkpointing_gives_the_same_gradient(tokenizer, tmp_path):
 
 
 def test_ablation_switches_in_the_loop(setup, monkeypatch):
-    """--sg_clip false and --entropy_advantage false reach the update: the loss gets PPO's surrogate and advantages
+    """--sg_clip false and --entropy_advantage false reach the update: the loss gets sg_clip False and advantages
     equal to the group advantage A_j at every policy token (Ã = A); with --ppo_epochs 2 and a large learning rate the
     second pass clips, and no clipped gradient is kept (preserved = 0). Every optimiser step runs at --lr (constant).
     --dynamic_budget false (ARPO) reaches the rollout: no pre-monitor in any tree and m = k // 2 for every
@@ -240,7 +240,7 @@ def test_ablation_switches_in_the_loop(setup, monkeypatch):
     assert len(tree_records) == 2 * 2 and all(rec["m"] == 2 // 2 for rec in tree_records)
     assert {t["kind"] for rec in tree_records for t in rec["trajectories"]} <= {"global", "branch", "completion"}
     assert spy.lrs == pytest.approx([lr] * 8, rel=1e-12)
-    assert len(spy.losses) == 8 and all(surrogate == "ppo" for surrogate, _, _ in spy.losses)
+    assert len(spy.losses) == 8 and all(sg_clip is False for sg_clip, _, _ in spy.losses)
     per_step = [adv for _, _, adv in spy.groups]
     for n, (_, a, m) in enumerate(spy.losses):                   # 2 steps × 2 epochs × 2 mini-batches of 1 question
         step, mini = n // 4, n % 2

@@ -128,11 +128,16 @@ def test_chunked_frozen_weight_and_bad_shapes():
 # Policy loss
 
 
-def _grad_weight(r, a, surrogate="aepo", **kw):
-    """F from ∂loss/∂logp = -F·A/n_valid for one token with ratio r and advantage a (kw: the other LossSettings)."""
+VARIANT_KW = {"ppo": dict(sg_clip=False), "aepo": {}, "gppo": dict(surrogate="gppo"), "cispo": dict(surrogate="cispo")}
+
+
+def _grad_weight(r, a, variant="aepo", **kw):
+    """F from ∂loss/∂logp = -F·A/n_valid for one token with ratio r and advantage a (variant: a name of VARIANT_KW; kw:
+    the other LossSettings)."""
     old = torch.zeros(1, 1)
     logp = torch.full((1, 1), math.log(r), requires_grad=True)
-    loss, _ = L.policy_loss(logp, old, torch.full((1, 1), a), torch.ones(1, 1), 1, L.LossSettings(surrogate, **kw))
+    loss, _ = L.policy_loss(logp, old, torch.full((1, 1), a), torch.ones(1, 1), 1,
+                            L.LossSettings(**VARIANT_KW[variant], **kw))
     loss.backward()
     return (-logp.grad / a).item()
 
@@ -161,8 +166,7 @@ def test_loss_values_by_hand():
     mask = torch.ones(1, 4)
     # J = 1.2·1, 0.8·(-1), 3·(-1), 1·2  -> Σ J = 1.2 - 0.8 - 3 + 2 = -0.6; n_valid = 6
     for sg in (True, False):
-        loss, m = L.policy_loss(logp, torch.zeros(1, 4), adv, mask, 6,
-                                L.LossSettings(surrogate=("aepo" if sg else "ppo")))
+        loss, m = L.policy_loss(logp, torch.zeros(1, 4), adv, mask, 6, L.LossSettings(sg_clip=sg))
         assert loss.item() == pytest.approx(0.6 / 6, abs=1e-6)
     assert m["n_tokens"].item() == 4 and m["clip_hi"].item() == 1
     assert m["clip_lo"].item() == 1 and m["clip_dual"].item() == 1 and m["preserved"].item() == 0
@@ -194,7 +198,7 @@ def test_ratio_one_is_plain_policy_gradient():
     adv, mask = torch.randn(2, 6), (torch.rand(2, 6) > 0.3).float()
     for sg in (True, False):
         logp.grad = None
-        loss, _ = L.policy_loss(logp, logp.detach(), adv, mask, 10, L.LossSettings(surrogate=("aepo" if sg else "ppo")))
+        loss, _ = L.policy_loss(logp, logp.detach(), adv, mask, 10, L.LossSettings(sg_clip=sg))
         loss.backward()
         assert loss.item() == pytest.approx(-(adv * mask).sum().item() / 10, abs=1e-6)
         assert torch.allclose(logp.grad, -adv * mask / 10, atol=1e-7)
@@ -214,7 +218,7 @@ def test_sg_clip_off_equals_textbook_ppo():
     logp = (torch.randn(4, 32) * 0.6).requires_grad_()
     old, adv = torch.randn(4, 32) * 0.6, torch.randn(4, 32)
     mask = (torch.rand(4, 32) > 0.2).float()
-    loss, _ = L.policy_loss(logp, old, adv, mask, 77.0, L.LossSettings(surrogate="ppo"))
+    loss, _ = L.policy_loss(logp, old, adv, mask, 77.0, L.LossSettings(sg_clip=False))
     (g,) = torch.autograd.grad(loss, logp)
     ref = _textbook_ppo(logp, old, adv, mask, 77.0)
     (g_ref,) = torch.autograd.grad(ref, logp)
@@ -300,6 +304,88 @@ def test_bad_n_valid_and_shapes_raise():
         L.policy_loss(z, z, z, z, 1, 0.2)                               # the old positional eps_low
 
 
+def test_log_ratio_and_k3_by_hand():
+    """log r = logp − old_logp clamped to ±20 at mask-1 tokens, 0 (no gradient) elsewhere; k3 = e^d − d − 1 with
+    d = ref − logp, so ∂k3/∂logp = 1 − e^d, 0 at mask-0 tokens."""
+    logp = torch.tensor([[-1.0, -2.0, -30.0, -0.5]], requires_grad=True)
+    old, ref = torch.tensor([[-1.5, -2.0, 0.0, 9.0]]), torch.tensor([[-0.5, -3.0, -1.0, 9.0]])
+    valid = torch.tensor([[True, True, True, False]])
+    log_r = L.log_ratio(logp, old, valid)
+    assert log_r.tolist() == [[0.5, 0.0, -20.0, 0.0]] and log_r.dtype == torch.float32
+    (g,) = torch.autograd.grad(log_r.sum(), logp)
+    assert g.tolist() == [[1.0, 1.0, 0.0, 0.0]]                         # clamped and masked: no gradient
+    kl = L.k3(logp, ref, valid)
+    d = torch.tensor([0.5, -1.0])
+    assert torch.allclose(kl[0, :2], d.exp() - d - 1) and kl[0, 2] == 10.0 and kl[0, 3] == 0.0   # clamp to 10
+    (g,) = torch.autograd.grad(kl[:, :2].sum() + kl[:, 3].sum(), logp)
+    assert torch.allclose(g[0, :2], 1 - d.exp()) and g[0, 3] == 0.0
+
+
+def test_sg_clip_is_a_boolean_setting_of_both_sg_surrogates():
+    """sg_clip off: AEPO is PPO's clip and GPPO's upper bound is PPO's (no gradient past 1+ε_h); a non-boolean
+    sg_clip (a YAML string) is refused, not read as true."""
+    assert _grad_weight(1.5, 1.0, "aepo", sg_clip=False) == 0.0
+    assert _grad_weight(1.5, 1.0, "gppo", sg_clip=False) == 0.0
+    assert _grad_weight(0.5, -1.0, "gppo", sg_clip=False) == pytest.approx(0.8, abs=1e-6)   # the lower bound stays
+    assert _grad_weight(1.5, 1.0, "cispo", sg_clip=False) == pytest.approx(1.2, abs=1e-6)   # CISPO has no sg bound
+    with pytest.raises(TypeError, match="sg_clip is a switch"):
+        L.LossSettings(sg_clip="false")
+    with pytest.raises(ValueError, match="surrogate must be one of aepo, gppo, cispo"):
+        L.LossSettings("grpo")
+    with pytest.raises(TypeError, match="sg_clipp"):
+        L.LossSettings(sg_clipp=False)
+
+
+def _deprecations(call) -> list[str]:
+    import warnings
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        out = call()
+    return out, [str(w.message) for w in caught if issubclass(w.category, DeprecationWarning)]
+
+
+def test_surrogate_ppo_is_aepo_without_sg_clip_warned_once():
+    L._warned.discard("LossSettings(surrogate='ppo')")                  # once per process: start this test afresh
+    settings, said = _deprecations(lambda: L.LossSettings("ppo", eps_high=0.28))
+    assert settings == L.LossSettings(sg_clip=False, eps_high=0.28)
+    assert said == ["loss.LossSettings(surrogate='ppo') is now loss.LossSettings(sg_clip=False)"]
+    assert _deprecations(lambda: L.LossSettings("ppo"))[1] == []       # the second time says nothing
+
+
+@pytest.mark.parametrize("old, settings", [
+    (dict(sg_clip=False), L.LossSettings(sg_clip=False)),
+    (dict(eps_low=0.1, eps_high=0.28, clip_c=2.0), L.LossSettings(eps_low=0.1, eps_high=0.28, clip_c=2.0)),
+    (dict(sg_clip_low=True), L.LossSettings("gppo")),
+    (dict(cispo=True, sg_clip_low=True), L.LossSettings("cispo")),                # cispo won, as it did
+    (dict(kl_coef=0.1, entropy_coeff=0.01, loss_agg="seq-mean-token-sum-norm", max_len=8),
+     L.LossSettings(kl_coef=0.1, entropy_coef=0.01, loss_agg="seq-mean-token-sum-norm", max_len=8)),
+])
+def test_old_policy_loss_keywords_set_the_settings_warned_once(old, settings):
+    """policy_loss's keywords before LossSettings give the loss and gradient of the settings they name, each with one
+    DeprecationWarning naming LossSettings; a second call warns no more."""
+    torch.manual_seed(11)
+    logp0, old_logp, adv = torch.randn(2, 6) * 0.4, torch.randn(2, 6) * 0.4, torch.randn(2, 6)
+    mask, ref, entropy = (torch.rand(2, 6) > 0.3).float(), torch.randn(2, 6) * 0.4, torch.rand(2, 6)
+    for name in old:
+        L._warned.discard(f"policy_loss({name}=)")                     # once per process: start this test afresh
+
+    def loss_and_gradient(**kw):
+        logp = logp0.clone().requires_grad_()
+        value, _ = L.policy_loss(logp, old_logp, adv, mask, mask.sum(), ref_logp=ref, entropy=entropy, n_seqs=2, **kw)
+        return value, *torch.autograd.grad(value, logp)
+    want = loss_and_gradient(settings=settings)
+    got, said = _deprecations(lambda: loss_and_gradient(**old))
+    assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
+    assert len(said) == len(old) and all("is now loss.policy_loss(settings=LossSettings(" in m for m in said)
+    assert _deprecations(lambda: loss_and_gradient(**old))[1] == []
+
+
+def test_an_unknown_policy_loss_keyword_is_a_type_error_listing_the_valid_ones():
+    z = torch.zeros(1, 2)
+    with pytest.raises(TypeError, match=r"unknown keyword\(s\) sg_clipp; its keywords are ref_logp, .*sg_clip"):
+        L.policy_loss(z, z, z, torch.ones(1, 2), 2, sg_clipp=False)
+
+
 def test_one_advantage_per_sequence_is_broadcast_over_its_tokens():
     """TRL passes (B,) advantages: the loss, metrics and gradient equal those of the (B, T) broadcast."""
     torch.manual_seed(3)
@@ -363,7 +449,7 @@ def test_pg_loss_metric_excludes_the_kl_term():
 # ---------------------------------------------------------------------------------------------
 # Baselines (algorithm.md §7): GPPO, CISPO, the entropy bonus, verl's loss aggregations
 
-VARIANTS = {name: L.LossSettings(name) for name in ("ppo", "aepo", "gppo", "cispo")}
+VARIANTS = {name: L.LossSettings(**kw) for name, kw in VARIANT_KW.items()}
 
 
 @pytest.mark.parametrize("r,a,f_ppo,f_aepo,f_gppo,f_cispo", [

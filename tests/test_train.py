@@ -469,8 +469,9 @@ def test_every_paper_setting_reaches_where_it_acts(setup, monkeypatch):
     assert seen["alpha"] and set(seen["alpha"]) == {0.37}
     objective = seen["loss"]
     assert (objective.eps_low, objective.eps_high, objective.clip_c, objective.surrogate) == (0.15, 0.27, 2.5, "aepo")
+    assert objective.sg_clip is True
     clip, group = seen["optimizer"]
     assert (clip, group["lr"], group["weight_decay"]) == (0.7, 3e-4, 0.02)
     off = spied_run(setup, monkeypatch, "paper_switches", **switches)
     assert not off["tree"].dynamic_budget and not off["tree"].entropy_branching
-    assert off["alpha"] == [] and off["loss"].surrogate == "ppo"     # no Ã reweighting; no stop-gradient clip
+    assert off["alpha"] == [] and off["loss"].sg_clip is False       # no Ã reweighting; no stop-gradient clip
