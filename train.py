@@ -33,10 +33,9 @@ import eval as evaluation
 import loss
 import reward
 import rollout
-from harness import cli, config, dataset, generation, mismatch, settings, trees
+from harness import cli, config, generation, mismatch, settings, trees
 from harness.run import checkpoint, parallel, probe, rundir, runlog
-from harness.run.policy import (full_named_parameters, located, micro_batches, no_grad_sync, optimizer_step,
-                                pad_share, split_micro_batches, tensorize, unwrap)  # noqa: F401 -- train's API
+from harness.run.policy import located, micro_batches, no_grad_sync, optimizer_step, pad_share, tensorize, unwrap
 from harness.run.startup import Run, set_up
 
 # ---------------------------------------------------------------------------------------------------------------------
@@ -47,17 +46,12 @@ def rl_step(run: Run, step: int, progress=None) -> tuple[dict, runlog.StepBatch]
     """Step `step` (0-based): rollout -> reward -> advantages -> old-policy pass -> update -> weights to the
     generator. Returns the step's metrics (means over all ranks) and what this rank rolled out (for the logs)."""
     cfg, clock = run.cfg, runlog.Clock()
-    rows = dataset.step_questions(run.train_rows, step, cfg.questions_per_step, cfg.seed)[
-        run.rank * run.questions_here:(run.rank + 1) * run.questions_here]
-    if cfg.dynamic_sampling:                     # DAPO: as many again, to keep the groups whose rewards differ
-        rows += dataset.spare_questions(run.train_rows, step, run.questions_here, cfg.seed * run.world + run.rank)
-
-    # ---- rollout (algorithm.md §2): k trajectories per question, tree-structured
+    # ---- rollout (algorithm.md §2): k trajectories per question of this rank's share, tree-structured
+    rows = run.step_questions(step)
     with clock("rollout"), torch.no_grad(), run.amp():
         trajectories, tree_stats = rollout.tree_rollout(
             [run.tools.format.build_prompt(run.tokenizer, r["question"]) for r in rows], run.generator, run.tools,
-            run.tokenizer, run.tree_settings, sampling=run.sampling,
-            seed=(cfg.seed * 100_003 + step) * run.world + run.rank, progress=progress)
+            run.tokenizer, run.tree_settings, sampling=run.sampling, seed=run.rollout_seed(step), progress=progress)
         run.generator.sleep()                    # its memory to the update, where it has any to give (vLLM, GPU)
     rollout_seconds = parallel.gather(clock.seconds["rollout"])   # the slowest rank holds the others here
 
@@ -71,11 +65,10 @@ def rl_step(run: Run, step: int, progress=None) -> tuple[dict, runlog.StepBatch]
     with clock("old_logp"):
         # ---- outcome advantage A per token (§3a; GiGPO's step advantage, §7), mini-batches of whole questions
         adv = outcome_advantages(trajectories, rewards, cfg, run.tokenizer.pad_token_id)
-        packed = cfg.packed and unwrap(run.policy).packs()       # the padding-free forward (token budgets: real tokens)
         batches = micro_batches(trajectories, adv, rewards, cfg.questions_per_step // cfg.mini_batch_size, cfg,
-                                run.tokenizer.pad_token_id, run.device, packed)
+                                run.tokenizer.pad_token_id, run.device, run.packed)
         # ---- old-policy log-probs and token entropies (one no-grad pass), entropy-aware advantage Ã (§3b)
-        entropy_sums, mismatch_sums = old_policy_pass(run.policy, run.ref, batches, cfg, run.amp)
+        entropy_sums, mismatch_sums = old_policy_pass(run.policy, run.ref, batches, cfg, run.amp, run.correction)
 
     # ---- policy update (algorithm.md §4): ppo_epochs × mini-batches, each one optimiser step
     with clock("update"):
@@ -84,7 +77,8 @@ def rl_step(run: Run, step: int, progress=None) -> tuple[dict, runlog.StepBatch]
         for epoch in range(cfg.ppo_epochs):
             for j, mbs in enumerate(batches):
                 losses.update(accumulate_gradients(run.policy, mbs, cfg, run.world, run.amp,
-                                                   f"step {step + 1}, epoch {epoch}, mini-batch {j}"))
+                                                   f"step {step + 1}, epoch {epoch}, mini-batch {j}", run.objective,
+                                                   run.correction))
                 grad_norms.append(optimizer_step(run.policy, run.optimizer, cfg.grad_clip))
         unwrap(run.policy).lm.eval()
 
@@ -94,8 +88,8 @@ def rl_step(run: Run, step: int, progress=None) -> tuple[dict, runlog.StepBatch]
 
     batch = runlog.StepBatch(rows, trajectories, scores, rewards, tree_stats["m_per_question"])
     metrics = runlog.step_metrics(step + 1, batch, tree_stats, adv, entropy_sums, losses, grad_norms)
-    metrics.update(mismatch.mismatch_metrics(mismatch_sums, settings.correction(cfg)), lr=cfg.lr,
-                   pad_share=pad_share(batches, packed))
+    metrics.update(mismatch.mismatch_metrics(mismatch_sums, run.correction), lr=cfg.lr,
+                   pad_share=pad_share(batches, run.packed))
     metrics.update(clock.metrics(rollout_seconds, metrics["n_valid_tokens"] * cfg.ppo_epochs))
     return metrics, batch
 
@@ -219,22 +213,23 @@ def outcome_advantages(trajectories, rewards: torch.Tensor, cfg, pad_id: int) ->
 
 
 @torch.no_grad()
-def old_policy_pass(policy, ref, batches: list[list], cfg, amp) -> tuple[torch.Tensor, mismatch.MismatchSums]:
+def old_policy_pass(policy, ref, batches: list[list], cfg, amp,
+                    correction: mismatch.Correction | None = None) -> tuple[torch.Tensor, mismatch.MismatchSums]:
     """Fill every micro-batch with old_logp and entropy (π_old at the rollout temperature), ref_logp (with a
     reference), and adv_tok = Ã (§3b) z-scored with entropy statistics over all ranks; with --reinforce_pp the
     advantage is first the batch-normalised per-token return (§7). Returns, summed over all ranks, the old policy's
-    entropy statistics [count, ΣH, ΣH²] and the generator–trainer mismatch (harness/mismatch.py)."""
+    entropy statistics [count, ΣH, ΣH²] and the generator–trainer mismatch (harness/mismatch.py) under `correction`
+    (the run's, Run.correction; None: cfg's, for a call outside a run)."""
     unwrap(policy).eval()
     flat = [mb for mbs in batches for mb in mbs]
     stats, sums = torch.zeros(3, dtype=torch.float64), mismatch.MismatchSums.zeros()
-    correction = settings.correction(cfg)
+    correction = settings.correction(cfg) if correction is None else correction
     with amp():
         for i, mb in enumerate(flat):
             with located(f"the old-policy pass, micro-batch {i} of {len(flat)}"):
-                mb.old_logp, mb.entropy = policy(mb.input_ids, mb.attention_mask, mb.mask, cfg.temperature,
-                                                 packed=cfg.packed)
+                mb.old_logp, mb.entropy = policy(mb.input_ids, mb.attention_mask, mb.mask, cfg.temperature)
             if ref is not None:
-                mb.ref_logp, _ = ref(mb.input_ids, mb.attention_mask, mb.mask, cfg.temperature, packed=cfg.packed)
+                mb.ref_logp, _ = ref(mb.input_ids, mb.attention_mask, mb.mask, cfg.temperature)
             stats += advantage.entropy_stats(mb.entropy, mb.mask).cpu()
             if mb.gen_logp is not None:
                 sums += mismatch.mismatch_stats(mb.old_logp, mb.gen_logp, mb.mask, correction, mb.misfit)
@@ -257,11 +252,15 @@ def old_policy_pass(policy, ref, batches: list[list], cfg, amp) -> tuple[torch.T
     return stats, sums
 
 
-def accumulate_gradients(policy, mbs: list, cfg, world: int, amp, where: str) -> dict:
+def accumulate_gradients(policy, mbs: list, cfg, world: int, amp, where: str,
+                         objective: loss.LossSettings | None = None,
+                         correction: mismatch.Correction | None = None) -> dict:
     """The forward and backward of loss.policy_loss over the micro-batches of one optimiser mini-batch, accumulating
     gradients (DDP syncs them on the last), normalised by the mini-batch's token and sequence counts over all ranks
-    (N_valid, N_seq; × world undoes the ranks' gradient average). Returns the loss metrics summed."""
-    objective, correction = settings.loss_settings(cfg), settings.correction(cfg)
+    (N_valid, N_seq; × world undoes the ranks' gradient average). objective, correction: the run's, built once at
+    set-up (Run.objective, Run.correction; None: cfg's, for a call outside a run). Returns the loss metrics summed."""
+    objective = settings.loss_settings(cfg) if objective is None else objective
+    correction = settings.correction(cfg) if correction is None else correction
     counts = torch.tensor([sum(float(mb.mask.sum()) for mb in mbs), sum(len(mb.mask) for mb in mbs)],
                           dtype=torch.float64)
     n_valid, n_seqs = parallel.all_reduce_sum(counts).tolist()
@@ -269,7 +268,7 @@ def accumulate_gradients(policy, mbs: list, cfg, world: int, amp, where: str) ->
     for i, mb in enumerate(mbs):
         with no_grad_sync(policy, last=i == len(mbs) - 1), located(f"{where}, micro-batch {i}"):
             with amp():
-                logp, entropy = policy(mb.input_ids, mb.attention_mask, mb.mask, cfg.temperature, packed=cfg.packed)
+                logp, entropy = policy(mb.input_ids, mb.attention_mask, mb.mask, cfg.temperature)
             value, metrics = loss.policy_loss(logp, mb.old_logp, mb.adv_tok, mb.mask, n_valid, objective,
                                               ref_logp=mb.ref_logp, entropy=entropy, n_seqs=n_seqs,
                                               weights=correction.weights(mb.old_logp, mb.gen_logp, mb.mask))
@@ -303,6 +302,23 @@ def main(argv=None, *, score=reward.score_response, make_generator=generation.ma
             rundir.unlock(state.lock)
     parallel.close()
     return out
+
+
+_RENAMED = {"split_micro_batches": "harness.run.policy.split_micro_batches",
+            "full_named_parameters": "harness.run.policy.full_named_parameters"}
+_warned: set[str] = set()
+
+
+def __getattr__(name: str):
+    """Names that moved (docs/reference.md: The copy surface): they still work, with one DeprecationWarning each."""
+    if name not in _RENAMED:
+        raise AttributeError(f"module 'train' has no attribute {name!r}")
+    if name not in _warned:
+        _warned.add(name)
+        import warnings
+        warnings.warn(f"train.{name} is now {_RENAMED[name]}", DeprecationWarning, stacklevel=2)
+    from harness.run import policy
+    return getattr(policy, name)
 
 
 if __name__ == "__main__":

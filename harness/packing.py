@@ -7,7 +7,8 @@ transformers as ATTENTION, which runs causal attention per trajectory: projectio
 and attention costs Σ L_i² instead of B · L². A call without boundaries (generation with its KV cache and left padding,
 the padded path) goes to transformers' own sdpa_attention_forward with sdpa's mask, so a model switched to ATTENTION
 (`use_packed_attention`) computes everything else as before. `unpack` takes the scored positions back out of the row.
-Policy.forward (harness/run/policy.py) chooses the path; `supported` says for which models the packed one is exact.
+A Policy (harness/run/policy.py) decides once, when it is built, whether its forward packs (`supported` says for which
+models the packed path is exact), and then switches its model to ATTENTION, once.
 """
 from __future__ import annotations
 
@@ -28,7 +29,8 @@ def supported(config) -> bool:
 
 def use_packed_attention(decoder) -> None:
     """Register `attention` with transformers as ATTENTION, its masks sdpa's (an all-ones mask, a packed row's, is
-    none), and route the decoder's attention through it: transformers' sdpa for every call without boundaries."""
+    none), and route the decoder's attention through it: transformers' sdpa for every call without boundaries. Called
+    once per model, when a Policy that packs is built."""
     from transformers import AttentionInterface
     from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
     AttentionInterface.register(ATTENTION, attention)

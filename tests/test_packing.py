@@ -1,7 +1,8 @@
-"""harness/packing.py and Policy.forward(..., packed=True): the padding-free forward gives the padded forward's
-log-probs, entropies and gradients (float32 to rounding, bfloat16 as close to float32 as the padded one) on tiny random
-Llama, Qwen2 and Qwen3 models and the embedded SmolLM2-135M; the decoder sees the real tokens only; models it does not
-support run padded; generation on the same model object is unchanged; and a train.py step is the same either way."""
+"""harness/packing.py and Policy(lm, packed=True): the padding-free forward gives the padded forward's log-probs,
+entropies and gradients (float32 to rounding, bfloat16 as close to float32 as the padded one) on tiny random Llama,
+Qwen2 and Qwen3 models and the embedded SmolLM2-135M; the decoder sees the real tokens only; models it does not support
+run padded; the decision and the attention's registration happen once, when the Policy is built; generation on the
+same model object is unchanged; and a train.py step is the same either way."""
 import json
 from pathlib import Path
 
@@ -10,7 +11,7 @@ import torch
 
 import train
 from harness import packing
-from harness.run.policy import Policy, enable_gradient_checkpointing, tensorize
+from harness.run.policy import Policy, enable_gradient_checkpointing, pad_share, tensorize
 from rollout import Sampling
 from tests.conftest import as_ids, chat_prompt, flags, make_tiny_model, with_adapters
 from tests.fakes import SearchFirst, fake_score
@@ -46,7 +47,7 @@ def forward_backward(lm, mb, adv, packed: bool, bf16: bool = False):
     """logp, entropy (B, L-1) and every parameter's gradient of Σ logp·mask·adv + 0.1·Σ H·mask."""
     lm.zero_grad()
     with torch.autocast("cpu", dtype=torch.bfloat16, enabled=bf16):
-        logp, entropy = Policy(lm)(mb.input_ids, mb.attention_mask, mb.mask, 0.7, packed=packed)
+        logp, entropy = Policy(lm, packed)(mb.input_ids, mb.attention_mask, mb.mask, 0.7)
     ((logp * mb.mask * adv).sum() + 0.1 * (entropy * mb.mask).sum()).backward()
     return logp.detach(), entropy.detach(), {n: p.grad.clone() for n, p in lm.named_parameters() if p.grad is not None}
 
@@ -92,7 +93,7 @@ def test_packed_equals_padded_float32(arch, variant):
         lm = with_adapters(lm, b_scale=0.05)
     mb, adv = micro_batch(VOCAB)
     padded, packed = forward_backward(lm, mb, adv, packed=False), forward_backward(lm, mb, adv, packed=True)
-    assert Policy(lm).packs() and lm.config._attn_implementation == packing.ATTENTION
+    assert Policy(lm, packed=True).packed and lm.config._attn_implementation == packing.ATTENTION
     for want, got in zip(padded[:2], packed[:2]):
         assert torch.allclose(got, want, rtol=1e-5, atol=1e-5)
         assert bool((got[mb.mask == 0] == 0).all())                   # unscored positions stay 0
@@ -134,7 +135,7 @@ def decoder_inputs(lm, mb, packed: bool) -> list[tuple]:
     hook = lm.get_decoder().register_forward_pre_hook(
         lambda module, args, kwargs: seen.append(tuple(kwargs["input_ids"].shape)), with_kwargs=True)
     with torch.no_grad():
-        Policy(lm)(mb.input_ids, mb.attention_mask, mb.mask, packed=packed)
+        Policy(lm, packed)(mb.input_ids, mb.attention_mask, mb.mask)
     hook.remove()
     return seen
 
@@ -146,8 +147,25 @@ def test_the_packed_decoder_computes_the_real_tokens_only():
     assert n_real < mb.attention_mask.numel()                          # the padded rows do hold padding
     assert decoder_inputs(lm, mb, packed=True) == [(1, n_real)]
     assert decoder_inputs(lm, mb, packed=False) == [tuple(mb.input_ids.shape)]
-    assert train.pad_share([[mb]], packed=True) == 0.0
-    assert train.pad_share([[mb]]) == pytest.approx(1 - n_real / mb.attention_mask.numel())
+    assert pad_share([[mb]], packed=True) == 0.0
+    assert pad_share([[mb]]) == pytest.approx(1 - n_real / mb.attention_mask.numel())
+
+
+def test_packing_is_decided_and_registered_once_when_the_policy_is_built(monkeypatch):
+    """Policy(lm, packed=True) decides whether it packs (packing.supported) and switches the model to the packed
+    attention once, when built: its forwards register nothing again; packed=False leaves the model as it was."""
+    registered = []
+    real = packing.use_packed_attention
+    monkeypatch.setattr(packing, "use_packed_attention", lambda decoder: (registered.append(decoder), real(decoder)))
+    mb, _ = micro_batch(VOCAB)
+    plain, packed = tiny("llama"), tiny("llama")
+    assert not Policy(plain).packed and plain.config._attn_implementation == "sdpa" and registered == []
+    policy = Policy(packed, packed=True)
+    assert policy.packed and registered == [packed.get_decoder()]
+    with torch.no_grad():
+        for _ in range(3):
+            policy(mb.input_ids, mb.attention_mask, mb.mask)
+    assert len(registered) == 1 and packed.config._attn_implementation == packing.ATTENTION
 
 
 @pytest.mark.parametrize("model", ["sliding window", "eager attention"])
@@ -155,7 +173,7 @@ def test_unsupported_models_run_padded(model):
     lm = tiny("qwen2", use_sliding_window=True, sliding_window=8, max_window_layers=1) if model == "sliding window" \
         else tiny("llama", attn_implementation="eager")
     mb, adv = micro_batch(VOCAB)
-    assert not Policy(lm).packs()
+    assert not Policy(lm, packed=True).packed and lm.config._attn_implementation != packing.ATTENTION
     assert decoder_inputs(lm, mb, packed=True) == [tuple(mb.input_ids.shape)]
     padded, packed = forward_backward(lm, mb, adv, packed=False), forward_backward(lm, mb, adv, packed=True)
     assert torch.equal(padded[0], packed[0])
@@ -173,7 +191,7 @@ def test_generation_is_unchanged_after_a_packed_forward(tokenizer):
     never, switched = make_tiny_model(tokenizer), make_tiny_model(tokenizer)
     mb, _ = micro_batch(len(tokenizer))
     with torch.no_grad():
-        Policy(switched)(mb.input_ids, mb.attention_mask, mb.mask, packed=True)
+        Policy(switched, packed=True)(mb.input_ids, mb.attention_mask, mb.mask)
     assert switched.config._attn_implementation == packing.ATTENTION and never.config._attn_implementation == "sdpa"
     want, got = (TransformersGenerator(lm, tokenizer, batch_size=2).generate(contexts, [12, 12, 12], seed=0,
                                                                              sampling=Sampling(temperature=0.0))

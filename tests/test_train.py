@@ -201,8 +201,8 @@ def _grad_worker(rank, world, port, parallel, tok_dir, out):
         mine = slice(rank * per, (rank + 1) * per)                # whole questions per rank
         seen = []                                                 # gradient bytes before each micro-batch
         policy.register_forward_pre_hook(lambda module, args: seen.append(gradient_bytes(policy)))
-        natural = len(train.split_micro_batches(list(range(per)), [len(t.prompt_ids) + len(t.response_ids)
-                                                                   for t in trajectories[mine]], 3, budget))
+        natural = len(policy_mod.split_micro_batches(list(range(per)), [len(t.prompt_ids) + len(t.response_ids)
+                                                                        for t in trajectories[mine]], 3, budget))
         grads, metrics = gradients(policy, trajectories[mine], rewards[mine], cfg, world)
         seen.append(gradient_bytes(policy))
         shard_bytes = sum(local(p).numel() * local(p).element_size() for p in policy.parameters())
@@ -381,13 +381,13 @@ def test_split_micro_batches_by_token_budget():
     """Fixed size: micro_batch_size trajectories in order. Token budget: sorted by length, rows × the longest row
     within the budget; one trajectory over the budget is a micro-batch of its own; nothing is lost or repeated."""
     indices, lengths = list(range(6)), [50, 400, 60, 120, 55, 900]
-    assert train.split_micro_batches(indices, lengths, 4, 0) == [[0, 1, 2, 3], [4, 5]]
-    groups = train.split_micro_batches(indices, lengths, 4, 500)
+    assert policy_mod.split_micro_batches(indices, lengths, 4, 0) == [[0, 1, 2, 3], [4, 5]]
+    groups = policy_mod.split_micro_batches(indices, lengths, 4, 500)
     assert groups == [[0, 4, 2, 3], [1], [5]]                        # 4 × 120 = 480; then 400; then 900 alone
     assert sorted(i for g in groups for i in g) == indices
     assert all(len(g) * max(lengths[i] for i in g) <= 500 or len(g) == 1 for g in groups)
-    assert train.split_micro_batches(indices, lengths, 4, 700) == groups          # 5 × 400 = 2,000 padded: no
-    packed = train.split_micro_batches(indices, lengths, 4, 700, packed=True)   # the padding-free forward: real tokens
+    assert policy_mod.split_micro_batches(indices, lengths, 4, 700) == groups          # 5 × 400 = 2,000 padded: no
+    packed = policy_mod.split_micro_batches(indices, lengths, 4, 700, packed=True)   # padding-free: real tokens
     assert packed == [[0, 4, 2, 3, 1], [5]]                          # 50 + 55 + 60 + 120 + 400 = 685 ≤ 700
     # another rank packed 5: the largest micro-batch is halved until there are 5, nothing lost or repeated
     five = policy_mod.even_out(groups, 5)
@@ -395,6 +395,29 @@ def test_split_micro_batches_by_token_budget():
     assert policy_mod.even_out(groups, 3) == groups
     with pytest.raises(ValueError, match="6 trajectories cannot fill the 7 micro-batches"):
         policy_mod.even_out(groups, 7)
+
+
+def test_each_rank_takes_its_share_of_the_step_and_its_own_rollout_seed():
+    """Run.step_questions: the ranks' shares of a step are disjoint and make up the step's questions (the whole
+    sequence over steps as one process takes it); with --dynamic_sampling (DAPO) each rank rolls out as many again.
+    Run.rollout_seed differs for every step and rank."""
+    import dataclasses as dc
+    from harness import dataset
+    from harness.run.startup import Run
+    rows = [{"question": f"q{i}"} for i in range(12)]
+
+    def run(rank, world, **over):
+        cfg = config.Config(questions_per_step=4, seed=5, **over)
+        return Run(**{**{f.name: None for f in dc.fields(Run)}, "cfg": cfg, "rank": rank, "world": world,
+                      "train_rows": rows})
+    for step in range(4):
+        whole = dataset.step_questions(rows, step, 4, 5)
+        assert run(0, 1).step_questions(step) == whole
+        assert run(0, 2).step_questions(step) + run(1, 2).step_questions(step) == whole
+        dapo = run(1, 2, dynamic_sampling=True).step_questions(step)
+        assert len(dapo) == 4 and dapo[:2] == whole[2:]
+    seeds = {run(rank, 2).rollout_seed(step) for rank in range(2) for step in range(50)}
+    assert len(seeds) == 100
 
 
 def test_token_budget_micro_batches_give_the_same_gradient(tokenizer, single_process_gradient):
@@ -411,7 +434,7 @@ def test_token_budget_micro_batches_give_the_same_gradient(tokenizer, single_pro
     budget = train.micro_batches(trajectories, train.outcome_advantages(trajectories, rewards, cfg, 0), rewards, 1,
                                  cfg, 0, "cpu")
     assert len(budget[0]) > 1 and all(mb.input_ids.numel() <= 40 or len(mb.input_ids) == 1 for mb in budget[0])
-    assert train.pad_share(budget) < train.pad_share(fixed)
+    assert policy_mod.pad_share(budget) < policy_mod.pad_share(fixed)
 
 
 # ---------------------------------------------------------------------------------------------------------------------

@@ -38,23 +38,21 @@ class Policy(torch.nn.Module):
     """Wraps a causal LM. forward(input_ids (B, L), attention_mask (B, L), mask (B, L-1)) -> (logp, entropy),
     both (B, L-1) float32: log π(input_ids[:, t+1] | input_ids[:, :t+1]) and the token entropy H_t (algorithm.md §1) at
     positions where mask is 1, 0 elsewhere. Only masked positions go through the LM head (loss.logprobs_and_entropy,
-    chunked), so prompts and tool results cost no (T, V) logits. packed: the decoder runs on the rows' real tokens in
-    one row, each trajectory attending to itself only (harness/packing.py; where `packs`, else padded rows), the same
-    values up to rounding with no padding computed."""
+    chunked), so prompts and tool results cost no (T, V) logits. packed (asked for, and decided here once: where
+    packing.supported, its attention registered with transformers now): every forward runs the decoder on the rows'
+    real tokens in one row, each trajectory attending to itself only (harness/packing.py), the same values up to
+    rounding with no padding computed; else on the padded rows. `self.packed` says which."""
 
-    def __init__(self, lm):
+    def __init__(self, lm, packed: bool = False):
         super().__init__()
         self.lm = lm
+        self.packed = packed and packing.supported(lm.get_decoder().config)
+        if self.packed:
+            packing.use_packed_attention(lm.get_decoder())
 
-    def packs(self) -> bool:
-        """Whether forward(..., packed=True) runs the padding-free path on this LM (packing.supported)."""
-        return packing.supported(self.lm.get_decoder().config)
-
-    def forward(self, input_ids, attention_mask, mask, temperature: float = 1.0, chunk_size: int = 1024,
-                packed: bool = False):
+    def forward(self, input_ids, attention_mask, mask, temperature: float = 1.0, chunk_size: int = 1024):
         decoder, sel = self.lm.get_decoder(), mask.bool()
-        if packed and self.packs():
-            packing.use_packed_attention(decoder)
+        if self.packed:
             ids, position_ids, cu_seqlens, lengths = packing.pack(input_ids, attention_mask)
             hidden = decoder(input_ids=ids, position_ids=position_ids, attention_mask=torch.ones_like(ids),
                              **packing.boundaries(cu_seqlens, lengths)).last_hidden_state
@@ -115,20 +113,22 @@ def shard(policy: Policy, bf16: bool) -> Policy:
 
 
 def load_policy(path: str, world: int, device, parallel: str = "ddp", bf16: bool = False, rank: int = 0,
-                gradient_checkpointing: bool = False, lora: LoraSettings | None = None, seed: int = 0):
+                gradient_checkpointing: bool = False, lora: LoraSettings | None = None, seed: int = 0,
+                packed: bool = False):
     """The Policy around the model at `path`, float32 parameters, placed for `world` processes: no process group ->
     plain; ddp -> DistributedDataParallel (each rank loads the whole model; plain with one process); fsdp with a
     process group (also of one process: `torchrun --nproc_per_node=1`) -> FSDP2-sharded, built on the meta device and
     filled from rank 0's copy (read in the checkpoint's dtype), so only rank 0 ever reads the weights file. A
     collective under FSDP2: every rank calls it. gradient_checkpointing: recompute activations in backward. lora:
     adapters on the model (harness/lora.py; A drawn with `seed`) in float32, the model's own weights frozen, and in
-    bfloat16 with bf16 (nothing updates them: they need no float32 master copy)."""
+    bfloat16 with bf16 (nothing updates them: they need no float32 master copy). packed: the padding-free forward
+    where the model supports it (Policy; decided here, once)."""
     base_dtype = torch.bfloat16 if lora and bf16 else torch.float32
     if parallel == "ddp" or not torch.distributed.is_initialized():
         lm = load_lm(path, device, base_dtype)
         if gradient_checkpointing:
             enable_gradient_checkpointing(lm)
-        policy = Policy(add_adapters(lm, lora, seed) if lora else lm).eval()     # peft adds its dropout in train mode
+        policy = Policy(add_adapters(lm, lora, seed) if lora else lm, packed).eval()   # peft: dropout in train mode
         if world == 1:
             return policy
         return torch.nn.parallel.DistributedDataParallel(policy, device_ids=[device.index] if device.type == "cuda"
@@ -151,7 +151,7 @@ def load_policy(path: str, world: int, device, parallel: str = "ddp", bf16: bool
         with params_on_meta():
             lm = add_adapters(lm, lora, seed)
     buffers = {name: b.clone() for name, b in lm.named_buffers()}
-    policy = shard(Policy(lm), bf16)
+    policy = shard(Policy(lm, packed), bf16)
     policy.to_empty(device=device)               # this rank's shards; buffers need their values again
     with torch.no_grad():
         for name, b in policy.lm.named_buffers():
@@ -257,7 +257,7 @@ def even_out(groups: list[list[int]], count: int) -> list[list[int]]:
 
 def pad_share(batches: list[list], packed: bool = False) -> float:
     """The share of the positions the forward and backward passes compute that are padding, over all ranks: rows ×
-    the longest row per micro-batch, or with packed (the padding-free forward ran: Policy.packs) the real ones only."""
+    the longest row per micro-batch, or with packed (the padding-free forward ran: Policy.packed) the real ones only."""
     sums = torch.tensor([[mb.attention_mask.sum().item() if packed else mb.attention_mask.numel(),
                           mb.attention_mask.sum().item()] for mbs in batches for mb in mbs], dtype=torch.float64).sum(0)
     total, real = parallel.all_reduce_sum(sums).tolist()

@@ -15,9 +15,10 @@ from typing import Callable
 
 import torch
 
+import loss
 import rollout
 import tools
-from harness import cli, config, dataset, models, plugins, search as search_mod, settings
+from harness import cli, config, dataset, mismatch, models, plugins, search as search_mod, settings
 from harness.run import checkpoint, coldstart, parallel, rundir, watchdog
 from harness.lora import AdaptersOff, check_targets
 from harness.run.policy import generator_weights, load_policy, trainable_parameters, unwrap
@@ -46,6 +47,8 @@ class Run:
     generator: rollout.Generator             # the backend's, the watchdog told about each call
     tree_settings: rollout.TreeSettings      # the rollout's settings (algorithm.md §2)
     sampling: rollout.Sampling               # the rollout's sampling (temperature, top-p)
+    objective: loss.LossSettings             # the update's objective (algorithm.md §4, §7)
+    correction: mismatch.Correction          # the generator–trainer correction (algorithm.md §4b)
     score: Callable[[str, list], dict]       # reward.score_response (with --strict_format), or a test's stand-in
     log: Callable[[str], None]               # a line on rank 0
 
@@ -57,6 +60,25 @@ class Run:
     def questions_here(self) -> int:
         """Questions per step on this rank."""
         return self.cfg.questions_per_step // self.world
+
+    @property
+    def packed(self) -> bool:
+        """Whether the policy's forward is the padding-free one (decided when it was loaded: Policy.packed)."""
+        return unwrap(self.policy).packed
+
+    def step_questions(self, step: int) -> list[dict]:
+        """This rank's questions of step `step` (0-based): its share of the step's questions, and with
+        --dynamic_sampling (DAPO) as many again, of which the step keeps the groups whose rewards differ."""
+        cfg, n = self.cfg, self.questions_here
+        rows = dataset.step_questions(self.train_rows, step, cfg.questions_per_step, cfg.seed)[
+            self.rank * n:(self.rank + 1) * n]
+        if cfg.dynamic_sampling:
+            rows += dataset.spare_questions(self.train_rows, step, n, cfg.seed * self.world + self.rank)
+        return rows
+
+    def rollout_seed(self, step: int) -> int:
+        """The seed of this rank's rollout at step `step`: a different one for every run seed, step and rank."""
+        return (self.cfg.seed * 100_003 + step) * self.world + self.rank
 
     def generator_weights(self):
         """The policy's weights as the generator takes them after a step (policy.generator_weights): all, or with
@@ -100,7 +122,7 @@ def set_up(cfg: config.Config, rank: int, world: int, device: torch.device, stat
     tool_runner = state.tools = settings.make_tools(search, cfg.python_limits, cfg.tools, cfg.mcp_server,
                                                     cfg.tool_format, tokenizer, cfg.model, cfg.observations_as_data)
     fmt = tool_runner.format                     # the tool-call format: prompts, stop strings, the format check
-    if fmt.format_tags != tools.TOOLS:           # not the paper's search and python in tags: say what the policy has
+    if fmt.format_tags != tools.TAGS.format_tags:    # not the paper's search and python in tags: say what it has
         log(f"tools ({fmt.name} format): " + ", ".join(t.name for t in tool_runner.tools))
     scorer = run_score(cfg, score, fmt)
     train_rows = dataset.load_questions(cfg.train_data, tokenizer, cfg.max_prompt_tokens, "train_data", cfg.skip_bad,
@@ -128,7 +150,8 @@ def set_up(cfg: config.Config, rank: int, world: int, device: torch.device, stat
     if cfg.kl_coef > 0 and lora:                 # the base model RL starts from: the policy with its adapters off
         ref = AdaptersOff(policy)
     elif cfg.kl_coef > 0:                        # frozen reference: the policy RL starts from (also on --resume)
-        ref = unwrap(load_policy(ref_path, world, device, cfg.parallel, cfg.bf16, rank)).requires_grad_(False)
+        ref = unwrap(load_policy(ref_path, world, device, cfg.parallel, cfg.bf16, rank, packed=cfg.packed))
+        ref.requires_grad_(False)
     optimizer = torch.optim.AdamW(trainable_parameters(policy), lr=cfg.lr, weight_decay=cfg.weight_decay,
                                   fused=device.type in ("cpu", "cuda"))   # one kernel: 3x the default loop on a CPU
     generator = watchdog.WatchedGenerator(make_generator(cfg, init_path, policy, tokenizer, rank, device,
@@ -151,13 +174,13 @@ def set_up(cfg: config.Config, rank: int, world: int, device: torch.device, stat
     return Run(cfg, rank, world, device, run_dir, info, tokenizer, search, watchdog.WatchedTools(tool_runner),
                train_rows, eval_rows, steps, start_step, policy, ref, optimizer, generator,
                settings.tree_settings(cfg), rollout.Sampling(cfg.temperature, cfg.top_p),
-               scorer, log)
+               settings.loss_settings(cfg), settings.correction(cfg), scorer, log)
 
 
 def run_score(cfg, score, fmt):
     """score(text, golds) -> reward.score_response's dict for this run: --strict_format, the format's tool tags, and
     --reward's function in place of the deep-research reward."""
-    tags = {} if fmt.format_tags == tools.TOOLS else {"tool_names": fmt.format_tags}
+    tags = {} if fmt.format_tags == tools.TAGS.format_tags else {"tool_names": fmt.format_tags}
     scored = functools.partial(score, strict_format=cfg.strict_format, **tags)
     return plugins.reward_function(cfg.reward, scored) if cfg.reward else scored
 
@@ -181,18 +204,17 @@ def _policy(cfg, base_path: str, demos: list[dict], tokenizer, ckpts: list[Path]
             start_path = recorded_base(ckpts[-1], start_path)
     init_path = str(ckpts[-1]) if cfg.resume and not lora else (base_path if need_cold_start else start_path)
     load = functools.partial(load_policy, world=world, device=device, parallel=cfg.parallel, bf16=cfg.bf16, rank=rank,
-                             gradient_checkpointing=cfg.gradient_checkpointing, seed=cfg.seed)
-    policy = load(init_path, lora=None if need_cold_start else lora)
-    if need_cold_start:
+                             gradient_checkpointing=cfg.gradient_checkpointing, seed=cfg.seed, packed=cfg.packed)
+    policy = load(init_path, lora=None if need_cold_start else lora, packed=cfg.packed and not need_cold_start)
+    if need_cold_start:                          # (its forward padded, as --packed leaves the cold start)
         amp = (lambda: torch.autocast(device.type, dtype=torch.bfloat16)) if cfg.bf16 else contextlib.nullcontext
         steps = settings.cold_start_settings(cfg).steps
         log(f"cold start: {len(demos)} demonstrations, {steps} steps (cached in {cs_dir})")
         coldstart.cold_start(policy, demos, tokenizer, cfg, rank, world, device, amp, log, fmt)
         checkpoint.export_model(policy, tokenizer, cs_dir, rank)
         init_path = str(cs_dir)
-        if lora:                                 # the adapters go on the cold-started model
-            del policy
-            policy = load(init_path, lora=lora)
+        del policy                               # RL's: the cold-started model as a cached run loads it (float32, so
+        policy = load(init_path, lora=lora)      # the same weights), with LoRA's adapters, packed where it packs
     return policy, init_path, start_path
 
 
