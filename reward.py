@@ -145,13 +145,13 @@ def _tool_scan(tags: list[str], name: str) -> str | None:
     return None
 
 
-def check_format(response_text: str, strict: bool = False, tool_names: tuple[str, ...] = TOOLS) -> tuple[bool, str]:
+def check_format(response_text: str, strict: bool = False, tool_names=TOOLS) -> tuple[bool, str]:
     """algorithm.md §5 format check → (valid, reason). As the official `validate_format` (and its `\\boxed` reading):
     invalid when the <think> and </think> counts differ or are 0, there is not exactly one <answer>…</answer>, the scan
     of a tool's tags fails (`_tool_scan`), or the answer holds no \\boxed{} that reads (`_answer_boxed`).
     strict=True: the <think> blocks must instead be balanced and unnested, in order (and may be absent: this project's
     rule before it followed the official one). Text inside <result> blocks is opaque (D24). tool_names: the tool tags
-    scanned (the run's tools; ("tool_call",) in the hermes format, D45)."""
+    scanned (the run's tools, or its format's `format_tags`: in the hermes format, tool_call; D45)."""
     events, _ = _events(response_text, _tag_pattern(tuple(tool_names)))
     tags = [e[0] for e in events]
     if strict:
@@ -180,20 +180,25 @@ def check_format(response_text: str, strict: bool = False, tool_names: tuple[str
     return True, "ok"
 
 
-def score_response(response_text: str, golds, strict_format: bool = False, tool_names: tuple[str, ...] = TOOLS) -> dict:
+def score_response(response_text: str, golds, strict_format: bool = False, tool_names=TOOLS) -> dict:
     """Everything training and evaluation need about one response: format (`check_format`, strict_format: its strict
-    rule, tool_names: the tags it scans), prediction, EM, F1, the tools called (a closing tag right before a <result>
-    block), reward. The bonus follows the official `compute_score`: both "</search>" and "</python>" in the policy's
-    text (D24), called or not; in the hermes format (tool_names ("tool_call",)), a `<tool_call>` of each."""
-    tool_names = tuple(tool_names)
-    valid, reason = check_format(response_text, strict_format, tool_names)
-    events, policy_text = _events(response_text, _tag_pattern(tool_names))
+    rule), prediction, EM, F1, the tools called, reward. tool_names: the tags of the calls, each a tool's name, or the
+    run's format's `format_tags`, {tag: None, or the pattern right after the opening tag whose group 1 names the
+    tool} (the hermes format's calls name their tool in their JSON, D45). A tool is called where a closing tag comes
+    right before a <result> block, or where a call names it. The bonus follows the official `compute_score`: both
+    "</search>" and "</python>" in the policy's text (D24), called or not, where they are tags of the run's; else
+    calls that name both."""
+    calls = dict(tool_names) if isinstance(tool_names, dict) else dict.fromkeys(tool_names)
+    valid, reason = check_format(response_text, strict_format, tuple(calls))
+    events, policy_text = _events(response_text, _tag_pattern(tuple(calls)))
     tags = [e[0] for e in events]
-    used = {name for j, tag in enumerate(tags[:-1]) for name in tool_names
-            if tag == f"</{name}>" and tags[j + 1] == "result"}
-    written = {name for name in TOOLS if f"</{name}>" in policy_text}
-    if tool_names == ("tool_call",):             # hermes: the tools are named inside the calls
-        used = written = set(re.findall(r'<tool_call>\s*\{\s*"name"\s*:\s*"([\w.-]+)"', policy_text))
+    used = {name for j, tag in enumerate(tags[:-1]) for name in calls
+            if calls[name] is None and tag == f"</{name}>" and tags[j + 1] == "result"}
+    written = {name for name in TOOLS if name in calls and calls[name] is None and f"</{name}>" in policy_text}
+    for tag, pattern in calls.items():           # calls that name their tool inside (the format's pattern)
+        if pattern is not None:
+            named = set(re.findall(re.escape(f"<{tag}>") + pattern, policy_text))
+            used, written = used | named, written | named
     prediction = _answer_boxed(response_text, events) if valid else extract_boxed(policy_text)
     f1 = f1_score(prediction, golds)
     both = f1 > 0 and written >= set(TOOLS)

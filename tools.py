@@ -213,7 +213,7 @@ class TagFormat:
         self.tools, self.system_prompt = list(tools), system_prompt    # your own tools: harness/plugins.py's prompt
         self.as_data = as_data                   # D46: observations are data (else the authors' tokenisation)
         self.stop_strings = tuple(f"</{t.name}>" for t in self.tools) + ("</answer>",)
-        self.format_tags = tuple(t.name for t in self.tools)   # the tags the reward's format check scans
+        self.format_tags = dict.fromkeys(t.name for t in self.tools)   # the reward's tags, each its tool's name
 
     def parse(self, segment_text: str) -> ToolCall | ToolError:
         return parse_tags(segment_text, self.tools)

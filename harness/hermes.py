@@ -39,7 +39,7 @@ class HermesFormat:
     name = "hermes"
     stop_strings = ("</tool_call>", "</answer>")
     as_data = True                               # results are data (D46): tools.as_data, special tokens split
-    format_tags = ("tool_call",)                 # the tags the reward's format check scans
+    format_tags = {"tool_call": r'\s*\{\s*"name"\s*:\s*"([\w.-]+)"'}   # the reward's tag; a call's JSON names its tool
 
     def __init__(self, tokenizer, tool_list: list[tools.Tool], model: str = "the model"):
         self.tools = list(tool_list)
