@@ -401,3 +401,20 @@ def _collect(tool: Tool, job, n: int, sent: float) -> list[tuple[str, str]]:
                  f"Error: {tool.name} failed to start: {e}", "error")] * n
     except Exception as e:  # noqa: BLE001 -- any failure of a tool is an observation naming its type, never a crash
         return [(f"Error: {tool.name} failed: {type(e).__name__}: {e}", "error")] * n
+
+
+# ---- Names that moved -----------------------------------------------------------------------------------------------
+_RENAMED = {"parse_tool_call": "TAGS.parse"}
+_warned: set[str] = set()
+
+
+def __getattr__(name: str):
+    """Names that moved (docs/reference.md: The copy surface): they still work, with one DeprecationWarning each."""
+    if name not in _RENAMED:
+        raise AttributeError(f"module 'tools' has no attribute {name!r}")
+    if name not in _warned:
+        _warned.add(name)
+        import warnings
+        warnings.warn(f"tools.{name} is now tools.{_RENAMED[name]}", DeprecationWarning, stacklevel=2)
+    owner, _, attribute = _RENAMED[name].rpartition(".")
+    return getattr(globals()[owner], attribute) if owner else globals()[attribute]
