@@ -65,7 +65,7 @@ def embedded_model_dir(cache: Path) -> Path:
     model.tie_weights()
     tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
     tmp = out.with_name(f"{out.name}.tmp{os.getpid()}")
-    model.save_pretrained(tmp)
+    save_here(model, tmp)
     tokenizer.save_pretrained(tmp)
     out.parent.mkdir(parents=True, exist_ok=True)
     try:
@@ -73,6 +73,17 @@ def embedded_model_dir(cache: Path) -> Path:
     except OSError:                              # another process finished first
         shutil.rmtree(tmp, ignore_errors=True)
     return out
+
+
+def save_here(model, out, **kw) -> None:
+    """model.save_pretrained(out, **kw) written by this process whatever its rank: transformers 5 writes only on global
+    rank 0 once a process group exists (PreTrainedModel.should_save_on_this_rank), but each node writes its own cache
+    (parallel.node_first), so there the first process of node 1 has rank 1."""
+    model.should_save_on_this_rank = lambda is_main_process: is_main_process
+    try:
+        model.save_pretrained(out, **kw)
+    finally:
+        del model.should_save_on_this_rank
 
 
 def resolve_model(cfg) -> str:

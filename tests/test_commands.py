@@ -16,6 +16,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 
 import train
 from tests.conftest import VLLM_ON_CPU, flags         # VLLM_ON_CPU: run by the real-vLLM stage (tests/vllm_stage.sh)
@@ -43,10 +44,11 @@ OWN_TOOLS_ON_CPU = ["python train.py --tools '[search, docs/examples/calculator.
                     "python train.py --reward docs/examples/calculator.py:exact_reward"]
 NOT_ON_CPU = ["torchrun --nproc_per_node=8 train.py --config configs/aepo_qwen3_14b.yaml --parallel fsdp --backend vllm "
               "--bf16 true", "torchrun --nproc_per_node=8 train.py --config configs/aepo_qwen3_14b.yaml --parallel fsdp",
-              "torchrun --nnodes=2",                     # 8 GPUs / several nodes
               "python eval.py --protocol official --model PATH --data ../shared/data/benchmarks/gaia.jsonl "
               "--summarizer_url URL",                    # real endpoints: the offline form is OFFICIAL_OFFLINE's test
               "python eval.py --protocol official --model runs/<name>/checkpoints/step_000016"]
+MULTI_NODE = ["torchrun --nnodes=2 --node_rank=$NODE_RANK --nproc_per_node=$NPROC --rdzv_backend=c10d "
+              "--rdzv_endpoint=$MASTER_ADDR:$MASTER_PORT train.py --out_dir $SHARED/runs"]
 HELP = ["python train.py --help", "python eval.py --help"]
 OFFICIAL_OFFLINE = ["python -m tests.standins --port 8100 &"]   # with the README's eval.py line after it
 TREES = ["python -m harness.trees runs/<name>", "python -m harness.trees runs/<name> --step 3 --out t.png",
@@ -69,11 +71,13 @@ def documented_commands() -> list[str]:
 
 
 def test_every_documented_command_is_covered():
-    covered = TRAIN_ON_CPU + LORA_ON_CPU + OWN_TOOLS_ON_CPU + EVAL_ON_CPU + MISSING_DATA + HELP + TREES + VLLM_ON_CPU + OFFICIAL_OFFLINE
+    covered = TRAIN_ON_CPU + LORA_ON_CPU + OWN_TOOLS_ON_CPU + EVAL_ON_CPU + MISSING_DATA + HELP + TREES + VLLM_ON_CPU + \
+        OFFICIAL_OFFLINE + MULTI_NODE
     for command in documented_commands():
         if command.startswith("python bench/"):
             continue                                          # test_benchmark_scripts_answer_help
-        assert command in covered or any(command.startswith(c) for c in NOT_ON_CPU), f"not tested: {command}"
+        assert command in covered or any(command.startswith(c) for c in NOT_ON_CPU) or \
+            any(c.startswith(command) for c in MULTI_NODE), f"not tested: {command}"      # its line continues
 
 
 @pytest.fixture(scope="module")
@@ -174,6 +178,59 @@ def test_the_trial_on_two_processes_runs_exactly_as_written(tmp_path):
     assert row["trajectories"] == 4 * 4                       # 2 questions per process x k=4
     assert json.loads((made / "eval" / "after_summary.json").read_text())["questions"] == 2
     assert (made / "checkpoints" / "step_000001" / "model.safetensors").exists()
+
+
+@pytest.mark.slow
+def test_two_nodes_on_one_host_resume_as_one_two_process_run(tmp_path):
+    """The README's multi-node line as written, run on one host as two nodes (each its own torchrun, NPROC=1, a c10d
+    rendezvous on 127.0.0.1, a cache each, one shared output folder) with the trial's flags: one step, one checkpoint
+    written once; then `--resume true --steps 2` on the same two nodes. The weights after step 2 equal those of one
+    `torchrun --nproc_per_node=2` run of 2 steps with the same flags."""
+    import socket
+    from safetensors.torch import load_file
+    line = next(line[4:].split("  #")[0].rstrip() for line in (ROOT / "README.md").read_text().splitlines()
+                if line.startswith("    torchrun --nnodes=2"))
+    line = line.rstrip("\\").strip() + " " + next(line[4:].split("  #")[0].strip() for line in
+                                                 (ROOT / "README.md").read_text().splitlines()
+                                                 if line.startswith("        --rdzv_endpoint="))
+    assert line == MULTI_NODE[0], line
+    repo, shared = link_copy(tmp_path), tmp_path / "nodes_shared"      # (tmp_path/shared links to ../shared)
+    trial = ["--steps", "1", "--eval_limit", "2", "--eval_n", "1"]
+
+    def two_nodes(extra):
+        with socket.socket() as s:                        # a free port for the rendezvous
+            s.bind(("127.0.0.1", 0))
+            port = s.getsockname()[1]
+        procs = []
+        for node in (1, 0):
+            env = {**os.environ, "NODE_RANK": str(node), "NPROC": "1", "MASTER_ADDR": "127.0.0.1",
+                   "MASTER_PORT": str(port), "SHARED": str(shared), "AEPO_CACHE": str(tmp_path / f"cache{node}"),
+                   "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false",
+                   "PATH": f"{Path(sys.executable).parent}:{os.environ['PATH']}"}
+            procs.append(subprocess.Popen(["bash", "-c", line + " " + shlex.join(extra)], cwd=repo, env=env,
+                                          stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True))
+        outs = [p.communicate(timeout=1800)[0] for p in procs]
+        said = [line for out in outs for line in out.splitlines() if "error" in line.lower()]
+        assert all(p.returncode == 0 for p in procs) and "Traceback" not in "".join(outs), said[-10:]
+        return outs
+
+    two_nodes(trial)
+    run_dir = next((shared / "runs").iterdir())
+    assert sorted(p.name for p in (shared / "runs").iterdir()) == [run_dir.name]           # one run folder
+    assert sorted(p.name for p in (run_dir / "checkpoints").iterdir()) == ["step_000001"]   # written once
+    two_nodes(["--resume", "true", "--steps", "2", "--eval_limit", "2", "--eval_n", "1"])
+    rows = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in rows] == [1, 2] and rows[0]["trajectories"] == 4 * 4      # 2 questions a rank, k = 4
+    (tmp_path / "one").mkdir()
+    one = link_copy(tmp_path / "one")
+    proc = run("torchrun --nproc_per_node=2 train.py", one, ["--steps", "2", "--eval_limit", "2", "--eval_n", "1"],
+               timeout=1800)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    single = next((one / "runs").iterdir())
+    a = load_file(run_dir / "checkpoints" / "step_000002" / "model.safetensors")
+    b = load_file(single / "checkpoints" / "step_000002" / "model.safetensors")
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a), \
+        max(float((a[k].float() - b[k].float()).abs().max()) for k in a)
 
 
 @pytest.fixture(scope="module")

@@ -139,6 +139,25 @@ USES = {
         observation = trajectories[0].observations[1]
         assert observation.startswith("42") and tools.UNSANDBOXED in observation, observation
         print("python observation:", observation.replace(chr(10), " / "))
+        class Streaming(Generator):                       # requests join and leave: trees at their own pace
+            def start(self, sampling=None, on_step=None):
+                return Decoding(self)
+
+        class Decoding:                                   # every request ends at the next step
+            def __init__(self, generator):
+                self.generator, self.queue = generator, []
+            def add(self, context, max_new_tokens, seed):
+                self.queue.append((context, max_new_tokens))
+                return len(self.queue) - 1 + getattr(self, "done", 0)
+            def step(self):
+                queue, self.queue, first = self.queue, [], getattr(self, "done", 0)
+                self.done = first + len(queue)
+                segments = self.generator.generate([c for c, _ in queue], [n for _, n in queue], 0)
+                return [(first + i, s) for i, s in enumerate(segments)]
+
+        streamed, _ = rollout.tree_rollout([[1, 2, 3], [4, 5]], Streaming(), runner, Tokenizer(), k=4,
+                                           max_response_tokens=400, seed=0)
+        assert [t.response_ids for t in streamed] == [t.response_ids for t in trajectories]
         broken = tools.Tools(Broken())                    # a failing backend is an observation, not a crashed round
         trajectories, _ = rollout.tree_rollout([[1, 2, 3]], Generator(), broken, Tokenizer(), k=2,
                                                max_response_tokens=400, seed=0)

@@ -515,7 +515,7 @@ def test_the_correction_without_generator_logprobs_is_one_error_line(setup, caps
     from harness import generation, models
 
     class NoLogprobs(generation.TransformersGenerator):
-        start = None                             # the rollout then calls generate (rollout.WholeCalls)
+        start = None                             # the rollout then calls generate (sampler.WholeCalls)
 
         def generate(self, *args, **kwargs):
             return [dataclasses.replace(seg, logprobs=None) for seg in super().generate(*args, **kwargs)]

@@ -14,6 +14,7 @@ from hypothesis import given, settings, strategies as st
 
 from harness import search
 import rollout
+import sampler
 import tools
 from tools import ToolCall, ToolError, format_result, run_python
 from tests._http_server import API_KEY, FakeServer
@@ -59,11 +60,11 @@ def test_parse_length_caps_are_parameters():
 
 
 def test_stop_helpers_and_format_result():
-    assert tools.ends_with_stop("a <python>x</python>  \n") == "</python>"
-    assert tools.ends_with_stop("<answer>1</answer>") == "</answer>"
-    assert tools.ends_with_stop("<search>x</search> more") is None
-    assert tools.first_stop("a </search> b </answer>") == (len("a </search>"), "</search>")
-    assert tools.first_stop("nothing") is None
+    assert sampler.ends_with_stop("a <python>x</python>  \n") == "</python>"
+    assert sampler.ends_with_stop("<answer>1</answer>") == "</answer>"
+    assert sampler.ends_with_stop("<search>x</search> more") is None
+    assert sampler.first_stop("a </search> b </answer>") == (len("a </search>"), "</search>")
+    assert sampler.first_stop("nothing") is None
     assert format_result("Page 1: x") == "\n<result>\nPage 1: x\n</result>\n"
     for tag in ("<think>", "<search>", "<python>", "<result>", "<answer>", "\\boxed{"):
         assert tag in tools.SYSTEM_PROMPT
@@ -81,7 +82,7 @@ def test_parse_fuzz_never_raises_and_is_deterministic(text):
     assert out == tools.TAGS.parse(text)
     if isinstance(out, ToolCall):
         assert out.tool in tools.TOOLS and out.argument.strip() and "\ufffd" not in out.argument
-        assert tools.ends_with_stop(text) == f"</{out.tool}>"
+        assert sampler.ends_with_stop(text) == f"</{out.tool}>"
     else:
         assert out.message
 

@@ -32,7 +32,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from harness import lora
+from harness import lora, models
 from harness.run import parallel
 from harness.run import policy as policy_mod
 from harness.cli import RunFailure, UserError, stop_requested
@@ -105,7 +105,7 @@ def _write_export(policy, tokenizer, out: Path, rank: int, dtype) -> None:
             lora.write_adapter(out / "adapter", adapter, lm.peft_config[lora.ADAPTER])
         lm = lm.get_base_model()
     if rank == 0:
-        lm.save_pretrained(out, state_dict=state)
+        models.save_here(lm, out, state_dict=state)
         config = copy.deepcopy(lm.config)        # save_pretrained writes the float32 master model's dtype
         config.dtype = dtype
         config.save_pretrained(out)              # so `dtype="auto"` loaders (vLLM, --resume) read the export's
@@ -113,8 +113,9 @@ def _write_export(policy, tokenizer, out: Path, rank: int, dtype) -> None:
 
 
 def export_model(policy, tokenizer, out: Path, rank: int, dtype=torch.float32) -> None:
-    """The policy's weights in save_pretrained format at `out`, atomically (the cold-start cache). Several processes
-    may save the same cache at once: the first complete one wins and is never deleted."""
+    """The policy's weights in save_pretrained format at `out`, atomically (the cold-start cache), written by the
+    processes whose `rank` is 0 (each node's first process, given its local rank). Several processes may save the same
+    cache at once: the first complete one wins and is never deleted."""
     tmp = out.with_name(f"{out.name}.tmp{os.getpid()}")
     if rank == 0:
         shutil.rmtree(tmp, ignore_errors=True)

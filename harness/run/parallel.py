@@ -116,6 +116,32 @@ def broadcast(obj):
     return box[0]
 
 
+def local_rank() -> int:
+    """This process's place on its machine (torchrun's LOCAL_RANK; 0 without torchrun)."""
+    return int(os.environ.get("LOCAL_RANK", "0"))
+
+
+def node_first(fn):
+    """fn() on each machine's first process (LOCAL_RANK 0), then on the machine's others, which find what it cached:
+    every rank gets its own machine's result, so nodes need not share a cache (--cache_dir, $AEPO_CACHE). An error
+    anywhere is raised on every rank, none left waiting in a collective."""
+    if not dist.is_initialized():
+        return fn()
+    result = None
+    for first in (True, False):
+        outcome = None
+        if (local_rank() == 0) == first:
+            try:
+                outcome = ("ok", fn())
+            except Exception as err:                # re-raised on every rank below
+                outcome = ("error", err)
+        failed = [o[1] for o in gather(outcome) if o is not None and o[0] == "error"]
+        if failed:
+            raise failed[0]
+        result = outcome[1] if outcome is not None else result
+    return result
+
+
 def on_rank0(fn):
     """fn() run on rank 0 only, its result (or its exception) broadcast to every rank, so an error on rank 0 stops
     all ranks at once instead of leaving them waiting in a collective."""

@@ -114,7 +114,7 @@ def set_up(cfg: config.Config, rank: int, world: int, device: torch.device, stat
     search_kw = {"cache": cfg.cache_dir, **cfg.search_kw} if cfg.search == "bm25" and cfg.cache_dir else cfg.search_kw
     search = search_mod.make_search(cfg.search, **search_kw)
     search_mod.check_reachable(search)
-    base_path = parallel.on_rank0(lambda: models.resolve_model(cfg))   # rank 0 converts the embedded model once
+    base_path = parallel.node_first(lambda: models.resolve_model(cfg))   # each node converts the embedded model once
     tokenizer = models.load_tokenizer(base_path)
     if cfg.lora_rank:                            # the targets checked on the model's skeleton, before any work
         check_targets(models.skeleton(base_path), cfg.lora_target_modules)
@@ -192,7 +192,8 @@ def _policy(cfg, base_path: str, demos: list[dict], tokenizer, ckpts: list[Path]
     With LoRA the model is always the one RL starts from, with adapters (a resume's come from its checkpoint)."""
     cs_dir = config.cache_dir(cfg.cache_dir) / "cold_start" / coldstart.cold_start_key(base_path, demos, cfg, world) \
         if demos else None
-    need_cold_start = bool(demos) and not (cs_dir / "config.json").exists() and not cfg.resume
+    missing = bool(demos) and not (cs_dir / "config.json").exists() and not cfg.resume   # in this node's cache
+    need_cold_start = bool(parallel.all_reduce_max(torch.tensor([int(missing)])).item())   # any node's: all ranks
     start_path = str(cs_dir) if demos else base_path                  # where RL starts (the reference)
     lora = settings.lora_settings(cfg)
     if cfg.resume:                          # a checkpoint damaged by hand or a full disk: one line, not a traceback
@@ -211,7 +212,7 @@ def _policy(cfg, base_path: str, demos: list[dict], tokenizer, ckpts: list[Path]
         steps = settings.cold_start_settings(cfg).steps
         log(f"cold start: {len(demos)} demonstrations, {steps} steps (cached in {cs_dir})")
         coldstart.cold_start(policy, demos, tokenizer, cfg, rank, world, device, amp, log, fmt)
-        checkpoint.export_model(policy, tokenizer, cs_dir, rank)
+        checkpoint.export_model(policy, tokenizer, cs_dir, parallel.local_rank())   # into every node's cache
         init_path = str(cs_dir)
         del policy                               # RL's: the cold-started model as a cached run loads it (float32, so
         policy = load(init_path, lora=lora)      # the same weights), with LoRA's adapters, packed where it packs
