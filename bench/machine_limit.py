@@ -10,7 +10,7 @@
    time/update and time/sync, means over the steps after the first.
 3. Achieved FLOP/s of the old-policy pass and the update: each step's micro-batches rebuilt from trees.jsonl (prompt
    + response lengths, harness.run.policy.split_micro_batches as the trainer calls it); a forward = 2 x the decoder's
-   matmul weights x computed positions (padding included; with --packed, the default, the real tokens only) + 4 x
+   matmul weights x computed positions (padding included; packed, the default, the real tokens only) + 4 x
    layers x heads x head_dim x sum(rows x width^2) (attention scores and values, the whole square; packed: the sum of
    each trajectory's length^2) + 2 x hidden x vocabulary x loss tokens (the LM head runs on loss
    tokens only, in float32); the old-policy pass is one forward, the update three per ppo epoch. The share of the
@@ -136,7 +136,7 @@ def profile_update(lengths: list[int], limit: float) -> None:
     from harness import config, models
     from harness.run.policy import Policy, tensorize
     lm = AutoModelForCausalLM.from_pretrained(models.embedded_model_dir(config.cache_dir()), dtype=torch.float32)
-    policy = Policy(lm).train()
+    policy = Policy(lm, packed=True).train()
     optimizer = torch.optim.AdamW(policy.parameters(), lr=1e-6, fused=True)
     g = torch.Generator().manual_seed(0)
     prompt = 235                                        # the embedded default's prompt length
@@ -146,7 +146,7 @@ def profile_update(lengths: list[int], limit: float) -> None:
 
     def once():
         with torch.autocast("cpu", dtype=torch.bfloat16):
-            logp, _ = policy(mb.input_ids, mb.attention_mask, mb.mask, packed=True)
+            logp, _ = policy(mb.input_ids, mb.attention_mask, mb.mask)
         (-(logp * mb.mask).sum() / mb.mask.sum()).backward()
         optimizer.step()
         optimizer.zero_grad()

@@ -5,9 +5,9 @@ synthetic batch shaped like the official 14B setting.
     python bench/padding.py runs/<name>            # a run's trees.jsonl (every step's trajectories, all ranks)
     python bench/padding.py                        # the synthetic batch only
 
-Both use train.split_micro_batches exactly as the trainer does, per mini-batch of whole questions. The pad share is
-1 − real positions / computed positions (rows × the longest row, summed over micro-batches), what `pad_share` logs
-with --packed false (the default packed forward computes the real positions only: 0).
+Both use harness.run.policy.split_micro_batches exactly as the trainer does, per mini-batch of whole questions. The
+pad share is 1 − real positions / computed positions (rows × the longest row, summed over micro-batches), what
+`pad_share` logs with --set packed=false (the default packed forward computes the real positions only: 0).
 The synthetic batch (an assumption, not a measurement): one rank's share of the official 14B step (64 questions on 8
 ranks, mini-batches of 8 questions: one question of k = 12 per rank per mini-batch), prompts uniform on [400, 2000]
 tokens, responses log-normal with a median of 1,500 tokens (σ = 0.9), cut at the 6,192-token budget; fixed micro-batches
@@ -30,11 +30,11 @@ def pad_share(groups: list[list[int]], lengths: dict[int, int]) -> float:
 
 def shares(minibatches: list[list[int]], lengths: dict[int, int], size: int, budget: int) -> tuple[float, float]:
     """The pad share with fixed micro-batches of `size` and with the token budget, over all the mini-batches."""
-    import train
+    from harness.run.policy import split_micro_batches
     fixed, by_tokens = [], []
     for chunk in minibatches:
-        fixed += train.split_micro_batches(chunk, [lengths[i] for i in chunk], size, 0)
-        by_tokens += train.split_micro_batches(chunk, [lengths[i] for i in chunk], size, budget)
+        fixed += split_micro_batches(chunk, [lengths[i] for i in chunk], size, 0)
+        by_tokens += split_micro_batches(chunk, [lengths[i] for i in chunk], size, budget)
     return pad_share(fixed, lengths), pad_share(by_tokens, lengths)
 
 

@@ -134,7 +134,7 @@ def _worker(rank, world, port, tok_dir, data, out):
             cfg = run_config(run)
             grads, sizes = step_gradient(make_policy(tokenizer, run, world), trajectories[mine], rewards[mine], cfg,
                                          world)
-            natural = len(train.split_micro_batches(
+            natural = len(policy_mod.split_micro_batches(
                 list(range(len(trajectories[mine]))), [len(t.prompt_ids) + len(t.response_ids)
                                                        for t in trajectories[mine]], cfg.micro_batch_size,
                 cfg.max_tokens_per_micro_batch))
@@ -310,11 +310,12 @@ def one_process_gradient(saved: list[dict], model: str) -> dict:
     rewards = torch.cat(rewards)
     lora = settings.lora_settings(cfg)
     policy = policy_mod.load_policy(model, 1, torch.device("cpu"), bf16=cfg.bf16,
-                                    gradient_checkpointing=cfg.gradient_checkpointing, lora=lora, seed=cfg.seed)
+                                    gradient_checkpointing=cfg.gradient_checkpointing, lora=lora, seed=cfg.seed,
+                                    packed=cfg.packed)
     ref = None
     if cfg.kl_coef > 0:
         ref = AdaptersOff(policy) if lora else \
-            policy_mod.load_policy(model, 1, torch.device("cpu")).requires_grad_(False)
+            policy_mod.load_policy(model, 1, torch.device("cpu"), packed=cfg.packed).requires_grad_(False)
     amp = (lambda: torch.autocast("cpu", dtype=torch.bfloat16)) if cfg.bf16 else contextlib.nullcontext
     adv = train.outcome_advantages(union, rewards, cfg, 0)
     batches = train.micro_batches(union, adv, rewards, n_mini, cfg, 0, "cpu")
