@@ -55,7 +55,7 @@ def loss_kw(calls) -> dict:
 def test_grpo(setup, calls):
     trees = run(setup, "grpo")
     kw = loss_kw(calls)
-    assert kw["surrogate"] == "ppo"
+    assert (kw["surrogate"], kw["sg_clip"]) == ("aepo", False)              # the PPO clip
     assert calls["group_advantages"][0][1]["std_norm"] is True and not calls["entropy_weighted_advantages"]
     assert all(t["kind"] == "global" for tree in trees for t in tree["trajectories"])          # k independent
 
@@ -72,7 +72,7 @@ def test_reinforce_pp(setup, calls):
 def test_dapo(setup, calls):
     trees = run(setup, "dapo")
     kw = loss_kw(calls)
-    assert (kw["eps_high"], kw["surrogate"], kw["loss_agg"]) == (0.28, "ppo", "token-mean")
+    assert (kw["eps_high"], kw["sg_clip"], kw["loss_agg"]) == (0.28, False, "token-mean")
     (lengths, max_len, cache_len), _ = calls["overlong_penalty"][0]
     assert (max_len, cache_len) == (64, 51)
     rewards, groups = calls["dynamic_sampling_mask"][0][0]
@@ -103,18 +103,18 @@ def test_gigpo(setup, calls):
 def test_arpo(setup, calls):
     trees = run(setup, "arpo", seed=3)
     assert all(tree["m"] == 2 for tree in trees)                                # m = k // 2, no pre-monitor
-    assert not calls["entropy_weighted_advantages"] and loss_kw(calls)["surrogate"] == "ppo"
+    assert not calls["entropy_weighted_advantages"] and loss_kw(calls)["sg_clip"] is False
 
 
 def test_aepo(setup, calls):
     trees = run(setup, "aepo", seed=3)
-    assert calls["entropy_weighted_advantages"] and loss_kw(calls)["surrogate"] == "aepo"
+    assert calls["entropy_weighted_advantages"] and (loss_kw(calls)["surrogate"], loss_kw(calls)["sg_clip"]) == ("aepo", True)
     assert any(t["kind"] == "premonitor" for tree in trees for t in tree["trajectories"])
 
 
 def test_dr_grpo(setup, calls):
     trees = run(setup, "dr_grpo")
     kw = loss_kw(calls)
-    assert kw["loss_agg"] == "seq-mean-token-sum-norm" and kw["max_len"] == 64 and kw["surrogate"] == "ppo"
+    assert kw["loss_agg"] == "seq-mean-token-sum-norm" and kw["max_len"] == 64 and kw["sg_clip"] is False
     assert calls["group_advantages"][0][1]["std_norm"] is False and not calls["entropy_weighted_advantages"]
     assert all(t["kind"] == "global" for tree in trees for t in tree["trajectories"])

@@ -1,8 +1,7 @@
-"""The tree's imports form layers: the paper's math (rollout, loss, advantage, reward, tools) imports only itself and
-the python tool's sandbox (and loss.py, lazily, harness/mismatch.py for the names that lived in it), harness/ never
-imports the entry points (eval.py, train.py), eval.py never imports train.py, and no module imports itself through
-others (no circle, function-level imports included). The harness map (harness/__init__.py's docstring) names every
-module and package there is."""
+"""The tree's imports form layers: the paper's math (rollout, sampler, loss, advantage, reward, tools) imports only
+itself and the python tool's sandbox, harness/ never imports the entry points (eval.py, train.py), eval.py never imports
+train.py, and no module imports itself through others (no circle, function-level imports included). The harness map
+(harness/__init__.py's docstring) names every module and package there is."""
 import ast
 import re
 from pathlib import Path
@@ -53,9 +52,8 @@ def test_no_import_circle():
 
 def test_imports_form_layers():
     for name, targets in GRAPH.items():
-        if name in MATH:                         # loss.py's one exception: the old names of harness/mismatch.py
-            allowed = {"harness.mismatch"} if name == "loss" else set()
-            assert all(t in MATH | allowed or t.startswith("harness.sandbox") for t in targets), (name, targets)
+        if name in MATH:
+            assert all(t in MATH or t.startswith("harness.sandbox") for t in targets), (name, targets)
         if name.startswith("harness"):
             assert not targets & ENTRY, f"{name} imports an entry point: {targets & ENTRY}"
     assert "train" not in GRAPH["eval"]

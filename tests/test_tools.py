@@ -2,6 +2,7 @@
 corpus, replay cache, a Search-R1 retrieval server and Serper.dev, both against a local 127.0.0.1 server), the
 python tool's observations, and Tools.run (batching, caching, error and timeout accounting). The python tool's
 sandbox and limits are tested in test_sandbox.py; no test here asserts wall-clock time (bench/ measures it)."""
+import functools
 import json
 import re
 import signal
@@ -18,6 +19,8 @@ import sampler
 import tools
 from tools import ToolCall, ToolError, format_result, run_python
 from tests._http_server import API_KEY, FakeServer
+
+run_with_status = functools.partial(tools.run_python, status=True)   # (observation, status)
 
 SHARED_DATA = Path(__file__).resolve().parents[1] / ".." / "shared" / "data"
 
@@ -257,7 +260,7 @@ def test_web_search_against_local_server(monkeypatch):
 def test_python_ordinary_code():
     out = run_python("import sys\nprint('out')\nprint('err', file=sys.stderr)\nprint(sum(range(10)))")
     assert out == "out\nerr\n45"
-    out, status = tools._run_python("x = 1\nraise ValueError('boom')")
+    out, status = run_with_status("x = 1\nraise ValueError('boom')")
     assert status == "error" and out.startswith("Traceback") and out.endswith("ValueError: boom")
     assert 'File "main.py", line 2' in out  # no random temporary path: same code, same observation
     assert run_python("x = 1") == "(no output; use print() to show a value)"
@@ -279,9 +282,9 @@ def test_python_memory_limit_is_an_error_observation():
     if not sandbox.isolation()["memory_limit"]:
         pytest.skip("no memory cgroup can be made here (the start-up line says so)")
     code = "blocks = []\nfor _ in range(40):\n    blocks.append(bytearray(16 << 20))\nprint('done')"
-    out, status = tools._run_python(code, memory_mb=1_024, total_memory_mb=128)
+    out, status = run_with_status(code, memory_mb=1_024, total_memory_mb=128)
     assert status == "error" and "Error: the program hit the memory limit (128 MB" in out and "done" not in out
-    assert tools._run_python("print('small')", total_memory_mb=128) == ("small", "ok")
+    assert run_with_status("print('small')", total_memory_mb=128) == ("small", "ok")
 
 
 # ---------------------------------------------------------------------------------------------------------------
