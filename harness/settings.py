@@ -101,7 +101,7 @@ def make_tools(search, limits: dict, names=("search", "python"), mcp_servers=(),
             first[tool.name] = source
         tool_list = [tool for _, tool in built]
         if tool_format == "hermes" and not as_data:
-            raise UserError("--observations_as_data false reproduces the authors' tags format; the hermes format's "
+            raise UserError("--set observations_as_data=false reproduces the authors' tags format; the hermes format's "
                             "results are always data (the chat template's tool turn)")
         if tool_format == "hermes":
             from harness.hermes import HermesFormat
@@ -126,7 +126,7 @@ def python_isolation(mode: str, limits: dict | None = None) -> str:
     try:
         line = sandbox.describe(sandbox.require(mode))
     except (sandbox.IsolationError, ValueError) as err:
-        raise UserError(f"--python_isolation: {err}") from None
+        raise UserError(f"--set python_isolation={mode}: {err}") from None
     if limits is None:
         return line
     return line + "\n" + budget.process_budget().line(python_limits(limits)["total_memory_mb"])

@@ -86,24 +86,23 @@ def check_connect(source: str, url: str, role: str, timeout_s: float) -> None:
     except socket.gaierror as err:
         why = f"the host name {host} does not resolve ({err.strerror})"
     except TimeoutError:
-        why = f"no connection to {host}:{port} within {timeout_s:g} s (--check_timeout_s)"
+        why = f"no connection to {host}:{port} within {timeout_s:g} s (--set check_timeout_s={timeout_s:g})"
     except OSError as err:
         why = f"{host}:{port} cannot be reached ({err.strerror or err})"
     raise RunFailure(f"{source} {url}: {why}; start {role} there or fix {source}")
 
 
 def _asked(endpoint: Endpoint, request, timeout_s: float):
-    """request()'s reply, or a one-line RunFailure naming the endpoint and its error (and --check_timeout_s when the
+    """request()'s reply, or a one-line RunFailure naming the endpoint and its error (and check_timeout_s when the
     request took all of it)."""
     started = time.monotonic()
     try:
         return request()
     except (openai_client.EndpointError, search_mod.SearchError) as err:
         slow = time.monotonic() - started >= timeout_s
+        hint = f" (--set check_timeout_s={timeout_s:g}: raise it if the server is only slow)" if slow else ""
         raise RunFailure(f"{endpoint.source} {endpoint.url}: {endpoint.role} failed a start-up check: "
-                         f"{' '.join(str(err).split())}" +
-                         (f" (--check_timeout_s {timeout_s:g}: raise it if the server is only slow)" if slow else "")
-                         ) from None
+                         f"{' '.join(str(err).split())}{hint}") from None
 
 
 def check_openai(endpoint: Endpoint, route: str, timeout_s: float) -> Endpoint:
@@ -183,7 +182,7 @@ def check(cfg, cache_path) -> Checked:
     except RunFailure as err:
         if cfg.allow_failures < 1:
             raise
-        print(f"warning: {err} (going on with --allow_failures 1: searches the page cache lacks will fail)",
+        print(f"warning: {err} (going on with --set allow_failures=1: searches the page cache lacks will fail)",
               flush=True)
     summarizer = check_openai(summarizer, "/chat/completions", cfg.check_timeout_s)
     judge = check_openai(judge, "/chat/completions", cfg.check_timeout_s) if judge else None
@@ -213,7 +212,7 @@ def failures(summaries: list[dict], first_errors: dict, allow: float) -> tuple[l
         first = " ".join(str(first_errors.get(errors) or "not kept").split())[:300]
         lines.append(f"{'FAILED' if over else 'warning'}: {role} ({source}) failed {totals[errors]} of "
                      f"{totals[asked]} requests ({share:.0%}, "
-                     f"{'more than' if over else 'within'} --allow_failures {allow:g}; {errors} in the summaries); "
+                     f"{'more than' if over else 'within'} --set allow_failures={allow:g}; {errors} in the summaries); "
                      f"the first error: {first}")
         failed += [role] if over else []
     return lines, failed

@@ -262,31 +262,31 @@ def markdown_table(summaries: list[dict]) -> str:
     return "\n".join(lines) + "\n"
 
 
-def prompt_file(flag: str, path: str, placeholders: tuple = ()) -> str:
-    """The text of the prompt file given to --flag, checked at start-up: a readable UTF-8 file, not empty, and, where
-    `placeholders` are named (a prompt filled by str.format), holding each as {name} and no other field (a literal
-    brace is written {{ or }}). Anything else is a one-line UserError naming the file."""
+def prompt_file(key: str, path: str, placeholders: tuple = ()) -> str:
+    """The text of the prompt file given as --set key=FILE, checked at start-up: a readable UTF-8 file, not empty,
+    and, where `placeholders` are named (a prompt filled by str.format), holding each as {name} and no other field (a
+    literal brace is written {{ or }}). Anything else is a one-line UserError naming the file."""
     from harness.cli import UserError
     try:
         text = Path(path).read_text(encoding="utf-8")
     except (OSError, UnicodeDecodeError) as err:
-        raise UserError(f"--{flag} {path}: cannot be read as UTF-8 text ({type(err).__name__}: {err})") from None
+        raise UserError(f"--set {key}={path}: cannot be read as UTF-8 text ({type(err).__name__}: {err})") from None
     if not text.strip():
-        raise UserError(f"--{flag} {path}: the file is empty")
+        raise UserError(f"--set {key}={path}: the file is empty")
     if not placeholders:
         return text
     names = ", ".join("{" + name + "}" for name in placeholders)
     try:
         fields = [name for _, name, _, _ in string.Formatter().parse(text) if name is not None]
     except ValueError as err:
-        raise UserError(f"--{flag} {path}: not a str.format template ({err}; write a literal brace as {{{{ or "
+        raise UserError(f"--set {key}={path}: not a str.format template ({err}; write a literal brace as {{{{ or "
                         f"}}}})") from None
     for name in placeholders:
         if name not in fields:
-            raise UserError(f"--{flag} {path}: the placeholder {{{name}}} is missing (the prompt needs {names})")
+            raise UserError(f"--set {key}={path}: the placeholder {{{name}}} is missing (the prompt needs {names})")
     for name in fields:
         if name not in placeholders:
-            raise UserError(f"--{flag} {path}: {{{name}}} is not a placeholder it fills (only {names}; write a "
+            raise UserError(f"--set {key}={path}: {{{name}}} is not a placeholder it fills (only {names}; write a "
                             f"literal brace as {{{{ or }}}})")
     return text
 
@@ -359,7 +359,7 @@ def main(cfg, datasets: list, out: Path) -> list[dict]:
     print(table + f"results in {out}", flush=True)
     checked.cache.close()
     if failed:
-        raise RunFailure(f"{' and '.join(failed)} failed more than --allow_failures {settings.allow_failures:g} of "
+        raise RunFailure(f"{' and '.join(failed)} failed more than --set allow_failures={settings.allow_failures:g} of "
                          f"{'its' if len(failed) == 1 else 'their'} requests (FAILED above): these scores do not "
                          f"measure the policy alone; results in {out}")
     return summaries
