@@ -171,7 +171,7 @@ def evaluate(run: Run, name: str) -> dict | None:
 
 
 def rewards_of(scores: list[dict], trajectories, cfg) -> torch.Tensor:
-    """(N,) rewards: each score's reward (algorithm.md §5), plus DAPO's soft overlong penalty with --overlong_cache."""
+    """(N,) rewards: each score's reward (algorithm.md §5), plus the soft overlong penalty (--set overlong_cache)."""
     rewards = torch.tensor([s["reward"] for s in scores], dtype=torch.float32)
     if cfg.overlong_cache:
         lengths = torch.tensor([len(t.response_ids) for t in trajectories])
@@ -216,7 +216,7 @@ def outcome_advantages(trajectories, rewards: torch.Tensor, cfg, pad_id: int) ->
 def old_policy_pass(policy, ref, batches: list[list], cfg, amp,
                     correction: mismatch.Correction | None = None) -> tuple[torch.Tensor, mismatch.MismatchSums]:
     """Fill every micro-batch with old_logp and entropy (π_old at the rollout temperature), ref_logp (with a
-    reference), and adv_tok = Ã (§3b) z-scored with entropy statistics over all ranks; with --reinforce_pp the
+    reference), and adv_tok = Ã (§3b) z-scored with entropy statistics over all ranks; with --set reinforce_pp the
     advantage is first the batch-normalised per-token return (§7). Returns, summed over all ranks, the old policy's
     entropy statistics [count, ΣH, ΣH²] and the generator–trainer mismatch (harness/mismatch.py) under `correction`
     (the run's, Run.correction; None: cfg's, for a call outside a run)."""

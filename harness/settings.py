@@ -26,7 +26,7 @@ def loss_settings(cfg) -> loss.LossSettings:
 
 
 def correction(cfg) -> mismatch.Correction:
-    """The generator–trainer correction of a training Config (--tis_cap, --mismatch_masks, --mismatch_band)."""
+    """The generator–trainer correction of a training Config (--tis_cap, --mismatch_masks, --set mismatch_band)."""
     return mismatch.Correction(cfg.tis_cap, tuple(cfg.mismatch_masks), tuple(cfg.mismatch_band))
 
 
@@ -67,7 +67,7 @@ def make_tools(search, limits: dict, names=("search", "python"), mcp_servers=(),
                tokenizer=None, model: str = "the model", as_data: bool = True) -> tools.Tools:
     """The tool runner of a run or an evaluation: --tools (search; python with --python_limits; yours from
     package.module:factory), the tools of each --mcp_server, in --tool_format, its results as data unless
-    --observations_as_data false (D46; the tags format's). Each problem is one UserError before any work: an unknown
+    --set observations_as_data=false (D46; the tags format's). Each problem is one UserError before any work: an unknown
     tool, a factory that fails or returns no Tool, a server that does not start or lists no tools, two tools of one
     name, a chat template that cannot carry the hermes format."""
     kw = python_limits(limits)

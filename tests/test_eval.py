@@ -156,7 +156,8 @@ def test_invalid_format_each_reason(text, reason):
 
 def test_think_rule_official_and_strict():
     """The official validate_format compares the counts of <think> and </think> and needs at least one; the order is
-    not checked. --strict_format keeps the project's earlier rule: balanced, unnested, in order, and may be absent."""
+    not checked. --set strict_format keeps the project's earlier rule: balanced, unnested, in order, and may be
+    absent."""
     answer = r"<answer> \boxed{Paris} </answer>"
     cases = {answer: (False, True),                                                   # no think at all
              "</think> x <think> " + answer: (True, False),                          # counts equal, out of order

@@ -307,7 +307,7 @@ def test_metrics_whose_keys_only_some_ranks_have_are_summed(tmp_path):
 
 
 def reinforce_pp_advantages(tokenizer, rank=0, world=1):
-    """The per-token advantages train.old_policy_pass gives with --reinforce_pp for this rank's half of 4 questions ×
+    """The per-token advantages train.old_policy_pass gives with --set reinforce_pp for this rank's half of 4 questions ×
     k = 2 (all of them with one process): [(question, trajectory, its Ã at the mask-1 tokens)]."""
     cfg = config.Config(reinforce_pp=True, entropy_advantage=False, micro_batch_size=3)
     policy = policy_mod.Policy(make_tiny_model(tokenizer, seed=2))

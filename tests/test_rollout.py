@@ -406,7 +406,7 @@ def test_branch_probability_is_clipped_to_the_unit_interval_before_tau():
 
 
 def test_tool_limit_ends_appends_eos_as_a_policy_token():
-    """D10, --tool_limit_ends: at the tool-call limit the official code appends EOS as a policy token and ends the
+    """D10, --set tool_limit_ends: at the tool-call limit the official code appends EOS as a policy token and ends the
     trajectory; without it the trajectory reads a notice and goes on (here: to the token budget)."""
     gen = ScriptedGenerator(n_tools=50, entropy=lambda s: 1.0)
     trajs, stats = tree_rollout(prompts(1), gen, EchoTools(), TOK, k=2, seed=0, entropy_branching=False,
@@ -436,7 +436,7 @@ class SlowGenerator(ScriptedGenerator):
 
 
 def test_a_trajectory_past_its_deadline_ends_truncated():
-    """--trajectory_deadline_s: a trajectory older than the deadline after a round ends like one past its token
+    """--set trajectory_deadline_s: a trajectory older than the deadline after a round ends like one past its token
     budget (truncated, finish_reason "deadline"), counted in deadline_hits; without a deadline the same policy runs
     its 20 tool calls to the end."""
     gen = SlowGenerator(0.15, n_tools=20, entropy=lambda s: 1.0)

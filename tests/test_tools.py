@@ -380,8 +380,8 @@ def tokenizers_tested_with(tokenizer):
 def test_tool_output_is_data_on_the_trainers_tool_path(tokenizer):
     """A program (through the python tool as a run builds it) and a search hit print special-token text, escape
     sequences, NUL, CR and invalid UTF-8: the observation the policy reads has no control character but newline and
-    tab, U+FFFD for the bad byte, and its tokens hold no special token of the tokenizer; --observations_as_data false
-    (the authors' tokenisation) gives the special tokens back."""
+    tab, U+FFFD for the bad byte, and its tokens hold no special token of the tokenizer;
+    --set observations_as_data=false (the authors' tokenisation) gives the special tokens back."""
     from harness import settings
     runner = settings.make_tools(ProbeSearch(), {}, ["search", "python"])
     raw = settings.make_tools(ProbeSearch(), {}, ["search", "python"], as_data=False)

@@ -399,7 +399,7 @@ def test_split_micro_batches_by_token_budget():
 
 def test_each_rank_takes_its_share_of_the_step_and_its_own_rollout_seed():
     """Run.step_questions: the ranks' shares of a step are disjoint and make up the step's questions (the whole
-    sequence over steps as one process takes it); with --dynamic_sampling (DAPO) each rank rolls out as many again.
+    sequence over steps as one process takes it); with --set dynamic_sampling (DAPO) each rank rolls out as many again.
     Run.rollout_seed differs for every step and rank."""
     import dataclasses as dc
     from harness import dataset

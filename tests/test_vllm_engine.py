@@ -28,6 +28,7 @@ import pytest
 import torch
 
 from harness.generation.vllm import VLLMGenerator
+from harness.generation.vllm_segments import VLLMDecoding
 from rollout import Sampling
 from tests.conftest import VLLM_ON_CPU
 
@@ -57,28 +58,29 @@ def test_greedy_generation_equals_transformers(cache):
     from transformers import AutoModelForCausalLM
     _, model_dir = cache
     vgen = VLLMGenerator(str(model_dir), dtype="float32")
-    lm = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
-    tgen = generation.TransformersGenerator(lm, vgen.tokenizer)
-    rows = [json.loads(line) for line in (ROOT / "data" / "qa_test.jsonl").read_text().splitlines()[:3]]
-    prompts = [list(tools.build_prompt(vgen.tokenizer, r["question"])) for r in rows]
-    opening = vgen.tokenizer.encode("<think> I should look this up. </think> <search>", add_special_tokens=False)
-    contexts = prompts + [p + opening for p in prompts]
-    budgets = [40, 12, 30, 25, 25, 6]
-    want = tgen.generate(contexts, budgets, seed=0, sampling=GREEDY)
-    got = vgen.generate(contexts, budgets, seed=0, sampling=GREEDY)
-    assert [s.finish_reason for s in want].count("tool") >= 2
-    for a, b in zip(got, want):
-        assert (a.token_ids, a.finish_reason, a.text) == (b.token_ids, b.finish_reason, b.text)
-        assert a.h_seg == pytest.approx(b.h_seg, abs=1e-4)
-    cuts, cut = [], VLLMGenerator._cut_after_stop
-    VLLMGenerator._cut_after_stop = lambda self, ids, n: cuts.append(n) or cut(self, ids, n)
+    cut = VLLMDecoding._cut_after_stop
     try:
+        lm = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+        tgen = generation.TransformersGenerator(lm, vgen.tokenizer)
+        rows = [json.loads(line) for line in (ROOT / "data" / "qa_test.jsonl").read_text().splitlines()[:3]]
+        prompts = [list(tools.build_prompt(vgen.tokenizer, r["question"])) for r in rows]
+        opening = vgen.tokenizer.encode("<think> I should look this up. </think> <search>", add_special_tokens=False)
+        contexts = prompts + [p + opening for p in prompts]
+        budgets = [40, 12, 30, 25, 25, 6]
+        want = tgen.generate(contexts, budgets, seed=0, sampling=GREEDY)
+        got = vgen.generate(contexts, budgets, seed=0, sampling=GREEDY)
+        assert [s.finish_reason for s in want].count("tool") >= 2
+        for a, b in zip(got, want):
+            assert (a.token_ids, a.finish_reason, a.text) == (b.token_ids, b.finish_reason, b.text)
+            assert a.h_seg == pytest.approx(b.h_seg, abs=1e-4)
+        cuts = []
+        VLLMDecoding._cut_after_stop = lambda self, ids, n: cuts.append(n) or cut(self, ids, n)
         for n_entropy in range(1, 7):
             vgen.n_entropy = n_entropy
             for a, b in zip(vgen.generate(contexts, budgets, seed=0, sampling=GREEDY), want):
                 assert (a.token_ids, a.finish_reason) == (b.token_ids, b.finish_reason), n_entropy
     finally:
-        VLLMGenerator._cut_after_stop = cut
+        VLLMDecoding._cut_after_stop = cut
         vgen.close()
     assert cuts, "no n_entropy split a tool tag: the test no longer covers the cut"
 

@@ -16,7 +16,7 @@ from harness.run.policy import tensorize, unwrap
 
 
 def record(run) -> list:
-    """The probe: one trajectory from each of the first --probe_questions held-out questions, sampled once by the
+    """The probe: one trajectory from each of the first --set probe_questions held-out questions, sampled once by the
     starting policy at the rollout temperature and kept in <run>/probe.json (a resumed run reads it back), so that
     the policy's entropy is measured on the same tokens at every step (the sampled tokens' entropy moves with the
     questions each step draws and with what the tree samples)."""
