@@ -20,6 +20,7 @@ as a share of the rollout and of the step, and whether the two schedules' trees 
     python bench/async_rollout.py --bf16 false            # float32: the two schedules draw the same trees
 """
 import argparse
+import importlib.util
 import hashlib
 import json
 import math
@@ -75,7 +76,8 @@ def run(lockstep: bool, url: str, out_dir: str, args) -> tuple[list[dict], list[
             "--mini_batch_size", str(args.questions_per_step), "--eval_data", "", "--out_dir", out_dir,
             "--run_name", name, "--search", "http", "--search_kw",
             json.dumps({"url": url, "topk": 1, "timeout_s": args.slow_s * 3}),
-            "--set", f"lockstep_rollout={str(lockstep).lower()}", "--seed", str(args.seed), "--bf16", args.bf16]
+            "--set", f"lockstep_rollout={str(lockstep).lower()}", "--seed", str(args.seed), "--bf16", args.bf16,
+            "--backend", args.backend]
     train.main(argv)
     run_dir = Path(out_dir) / name
     rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
@@ -98,6 +100,10 @@ def main():
     parser.add_argument("--sigma", type=float, default=0.5)
     parser.add_argument("--slow_s", type=float, default=20.0)
     parser.add_argument("--slow_share", type=float, default=0.1)
+    parser.add_argument("--backend", default="vllm" if importlib.util.find_spec("vllm") else "transformers",
+                        choices=["vllm", "transformers"],
+                        help="the generator (default: vLLM's CPU build where this interpreter has it, "
+                             ".venv-vllm/bin/python)")
     parser.add_argument("--bf16", default="auto", choices=["auto", "true", "false"],
                         help="train.py's --bf16: under bfloat16 a batch's other rows can flip a sampled token, so "
                              "the two schedules' trees match only in float32 (false)")
@@ -113,7 +119,7 @@ def main():
     lines = [f"bench/async_rollout.py: {' '.join(sys.argv[1:]) or '(defaults)'}; {time.strftime('%Y-%m-%d %H:%M')}",
              f"search latency per query: {args.slow_share:.0%} at {args.slow_s:g} s, else log-normal median "
              f"{args.median_s:g} s (sigma {args.sigma:g}); {args.steps} steps of {args.questions_per_step} questions "
-             f"x k = 4, embedded model, seed {args.seed}, --bf16 {args.bf16}", "",
+             f"x k = 4, embedded model, seed {args.seed}, --backend {args.backend}, --bf16 {args.bf16}", "",
              "| schedule | rollout s (per step) | generator idle s | idle / rollout | idle / step | step s | "
              "searches |", "|---|---|---|---|---|---|---|"]
     total = {}

@@ -21,6 +21,7 @@ that ran is reported; none is dropped.
 """
 import argparse
 import concurrent.futures
+import dataclasses
 import importlib.util
 import json
 import os
@@ -37,6 +38,8 @@ import numpy as np
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "bench"))
+sys.path.insert(0, str(ROOT))
+from harness.config import Config  # noqa: E402
 from lookup_task import make_task  # noqa: E402
 
 ALGOS = ("grpo", "reinforce_pp", "dapo", "gppo", "cispo", "gigpo", "arpo", "aepo")
@@ -111,6 +114,27 @@ def pass1_curve(run: dict, steps: int, eval_every: int) -> list[tuple[int, float
     return points + [(steps, run["eval"]["after"]["pass@1"])]
 
 
+def per_question(run_dir: Path, name: str) -> np.ndarray:
+    """(questions,) the share of evaluation `name`'s samples that were correct, per held-out question, in the data's
+    order (eval.py's {name}_results.jsonl)."""
+    rows = [json.loads(line) for line in (run_dir / "eval" / f"{name}_results.jsonl").read_text().splitlines()
+            if line.strip()]
+    return np.array([r["num_correct"] / r["n"] for r in sorted(rows, key=lambda r: r["index"])], dtype=float)
+
+
+def interval(values: np.ndarray, reps: int = 4000, seed: int = 0) -> tuple[float, float, float]:
+    """Mean of a (seeds, questions) array and its 95% interval: the percentile bootstrap that resamples the seeds
+    and the questions independently, so that both the training runs' spread and the question sample's count. For a
+    paired difference pass the difference of two methods' arrays (the same seeds and questions)."""
+    rng = np.random.default_rng(seed)
+    n_seeds, n_questions = values.shape
+    seeds = rng.integers(0, n_seeds, (reps, n_seeds))
+    questions = rng.integers(0, n_questions, (reps, n_questions))
+    means = values[seeds[:, :, None], questions[:, None, :]].mean(axis=(1, 2))
+    lo, hi = np.percentile(means, [2.5, 97.5])
+    return float(values.mean()), float(lo), float(hi)
+
+
 def mean_sd(xs: list[float]) -> tuple[float, float]:
     return statistics.fmean(xs), (statistics.stdev(xs) if len(xs) > 1 else 0.0)
 
@@ -127,7 +151,8 @@ def per_seed_numbers(run: dict, k: int) -> dict:
             "diversity_tokens": avg("diversity/tokens"), "diversity_tool_seqs": avg("diversity/tool_seqs"),
             "tool_calls": avg("tool_calls"), "clip_hi": avg("clip_hi"), "clip_lo": avg("clip_lo"),
             "grad_kept": avg("grad_kept"), "grad_dropped": avg("grad_dropped"), "branches": avg("branches"),
-            "searches_executed": sum(m.get("tools/search/calls", 0) for m in ms), "step_s": avg("time/step")}
+            "searches_executed": sum(m.get("tools/search/calls", 0) for m in ms), "step_s": avg("time/step"),
+            **({"branch_top_chain": avg("branch_top_chain")} if "branch_top_chain" in ms[0] else {})}
 
 
 def report(args, names: list[str], seeds: list[int], out: Path) -> dict:
@@ -142,10 +167,21 @@ def report(args, names: list[str], seeds: list[int], out: Path) -> dict:
            "before": {s: {m: runs[names[0], s]["eval"]["before"][m] for m in ("pass@1", f"pass@{k}")}
                       for s in seeds if "before" in runs[names[0], s]["eval"]},
            "algos": {}}
+    work = Path(args.work) / "runs"
+    after = {a: np.stack([per_question(work / f"{a}-s{s}", "after") for s in seeds]) for a in names}
+    start = None
+    if all("before" in runs[names[0], s]["eval"] for s in seeds):        # the start every run of a seed shares
+        start = np.stack([per_question(work / f"{names[0]}-s{s}", "before") for s in seeds])
+        res["start_pass@1"] = interval(start)
     for a in names:
         per_seed = {s: per_seed_numbers(runs[a, s], k) for s in seeds}
         res["algos"][a] = {"per_seed": per_seed,
-                           "mean_sd": {key: mean_sd([per_seed[s][key] for s in seeds]) for key in per_seed[seeds[0]]}}
+                           "mean_sd": {key: mean_sd([per_seed[s][key] for s in seeds]) for key in per_seed[seeds[0]]},
+                           "pass@1": interval(after[a]), "questions": after[a].shape[1]}
+        if start is not None:
+            res["algos"][a]["gain"] = interval(after[a] - start)
+        if "aepo" in names and a != "aepo":
+            res["algos"][a]["aepo_minus"] = interval(after["aepo"] - after[a])
     out.mkdir(parents=True, exist_ok=True)
     (out / "results.json").write_text(json.dumps(res, indent=2))
     table = markdown(res, names, k)
@@ -166,7 +202,21 @@ def markdown(res: dict, names: list[str], k: int) -> str:
             text += " [" + ", ".join(fmt.format(res["algos"][a]["per_seed"][s][key]) for s in seeds) + "]"
         return text
     before = [res["before"][s]["pass@1"] for s in seeds if s in res["before"]]
-    lines = [f"Mean ± sd over seeds {', '.join(map(str, seeds))} (per-seed values in brackets). Start (the "
+
+    def ci(triple):
+        return f"{triple[0]:.3f} [{triple[1]:.3f}, {triple[2]:.3f}]"
+    start = res.get("start_pass@1")
+    q = res["algos"][names[0]]["questions"]
+    intervals = [f"Held-out Pass@1 over {q} questions x {k} samples and seeds {', '.join(map(str, seeds))}: mean and "
+                 "95% interval (bootstrap over seeds and questions); the paired difference compares the same "
+                 "questions of the same seeds, each seed's methods from the same start.", "",
+                 "| | start | after training | after − start | AEPO − this method |", "|---|---|---|---|---|"]
+    for a in names:
+        row = res["algos"][a]
+        gain = ci(row["gain"]) if "gain" in row else "–"
+        intervals.append(f"| {NAMES[a]} | {ci(start) if start else '–'} | {ci(row['pass@1'])} | {gain} | "
+                         f"{ci(row['aepo_minus']) if 'aepo_minus' in row else '–'} |")
+    lines = [*intervals, "", f"Mean ± sd over seeds {', '.join(map(str, seeds))} (per-seed values in brackets). Start (the "
              f"cold-started model every run of a seed begins from): held-out Pass@1 "
              f"{mean_sd(before)[0]:.3f} ± {mean_sd(before)[1]:.3f}." if before else "", "",
              f"| | Pass@1 after | Pass@{k} after | train reward (2nd half) | entropy step 1 → last 3 | diversity: answers "
@@ -190,7 +240,8 @@ def plot(runs: dict, names: list[str], seeds: list[int], key: str, title: str, a
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
     panels = {"diversity": [("diversity/answers", "distinct answers / k"), ("diversity/tokens", "token dissimilarity"),
-                            ("diversity/tool_seqs", "distinct tool-call sequences / k")],
+                            ("diversity/tool_seqs", "distinct tool-call sequences / k"),
+                            ("branch_top_chain", "branch concentration: share of a tree's branches on its top chain")],
               "clip": [("grad_kept", "share of tokens the clip kept a gradient for"),
                        ("grad_dropped", "share of tokens the clip dropped")],
               "entropy": [("entropy", "sampled tokens' entropy (the step's rollout)"),
@@ -239,14 +290,14 @@ def main_parser() -> argparse.ArgumentParser:
     parser.add_argument("--threads", type=int, default=1, help="torch threads per run")
     parser.add_argument("--backend", default="vllm" if importlib.util.find_spec("vllm") else "transformers",
                         choices=["vllm", "transformers"], help="generation backend (default: vLLM when installed)")
-    parser.add_argument("--steps", type=int, default=6)
-    parser.add_argument("--k", type=int, default=4)
-    parser.add_argument("--questions_per_step", type=int, default=2)
-    parser.add_argument("--max_response_tokens", type=int, default=160)
-    parser.add_argument("--lr", type=float, default=2e-5)
-    parser.add_argument("--eval_limit", type=int, default=20, help="held-out questions (half lookups, half two-hop)")
-    parser.add_argument("--eval_n", type=int, default=2, help="samples per held-out question (Pass@1 and Pass@n)")
-    parser.add_argument("--eval_every", type=int, default=3, help="held-out evaluation every N steps (the Pass@1 curve)")
+    default = {f.name: f.default for f in dataclasses.fields(Config)}     # the default run's settings
+    for key in ("steps", "k", "questions_per_step", "max_response_tokens", "lr"):
+        parser.add_argument(f"--{key}", type=type(default[key]), default=default[key],
+                            help=f"train.py's (default {default[key]}, the default run's)")
+    parser.add_argument("--eval_limit", type=int, default=100, help="held-out questions (half lookups, half two-hop)")
+    parser.add_argument("--eval_n", type=int, default=default["eval_n"],
+                        help="samples per held-out question (Pass@1 and Pass@n)")
+    parser.add_argument("--eval_every", type=int, default=4, help="held-out evaluation every N steps (the Pass@1 curve)")
     parser.add_argument("--report_only", action="store_true", help="only aggregate the finished runs in --work")
     return parser
 
@@ -257,7 +308,7 @@ def main() -> None:
     reports = {"algorithms": (list(ALGOS), Path(args.out)),
                "experiments": (["grpo", "aepo", *EXPERIMENTS], Path(args.out) / "experiments")}
     reports = {key: value for key, value in reports.items() if args.only in ("all", key)}
-    task = make_task(Path(args.work) / "task")
+    task = make_task(Path(args.work) / "task", n_test=args.eval_limit)
     if not args.report_only:
         started = time.time()
         # seed-major order: a comparison stopped early holds whole seeds (a rerun reuses every finished run)

@@ -5,6 +5,7 @@ import math
 import sys
 from pathlib import Path
 
+import numpy as np
 import pytest
 
 import rollout
@@ -72,6 +73,10 @@ def fake_run(run_dir: Path, rewards, before=None, after=0.5, branches=1.0, step4
         if v is not None:
             (run_dir / "eval" / f"{name}_summary.json").write_text(
                 json.dumps({"pass@1": v, "pass@4": min(1.0, 2 * v), "f1": v, "tool_calls": 1.1}))
+            correct = round(20 * v)                 # 10 questions x 2 samples, the first `correct` samples right
+            (run_dir / "eval" / f"{name}_results.jsonl").write_text("".join(
+                json.dumps({"index": i, "n": 2, "num_correct": min(2, max(0, correct - 2 * i))}) + "\n"
+                for i in reversed(range(10))))
     if argv is not None:
         (run_dir.parent.parent / "logs").mkdir(exist_ok=True)
         (run_dir.parent.parent / "logs" / f"{run_dir.name}.argv.json").write_text(json.dumps(argv))
@@ -102,6 +107,28 @@ def test_compare_report_aggregates_every_seed(tmp_path):
     run = compare_algorithms.load_run(tmp_path / "work" / "runs" / "aepo-s0")
     assert compare_algorithms.pass1_curve(run, 8, 4) == [(4, 0.25), (8, 0.5)]
     assert "--seed=0" in res["train_commands"]["aepo"] and "configs/aepo.yaml" in res["train_commands"]["aepo"]
+    assert aepo["questions"] == 10 and aepo["pass@1"][0] == pytest.approx(0.3)
+    assert aepo["pass@1"][1] < 0.3 < aepo["pass@1"][2]
+    assert grpo["aepo_minus"][0] == pytest.approx(0.0) and "aepo_minus" not in aepo
+    assert aepo["gain"][0] == pytest.approx(0.3 - 0.25) and res["start_pass@1"][0] == pytest.approx(0.25)
+    row = next(line for line in md.splitlines() if line.startswith("| AEPO | 0.250 ["))
+    assert "| 0.300 [" in row and row.endswith("| – |")
+
+
+def test_interval_resamples_seeds_and_questions():
+    """The bootstrap's interval: none for a constant, the seeds' spread counted (two seeds 0.2 apart on every
+    question give a wider interval than the same spread within each seed), near the normal one for many questions."""
+    interval = compare_algorithms.interval
+    assert interval(np.full((3, 50), 0.4)) == (pytest.approx(0.4), pytest.approx(0.4), pytest.approx(0.4))
+    between = np.array([[0.3] * 40, [0.5] * 40])
+    within = np.array([[0.3, 0.5] * 20, [0.3, 0.5] * 20])
+    assert interval(between)[0] == pytest.approx(0.4) == interval(within)[0]
+    assert interval(between)[2] - interval(between)[1] > 2 * (interval(within)[2] - interval(within)[1])
+    rng = np.random.default_rng(1)
+    one = rng.binomial(1, 0.3, (1, 2000)).astype(float)
+    mean, lo, hi = interval(one)
+    half = 1.96 * one.std() / np.sqrt(one.size)
+    assert (hi - lo) / 2 == pytest.approx(half, rel=0.1) and lo < mean < hi
 
 
 def test_compare_report_names_a_missing_run(tmp_path):
