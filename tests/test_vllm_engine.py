@@ -44,9 +44,10 @@ pytestmark = pytest.mark.skipif(importlib.util.find_spec("vllm") is None,
 
 @pytest.fixture(scope="module")
 def cache(tmp_path_factory):
-    """The embedded model, converted once (float32), under a cache the train.py runs share."""
+    """The embedded model, converted once (float32), under a cache of this stage's own that the train.py runs share
+    (not $AEPO_CACHE: a user's cache holds other cold starts, and the 2-process run must find the one the first made)."""
     from harness import models
-    root = Path(os.environ.get("AEPO_CACHE") or tmp_path_factory.mktemp("aepo_cache"))
+    root = tmp_path_factory.mktemp("aepo_cache")
     return root, models.embedded_model_dir(root)
 
 
