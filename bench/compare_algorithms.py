@@ -171,7 +171,7 @@ def report(args, names: list[str], seeds: list[int], out: Path) -> dict:
     work = Path(args.work) / "runs"
     after = {a: np.stack([per_question(work / f"{a}-s{s}", "after") for s in seeds]) for a in names}
     start = None
-    if all("before" in runs[names[0], s]["eval"] for s in seeds):        # the start every run of a seed shares
+    if len(res["before"]) == len(seeds):                                 # the start every run of a seed shares
         start = np.stack([per_question(work / f"{names[0]}-s{s}", "before") for s in seeds])
         res["start_pass@1"] = interval(start)
     for a in names:
@@ -305,6 +305,8 @@ def main_parser() -> argparse.ArgumentParser:
 
 def main() -> None:
     args = main_parser().parse_args()
+    if args.eval_limit < 1:
+        main_parser().error("--eval_limit must be at least 1: the task is built with that many held-out questions")
     seeds = [int(s) for s in args.seeds.split(",")]
     reports = {"algorithms": (list(ALGOS), Path(args.out)),
                "experiments": (["grpo", "aepo", *EXPERIMENTS], Path(args.out) / "experiments")}
