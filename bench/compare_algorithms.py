@@ -109,8 +109,9 @@ def load_run(run_dir: Path) -> dict:
 
 
 def pass1_curve(run: dict, steps: int, eval_every: int) -> list[tuple[int, float]]:
-    """(step, held-out Pass@1) of the run's evaluations: every eval_every steps and after the last."""
-    points = [(s, run["eval"][f"step{s}"]["pass@1"]) for s in range(eval_every, steps, eval_every or steps + 1)
+    """(step, held-out Pass@1) of the run's evaluations: the start (step 0), every eval_every steps, after the last."""
+    points = [(0, run["eval"]["before"]["pass@1"])] if "before" in run["eval"] else []
+    points += [(s, run["eval"][f"step{s}"]["pass@1"]) for s in range(eval_every, steps, eval_every or steps + 1)
               if f"step{s}" in run["eval"]]
     return points + [(steps, run["eval"]["after"]["pass@1"])]
 
@@ -153,7 +154,9 @@ def per_seed_numbers(run: dict, k: int) -> dict:
             "tool_calls": avg("tool_calls"), "clip_hi": avg("clip_hi"), "clip_lo": avg("clip_lo"),
             "grad_kept": avg("grad_kept"), "grad_dropped": avg("grad_dropped"), "branches": avg("branches"),
             "searches_executed": sum(m.get("tools/search/calls", 0) for m in ms), "step_s": avg("time/step"),
-            **({"branch_top_chain": avg("branch_top_chain")} if "branch_top_chain" in ms[0] else {})}
+            **({"branch_top_chain": avg("branch_top_chain")} if "branch_top_chain" in ms[0] else {}),
+            **({"probe_first": ms[0]["probe_entropy"], "probe_last": ms[-1]["probe_entropy"],
+                "probe_change": ms[-1]["probe_entropy"] - ms[0]["probe_entropy"]} if "probe_entropy" in ms[0] else {})}
 
 
 def report(args, names: list[str], seeds: list[int], out: Path) -> dict:
@@ -204,6 +207,20 @@ def markdown(res: dict, names: list[str], k: int) -> str:
         return text
     before = [res["before"][s]["pass@1"] for s in seeds if s in res["before"]]
 
+    def row_keys(a):                           # runs from before the probe and the branch statistics lack them
+        return res["algos"][a]["mean_sd"]
+
+    def probe(a):                              # each run's own probe: compare the change, not the levels
+        if "probe_change" not in row_keys(a):
+            return "–"
+        return (f"{cell(a, 'probe_first', '{:.3f}')} → {cell(a, 'probe_last', '{:.3f}')} "
+                f"({cell(a, 'probe_change', '{:.3f}', seeds_too=True)})")
+
+    def branching(a):                          # only the tree rollouts branch
+        if not row_keys(a).get("branches", (0,))[0] or "branch_top_chain" not in row_keys(a):
+            return "–"
+        return f"{cell(a, 'branches', '{:.2f}')}, {cell(a, 'branch_top_chain', '{:.2f}')}"
+
     def ci(triple):
         return f"{triple[0]:.3f} [{triple[1]:.3f}, {triple[2]:.3f}]"
     start = res.get("start_pass@1")
@@ -221,8 +238,9 @@ def markdown(res: dict, names: list[str], k: int) -> str:
              f"cold-started model every run of a seed begins from): held-out Pass@1 "
              f"{mean_sd(before)[0]:.3f} ± {mean_sd(before)[1]:.3f}." if before else "", "",
              f"| | Pass@1 after | Pass@{k} after | train reward (2nd half) | entropy step 1 → last 3 | diversity: answers "
-             "/ tokens / tool calls | tool calls / traj | clip hi / lo | grad kept / dropped | searches run | s / step |",
-             "|---|---|---|---|---|---|---|---|---|---|---|"]
+             "/ tokens / tool calls | tool calls / traj | clip hi / lo | grad kept / dropped | searches run | s / step |"
+             " probe entropy step 1 → last (change) | branches / question, share on the top chain |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for a in names:
         lines.append(f"| {NAMES[a]} | {cell(a, 'pass@1', seeds_too=True)} | {cell(a, f'pass@{k}')} "
                      f"| {cell(a, 'train_reward_2nd_half')} | {cell(a, 'entropy_first', '{:.2f}')} → "
@@ -231,7 +249,11 @@ def markdown(res: dict, names: list[str], k: int) -> str:
                      f"| {cell(a, 'tool_calls', '{:.2f}')} | {cell(a, 'clip_hi', '{:.4f}')} / "
                      f"{cell(a, 'clip_lo', '{:.4f}')} | {cell(a, 'grad_kept', '{:.4f}')} / "
                      f"{cell(a, 'grad_dropped', '{:.4f}')} | {cell(a, 'searches_executed', '{:.0f}')} "
-                     f"| {cell(a, 'step_s', '{:.0f}')} |")
+                     f"| {cell(a, 'step_s', '{:.0f}')} | {probe(a)} | {branching(a)} |")
+    lines += ["", "Entropy step 1 → last 3: the entropy of the tokens each step sampled (it moves with the questions "
+              "drawn and with what the tree samples). Probe entropy: the policy's own entropy, teacher-forced on the "
+              "same few trajectories at every step; each run samples its probe once from its start, so compare the "
+              "change, not the level."]
     return "\n".join(lines) + "\n"
 
 
@@ -253,6 +275,8 @@ def plot(runs: dict, names: list[str], seeds: list[int], key: str, title: str, a
         for a in names:
             if metric == "pass1":
                 curves = [pass1_curve(runs[a, s], args.steps, args.eval_every) for s in seeds]
+                starts = [pass1_curve(runs[names[0], s], args.steps, args.eval_every)[0] for s in seeds]
+                curves = [c if c[0][0] == 0 or start[0] else [start, *c] for c, start in zip(curves, starts)]
                 steps = np.array([step for step, _ in curves[0]])
                 vals = np.array([[v for _, v in c] for c in curves], dtype=float)
                 mean, lo, hi = vals.mean(0), vals.min(0), vals.max(0)
@@ -261,12 +285,14 @@ def plot(runs: dict, names: list[str], seeds: list[int], key: str, title: str, a
                                 dtype=float)                     # runs from before the probe have none
                 steps = np.arange(1, vals.shape[1] + 1)
                 mean, lo, hi = (running_mean(f(vals, axis=0), 3) for f in (np.mean, np.min, np.max))
+            if metric == "branch_top_chain" and not np.nanmax(hi, initial=0):
+                continue                                                 # a method that does not branch
             ax.plot(steps, mean, color=COLORS[a], label=NAMES[a], marker="." if metric == "pass1" else None)
             ax.fill_between(steps, lo, hi, color=COLORS[a], alpha=0.08)
         ax.set_title(label, fontsize=10)
         ax.set_xlabel("step")
         ax.grid(alpha=0.3)
-    axes.flat[-1].legend(fontsize=7, loc="best")
+    axes.flat[0].legend(fontsize=7, loc="best")                          # every method has a line there
     fig.suptitle(f"{title}: lookup task, SmolLM2-135M, seeds {', '.join(map(str, seeds))}", fontsize=10)
     fig.tight_layout()
     fig.savefig(path, dpi=70)

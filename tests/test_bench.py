@@ -67,7 +67,8 @@ def fake_run(run_dir: Path, rewards, before=None, after=0.5, branches=1.0, step4
     rows = [{"step": i + 1, "reward": r, "entropy": 0.5 + 0.01 * i, "clip_hi": 0.01, "clip_lo": 0.002,
              "grad_kept": 0.01, "grad_dropped": 0.003, "branches": branches if i else 0.0, "tool_calls": 1.2,
              "diversity/answers": 0.5, "diversity/tokens": 0.25 + 0.1 * i, "diversity/tool_seqs": 1.0,
-             "tools/search/calls": 10.0, "time/step": 30.0} for i, r in enumerate(rewards)]
+             "tools/search/calls": 10.0, "time/step": 30.0, "probe_entropy": 0.6 - 0.02 * i}
+            for i, r in enumerate(rewards)]
     (run_dir / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
     for name, v in (("before", before), ("after", after), ("step4", step4)):
         if v is not None:
@@ -100,12 +101,16 @@ def test_compare_report_aggregates_every_seed(tmp_path):
     assert grpo["mean_sd"]["train_reward_2nd_half"][0] == pytest.approx(0.625)    # steps 5-8
     assert grpo["mean_sd"]["diversity_tokens"][0] == pytest.approx(0.25 + 0.1 * 3.5)
     assert res["before"][0]["pass@1"] == 0.25
+    assert grpo["per_seed"][0]["probe_change"] == pytest.approx(-0.02 * 7)     # step 8's probe less step 1's
     md = (tmp_path / "out" / "results.md").read_text()
     assert "| AEPO | 0.300 ± 0.283 [0.500, 0.100]" in md
+    assert "| 0.600 ± 0.000 → 0.460 ± 0.000 (-0.140 ± 0.000 [-0.140, -0.140]) |" in md
     for key, _ in compare_algorithms.MECHANISMS:
         assert (tmp_path / "out" / f"{key}.png").stat().st_size > 5_000, key
     run = compare_algorithms.load_run(tmp_path / "work" / "runs" / "aepo-s0")
     assert compare_algorithms.pass1_curve(run, 8, 4) == [(4, 0.25), (8, 0.5)]
+    run = compare_algorithms.load_run(tmp_path / "work" / "runs" / "grpo-s0")
+    assert compare_algorithms.pass1_curve(run, 8, 4)[0] == (0, 0.25)            # the curve starts at the start
     assert "--seed=0" in res["train_commands"]["aepo"] and "configs/aepo.yaml" in res["train_commands"]["aepo"]
     assert aepo["questions"] == 10 and aepo["pass@1"][0] == pytest.approx(0.3)
     assert aepo["pass@1"][1] < 0.3 < aepo["pass@1"][2]
