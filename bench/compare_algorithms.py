@@ -108,20 +108,27 @@ def load_run(run_dir: Path) -> dict:
     return {"metrics": rows, "eval": ev}
 
 
-def pass1_curve(run: dict, steps: int, eval_every: int) -> list[tuple[int, float]]:
-    """(step, held-out Pass@1) of the run's evaluations: the start (step 0), every eval_every steps, after the last."""
-    points = [(0, run["eval"]["before"]["pass@1"])] if "before" in run["eval"] else []
-    points += [(s, run["eval"][f"step{s}"]["pass@1"]) for s in range(eval_every, steps, eval_every or steps + 1)
-              if f"step{s}" in run["eval"]]
-    return points + [(steps, run["eval"]["after"]["pass@1"])]
+def pass1_curve(run: dict, steps: int, eval_every: int, key: str = "pass@1") -> list[tuple[int, float]]:
+    """(step, held-out Pass@1, or the summaries' `key`) of the run's evaluations: the start (step 0), every eval_every
+    steps, after the last."""
+    points = [(0, run["eval"]["before"][key])] if "before" in run["eval"] else []
+    points += [(s, run["eval"][f"step{s}"][key]) for s in range(eval_every, steps, eval_every or steps + 1)
+               if f"step{s}" in run["eval"]]
+    return points + [(steps, run["eval"]["after"][key])]
 
 
-def per_question(run_dir: Path, name: str) -> np.ndarray:
-    """(questions,) the share of evaluation `name`'s samples that were correct, per held-out question, in the data's
-    order (eval.py's {name}_results.jsonl)."""
+def per_question(run_dir: Path, name: str, key: str = "correct") -> np.ndarray | None:
+    """(questions,) the share of evaluation `name`'s samples that were correct (or had `key` true, e.g.
+    format_valid), per held-out question, in the data's order (eval.py's {name}_results.jsonl); None where the rows
+    do not list their samples."""
     rows = [json.loads(line) for line in (run_dir / "eval" / f"{name}_results.jsonl").read_text().splitlines()
             if line.strip()]
-    return np.array([r["num_correct"] / r["n"] for r in sorted(rows, key=lambda r: r["index"])], dtype=float)
+    rows.sort(key=lambda r: r["index"])
+    if key == "correct":
+        return np.array([r["num_correct"] / r["n"] for r in rows], dtype=float)
+    if not all(isinstance(r.get("samples"), list) for r in rows):
+        return None
+    return np.array([statistics.fmean(bool(x[key]) for x in r["samples"]) for r in rows], dtype=float)
 
 
 def interval(values: np.ndarray, reps: int = 4000, seed: int = 0) -> tuple[float, float, float]:
@@ -177,6 +184,12 @@ def report(args, names: list[str], seeds: list[int], out: Path) -> dict:
     if len(res["before"]) == len(seeds):                                 # the start every run of a seed shares
         start = np.stack([per_question(work / f"{names[0]}-s{s}", "before") for s in seeds])
         res["start_pass@1"] = interval(start)
+    fmt = {a: [per_question(work / f"{a}-s{s}", "after", "format_valid") for s in seeds] for a in names}
+    fmt_start = [per_question(work / f"{names[0]}-s{s}", "before", "format_valid") for s in seeds] if start is not None \
+        else [None]
+    has_fmt = all(x is not None for xs in [*fmt.values(), fmt_start] for x in xs)
+    if has_fmt:                                  # what the reward teaches beside the answer: the format
+        res["start_format_valid"] = interval(np.stack(fmt_start))
     for a in names:
         per_seed = {s: per_seed_numbers(runs[a, s], k) for s in seeds}
         res["algos"][a] = {"per_seed": per_seed,
@@ -184,6 +197,9 @@ def report(args, names: list[str], seeds: list[int], out: Path) -> dict:
                            "pass@1": interval(after[a]), "questions": after[a].shape[1]}
         if start is not None:
             res["algos"][a]["gain"] = interval(after[a] - start)
+        if has_fmt:
+            res["algos"][a]["format_valid"] = interval(np.stack(fmt[a]))
+            res["algos"][a]["format_gain"] = interval(np.stack(fmt[a]) - np.stack(fmt_start))
         if "aepo" in names and a != "aepo":
             res["algos"][a]["aepo_minus"] = interval(after["aepo"] - after[a])
     out.mkdir(parents=True, exist_ok=True)
@@ -228,12 +244,18 @@ def markdown(res: dict, names: list[str], k: int) -> str:
     intervals = [f"Held-out Pass@1 over {q} questions x {k} samples and seeds {', '.join(map(str, seeds))}: mean and "
                  "95% interval (bootstrap over seeds and questions); the paired difference compares the same "
                  "questions of the same seeds, each seed's methods from the same start.", "",
-                 "| | start | after training | after − start | AEPO − this method |", "|---|---|---|---|---|"]
+                 "| | start | after training | after − start | AEPO − this method | format valid after | its after − start |",
+                 "|---|---|---|---|---|---|---|"]
     for a in names:
         row = res["algos"][a]
         gain = ci(row["gain"]) if "gain" in row else "–"
         intervals.append(f"| {NAMES[a]} | {ci(start) if start else '–'} | {ci(row['pass@1'])} | {gain} | "
-                         f"{ci(row['aepo_minus']) if 'aepo_minus' in row else '–'} |")
+                         f"{ci(row['aepo_minus']) if 'aepo_minus' in row else '–'} | "
+                         f"{ci(row['format_valid']) if 'format_valid' in row else '–'} | "
+                         f"{ci(row['format_gain']) if 'format_gain' in row else '–'} |")
+    if "start_format_valid" in res:
+        intervals += ["", f"Format valid (the share of held-out samples in the agent's format, which the reward scores "
+                      f"beside the answer) at the start: {ci(res['start_format_valid'])}."]
     lines = [*intervals, "", f"Mean ± sd over seeds {', '.join(map(str, seeds))} (per-seed values in brackets). Start (the "
              f"cold-started model every run of a seed begins from): held-out Pass@1 "
              f"{mean_sd(before)[0]:.3f} ± {mean_sd(before)[1]:.3f}." if before else "", "",
@@ -268,14 +290,17 @@ def plot(runs: dict, names: list[str], seeds: list[int], key: str, title: str, a
               "clip": [("grad_kept", "share of tokens the clip kept a gradient for"),
                        ("grad_dropped", "share of tokens the clip dropped")],
               "entropy": [("entropy", "sampled tokens' entropy (the step's rollout)"),
-                          ("probe_entropy", "the policy's entropy on the probe (the same tokens every step)")]
+                          ("probe_entropy", "the policy's entropy on the probe (the same tokens every step)")],
+              "pass1": [("pass@1", "held-out Pass@1"), ("format_valid", "held-out samples in the agent's format")]
               }.get(key, [(key, title)])
     fig, axes = plt.subplots(1, len(panels), figsize=(5.2 * len(panels), 3.8), squeeze=False)
     for ax, (metric, label) in zip(axes.flat, panels):
         for a in names:
-            if metric == "pass1":
-                curves = [pass1_curve(runs[a, s], args.steps, args.eval_every) for s in seeds]
-                starts = [pass1_curve(runs[names[0], s], args.steps, args.eval_every)[0] for s in seeds]
+            if key == "pass1":
+                if any(metric not in runs[a, s]["eval"]["after"] for s in seeds):
+                    continue                                             # summaries from before the key
+                curves = [pass1_curve(runs[a, s], args.steps, args.eval_every, metric) for s in seeds]
+                starts = [pass1_curve(runs[names[0], s], args.steps, args.eval_every, metric)[0] for s in seeds]
                 curves = [c if c[0][0] == 0 or start[0] else [start, *c] for c, start in zip(curves, starts)]
                 steps = np.array([step for step, _ in curves[0]])
                 vals = np.array([[v for _, v in c] for c in curves], dtype=float)
@@ -287,7 +312,7 @@ def plot(runs: dict, names: list[str], seeds: list[int], key: str, title: str, a
                 mean, lo, hi = (running_mean(f(vals, axis=0), 3) for f in (np.mean, np.min, np.max))
             if metric == "branch_top_chain" and not np.nanmax(hi, initial=0):
                 continue                                                 # a method that does not branch
-            ax.plot(steps, mean, color=COLORS[a], label=NAMES[a], marker="." if metric == "pass1" else None)
+            ax.plot(steps, mean, color=COLORS[a], label=NAMES[a], marker="." if key == "pass1" else None)
             ax.fill_between(steps, lo, hi, color=COLORS[a], alpha=0.08)
         ax.set_title(label, fontsize=10)
         ax.set_xlabel("step")

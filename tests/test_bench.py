@@ -73,10 +73,12 @@ def fake_run(run_dir: Path, rewards, before=None, after=0.5, branches=1.0, step4
     for name, v in (("before", before), ("after", after), ("step4", step4)):
         if v is not None:
             (run_dir / "eval" / f"{name}_summary.json").write_text(
-                json.dumps({"pass@1": v, "pass@4": min(1.0, 2 * v), "f1": v, "tool_calls": 1.1}))
+                json.dumps({"pass@1": v, "pass@4": min(1.0, 2 * v), "f1": v, "tool_calls": 1.1,
+                            "format_valid": 0.5 if name == "before" else 1.0}))
             correct = round(20 * v)                 # 10 questions x 2 samples, the first `correct` samples right
-            (run_dir / "eval" / f"{name}_results.jsonl").write_text("".join(
-                json.dumps({"index": i, "n": 2, "num_correct": min(2, max(0, correct - 2 * i))}) + "\n"
+            (run_dir / "eval" / f"{name}_results.jsonl").write_text("".join(      # the start: one sample in format
+                json.dumps({"index": i, "n": 2, "num_correct": min(2, max(0, correct - 2 * i)),
+                            "samples": [{"format_valid": True}, {"format_valid": name != "before"}]}) + "\n"
                 for i in reversed(range(10))))
     if argv is not None:
         (run_dir.parent.parent / "logs").mkdir(exist_ok=True)
@@ -115,9 +117,11 @@ def test_compare_report_aggregates_every_seed(tmp_path):
     assert aepo["questions"] == 10 and aepo["pass@1"][0] == pytest.approx(0.3)
     assert aepo["pass@1"][1] < 0.3 < aepo["pass@1"][2]
     assert grpo["aepo_minus"][0] == pytest.approx(0.0) and "aepo_minus" not in aepo
+    assert res["start_format_valid"][0] == pytest.approx(0.5) and aepo["format_gain"][0] == pytest.approx(0.5)
+    assert "| 1.000 [1.000, 1.000] | 0.500 [0.500, 0.500] |" in md
     assert aepo["gain"][0] == pytest.approx(0.3 - 0.25) and res["start_pass@1"][0] == pytest.approx(0.25)
     row = next(line for line in md.splitlines() if line.startswith("| AEPO | 0.250 ["))
-    assert "| 0.300 [" in row and row.endswith("| – |")
+    assert "| 0.300 [" in row and "| – | 1.000 [" in row            # AEPO has no AEPO − AEPO
 
 
 def test_interval_resamples_seeds_and_questions():
