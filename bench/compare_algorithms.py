@@ -185,8 +185,8 @@ def report(args, names: list[str], seeds: list[int], out: Path) -> dict:
         start = np.stack([per_question(work / f"{names[0]}-s{s}", "before") for s in seeds])
         res["start_pass@1"] = interval(start)
     fmt = {a: [per_question(work / f"{a}-s{s}", "after", "format_valid") for s in seeds] for a in names}
-    fmt_start = [per_question(work / f"{names[0]}-s{s}", "before", "format_valid") for s in seeds] if start is not None \
-        else [None]
+    fmt_start = ([per_question(work / f"{names[0]}-s{s}", "before", "format_valid") for s in seeds]
+                 if start is not None else [None])
     has_fmt = all(x is not None for xs in [*fmt.values(), fmt_start] for x in xs)
     if has_fmt:                                  # what the reward teaches beside the answer: the format
         res["start_format_valid"] = interval(np.stack(fmt_start))
@@ -244,7 +244,8 @@ def markdown(res: dict, names: list[str], k: int) -> str:
     intervals = [f"Held-out Pass@1 over {q} questions x {k} samples and seeds {', '.join(map(str, seeds))}: mean and "
                  "95% interval (bootstrap over seeds and questions); the paired difference compares the same "
                  "questions of the same seeds, each seed's methods from the same start.", "",
-                 "| | start | after training | after − start | AEPO − this method | format valid after | its after − start |",
+                 "| | start | after training | after − start | AEPO − this method | format valid after "
+                 "| its after − start |",
                  "|---|---|---|---|---|---|---|"]
     for a in names:
         row = res["algos"][a]
