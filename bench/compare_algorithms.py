@@ -48,6 +48,7 @@ ALGOS = ("grpo", "reinforce_pp", "dapo", "gppo", "cispo", "gigpo", "arpo", "aepo
 EXPERIMENTS = {"aepo-noentadv": ["--entropy_advantage=false"], "aepo-nosg": ["--sg_clip=false"],
                "aepo-norollout": ["--entropy_branching=false"], "aepo-halflr": ["--lr={half_lr}"],
                "aepo-shortcold": ["--cold_start_kw={{questions: 24, steps: 2, batch: 3, lr: 5.0e-5}}"]}
+OWN_START = {"aepo-shortcold"}                  # cold-started apart: the seed's shared start is not theirs
 NAMES = {"grpo": "GRPO", "reinforce_pp": "REINFORCE++", "dapo": "DAPO", "gppo": "GPPO", "cispo": "CISPO",
          "gigpo": "GiGPO", "arpo": "ARPO", "aepo": "AEPO", "aepo-noentadv": "AEPO, no entropy advantage",
          "aepo-nosg": "AEPO, PPO clip", "aepo-norollout": "AEPO, no tree", "aepo-halflr": "AEPO, half lr",
@@ -196,11 +197,12 @@ def report(args, names: list[str], seeds: list[int], out: Path) -> dict:
         res["algos"][a] = {"per_seed": per_seed,
                            "mean_sd": {key: mean_sd([per_seed[s][key] for s in seeds]) for key in per_seed[seeds[0]]},
                            "pass@1": interval(after[a]), "questions": after[a].shape[1]}
-        if start is not None:
+        if start is not None and a not in OWN_START:
             res["algos"][a]["gain"] = interval(after[a] - start)
         if has_fmt:
             res["algos"][a]["format_valid"] = interval(np.stack(fmt[a]))
-            res["algos"][a]["format_gain"] = interval(np.stack(fmt[a]) - np.stack(fmt_start))
+            if a not in OWN_START:
+                res["algos"][a]["format_gain"] = interval(np.stack(fmt[a]) - np.stack(fmt_start))
         if "aepo" in names and a != "aepo":
             res["algos"][a]["aepo_minus"] = interval(after["aepo"] - after[a])
     out.mkdir(parents=True, exist_ok=True)
@@ -251,7 +253,7 @@ def markdown(res: dict, names: list[str], k: int) -> str:
     for a in names:
         row = res["algos"][a]
         gain = ci(row["gain"]) if "gain" in row else "–"
-        intervals.append(f"| {NAMES[a]} | {ci(start) if start else '–'} | {ci(row['pass@1'])} | {gain} | "
+        intervals.append(f"| {NAMES[a]} | {ci(start) if start and a not in OWN_START else '–'} | {ci(row['pass@1'])} | {gain} | "
                          f"{ci(row['aepo_minus']) if 'aepo_minus' in row else '–'} | "
                          f"{ci(row['format_valid']) if 'format_valid' in row else '–'} | "
                          f"{ci(row['format_gain']) if 'format_gain' in row else '–'} |")
@@ -303,7 +305,8 @@ def plot(runs: dict, names: list[str], seeds: list[int], key: str, title: str, a
                     continue                                             # summaries from before the key
                 curves = [pass1_curve(runs[a, s], args.steps, args.eval_every, metric) for s in seeds]
                 starts = [pass1_curve(runs[names[0], s], args.steps, args.eval_every, metric)[0] for s in seeds]
-                curves = [c if c[0][0] == 0 or start[0] else [start, *c] for c, start in zip(curves, starts)]
+                curves = [c if c[0][0] == 0 or start[0] or a in OWN_START else [start, *c]
+                          for c, start in zip(curves, starts)]
                 steps = np.array([step for step, _ in curves[0]])
                 vals = np.array([[v for _, v in c] for c in curves], dtype=float)
                 mean, lo, hi = vals.mean(0), vals.min(0), vals.max(0)

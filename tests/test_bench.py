@@ -90,12 +90,13 @@ def test_compare_report_aggregates_every_seed(tmp_path):
         ["--work", str(tmp_path / "work"), "--out", str(tmp_path / "out"), "--seeds", "0,1", "--eval_n", "4",
          "--steps", "8", "--eval_every", "4", "--backend", "transformers"])
     task = lookup_task.make_task(tmp_path / "work" / "task", n_train=4, n_test=2, n_cold=2)
-    after = {("grpo", 0): 0.2, ("grpo", 1): 0.4, ("aepo", 0): 0.5, ("aepo", 1): 0.1}
+    after = {("grpo", 0): 0.2, ("grpo", 1): 0.4, ("aepo", 0): 0.5, ("aepo", 1): 0.1,
+             ("aepo-shortcold", 0): 0.0, ("aepo-shortcold", 1): 0.0}
     for (algo, seed), v in after.items():
         fake_run(tmp_path / "work" / "runs" / f"{algo}-s{seed}", [0.0, 0.5, 1.0, 1.0, 0.0, 0.5, 1.0, 1.0],
                  before=0.25 if algo == "grpo" else None, after=v, step4=v / 2,
                  argv=compare_algorithms.train_argv(algo, seed, task, args))
-    res = compare_algorithms.report(args, ["grpo", "aepo"], [0, 1], tmp_path / "out")
+    res = compare_algorithms.report(args, ["grpo", "aepo", "aepo-shortcold"], [0, 1], tmp_path / "out")
     grpo, aepo = res["algos"]["grpo"], res["algos"]["aepo"]
     assert grpo["mean_sd"]["pass@1"] == pytest.approx((0.3, math.sqrt(0.02)))
     assert aepo["mean_sd"]["pass@1"] == pytest.approx((0.3, math.sqrt(0.08)))
@@ -119,6 +120,9 @@ def test_compare_report_aggregates_every_seed(tmp_path):
     assert grpo["aepo_minus"][0] == pytest.approx(0.0) and "aepo_minus" not in aepo
     assert res["start_format_valid"][0] == pytest.approx(0.5) and aepo["format_gain"][0] == pytest.approx(0.5)
     assert "| 1.000 [1.000, 1.000] | 0.500 [0.500, 0.500] |" in md
+    short = res["algos"]["aepo-shortcold"]                       # its own cold start: no gain over the shared one
+    assert "gain" not in short and "format_gain" not in short and short["aepo_minus"][0] == pytest.approx(0.3)
+    assert "| AEPO, 2 cold-start steps | – | 0.000 [0.000, 0.000] | – |" in md
     assert aepo["gain"][0] == pytest.approx(0.3 - 0.25) and res["start_pass@1"][0] == pytest.approx(0.25)
     row = next(line for line in md.splitlines() if line.startswith("| AEPO | 0.250 ["))
     assert "| 0.300 [" in row and "| – | 1.000 [" in row            # AEPO has no AEPO − AEPO
