@@ -3,7 +3,7 @@
     python bench/compare_algorithms.py                      # 8 algorithms x 3 seeds, then the entropy-fall experiments
     python bench/compare_algorithms.py --only algorithms    # the 24 runs of results.md: 3 h 25 min on 2 cores
     python bench/compare_algorithms.py --only algorithms --seeds 0 --steps 4 --eval_limit 20   # a smaller look: 13 min
-    python bench/compare_algorithms.py --only experiments --seeds 0,1   # what bench/results/compare/experiments holds
+    python bench/compare_algorithms.py --only experiments --seeds 0,1   # bench/results/compare/experiments: 1 h 43 min
     python bench/compare_algorithms.py --only algorithms --seeds 0,1,2,3,4 --jobs 1 --threads 2
     python bench/compare_algorithms.py --report_only        # re-aggregate the finished runs
 
