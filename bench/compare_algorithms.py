@@ -253,7 +253,8 @@ def markdown(res: dict, names: list[str], k: int) -> str:
     for a in names:
         row = res["algos"][a]
         gain = ci(row["gain"]) if "gain" in row else "–"
-        intervals.append(f"| {NAMES[a]} | {ci(start) if start and a not in OWN_START else '–'} | {ci(row['pass@1'])} | {gain} | "
+        own = ci(start) if start and a not in OWN_START else "–"
+        intervals.append(f"| {NAMES[a]} | {own} | {ci(row['pass@1'])} | {gain} | "
                          f"{ci(row['aepo_minus']) if 'aepo_minus' in row else '–'} | "
                          f"{ci(row['format_valid']) if 'format_valid' in row else '–'} | "
                          f"{ci(row['format_gain']) if 'format_gain' in row else '–'} |")
