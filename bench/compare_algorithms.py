@@ -300,13 +300,13 @@ def plot(runs: dict, names: list[str], seeds: list[int], key: str, title: str, a
               }.get(key, [(key, title)])
     fig, axes = plt.subplots(1, len(panels), figsize=(5.2 * len(panels), 3.8), squeeze=False)
     for ax, (metric, label) in zip(axes.flat, panels):
+        starts = [runs[names[0], s]["eval"].get("before", {}).get(metric) for s in seeds]   # the seed's shared start
         for a in names:
             if key == "pass1":
                 if any(metric not in runs[a, s]["eval"]["after"] for s in seeds):
                     continue                                             # summaries from before the key
                 curves = [pass1_curve(runs[a, s], args.steps, args.eval_every, metric) for s in seeds]
-                starts = [pass1_curve(runs[names[0], s], args.steps, args.eval_every, metric)[0] for s in seeds]
-                curves = [c if c[0][0] == 0 or start[0] or a in OWN_START else [start, *c]
+                curves = [[(0, start), *c] if c[0][0] and start is not None and a not in OWN_START else c
                           for c, start in zip(curves, starts)]
                 steps = np.array([step for step, _ in curves[0]])
                 vals = np.array([[v for _, v in c] for c in curves], dtype=float)
