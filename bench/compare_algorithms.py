@@ -5,6 +5,7 @@
     python bench/compare_algorithms.py --only algorithms --seeds 0 --steps 4 --eval_limit 20   # a smaller look: 13 min
     python bench/compare_algorithms.py --only experiments --seeds 0,1   # bench/results/compare/experiments: 1 h 43 min
     python bench/compare_algorithms.py --only algorithms --seeds 0,1,2,3,4 --jobs 1 --threads 2
+    python bench/compare_algorithms.py --only experiments --methods grpo,aepo,aepo-norollout   # some of them
     python bench/compare_algorithms.py --report_only        # re-aggregate the finished runs
 
 Task: bench/lookup_task.py (fictional people and firms behind the BM25 search tool; one- and two-search questions).
@@ -344,6 +345,8 @@ def main_parser() -> argparse.ArgumentParser:
                         help="the algorithms, the entropy-fall experiments, or both")
     parser.add_argument("--work", default=str(ROOT / "runs" / "compare"), help="task files, run directories, logs")
     parser.add_argument("--out", default=str(ROOT / "bench" / "results" / "compare"), help="report directory")
+    parser.add_argument("--methods", default="", help="comma-separated: only these of --only's methods (e.g. "
+                        "grpo,aepo,aepo-norollout; default all)")
     parser.add_argument("--jobs", type=int, default=2, help="runs at once")
     parser.add_argument("--threads", type=int, default=1, help="torch threads per run")
     parser.add_argument("--backend", default="vllm" if importlib.util.find_spec("vllm") else "transformers",
@@ -360,14 +363,30 @@ def main_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def chosen_reports(args: argparse.Namespace) -> dict[str, tuple[list[str], Path]]:
+    """{report: (its methods, its folder)} for --only and --methods; ValueError names a method --only does not have."""
+    reports = {"algorithms": (list(ALGOS), Path(args.out)),
+               "experiments": (["grpo", "aepo", *EXPERIMENTS], Path(args.out) / "experiments")}
+    reports = {key: value for key, value in reports.items() if args.only in ("all", key)}
+    if not args.methods:
+        return reports
+    wanted = args.methods.split(",")
+    known = [a for names, _ in reports.values() for a in names]
+    if unknown := [a for a in wanted if a not in known]:
+        raise ValueError(f"--methods: {', '.join(unknown)} not among --only {args.only}'s: {', '.join(known)}")
+    return {key: ([a for a in names if a in wanted], out) for key, (names, out) in reports.items()
+            if any(a in wanted for a in names)}
+
+
 def main() -> None:
     args = main_parser().parse_args()
     if args.eval_limit < 1:
         main_parser().error("--eval_limit must be at least 1: the task is built with that many held-out questions")
     seeds = [int(s) for s in args.seeds.split(",")]
-    reports = {"algorithms": (list(ALGOS), Path(args.out)),
-               "experiments": (["grpo", "aepo", *EXPERIMENTS], Path(args.out) / "experiments")}
-    reports = {key: value for key, value in reports.items() if args.only in ("all", key)}
+    try:
+        reports = chosen_reports(args)
+    except ValueError as e:
+        main_parser().error(str(e))
     task = make_task(Path(args.work) / "task", n_test=args.eval_limit)
     if not args.report_only:
         started = time.time()

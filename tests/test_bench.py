@@ -150,6 +150,18 @@ def test_compare_report_names_a_missing_run(tmp_path):
         compare_algorithms.report(args, ["grpo"], [0], tmp_path / "o")
 
 
+def test_compare_methods_chooses_among_only(tmp_path):
+    parse = compare_algorithms.main_parser().parse_args
+    everything = compare_algorithms.chosen_reports(parse(["--out", str(tmp_path)]))
+    assert everything["experiments"] == (["grpo", "aepo", *compare_algorithms.EXPERIMENTS], tmp_path / "experiments")
+    some = compare_algorithms.chosen_reports(parse(["--out", str(tmp_path), "--only", "experiments",
+                                                    "--methods", "aepo-norollout,grpo"]))
+    assert some == {"experiments": (["grpo", "aepo-norollout"], tmp_path / "experiments")}     # in the table's order
+    assert list(compare_algorithms.chosen_reports(parse(["--methods", "arpo"]))) == ["algorithms"]
+    with pytest.raises(ValueError, match="aepo-nosg not among --only algorithms's"):
+        compare_algorithms.chosen_reports(parse(["--only", "algorithms", "--methods", "aepo,aepo-nosg"]))
+
+
 def test_every_algorithm_and_experiment_has_its_config(tmp_path):
     """Each compared algorithm is a configs/<name>.yaml overlay that parses; each entropy-fall experiment is AEPO
     with one flag changed."""
