@@ -371,7 +371,7 @@ def chosen_reports(args: argparse.Namespace) -> dict[str, tuple[list[str], Path]
     if not args.methods:
         return reports
     wanted = args.methods.split(",")
-    known = [a for names, _ in reports.values() for a in names]
+    known = list(dict.fromkeys(a for names, _ in reports.values() for a in names))     # grpo, aepo: in both
     if unknown := [a for a in wanted if a not in known]:
         raise ValueError(f"--methods: {', '.join(unknown)} not among --only {args.only}'s: {', '.join(known)}")
     return {key: ([a for a in names if a in wanted], out) for key, (names, out) in reports.items()
