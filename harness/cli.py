@@ -7,6 +7,7 @@ reports it.
 from __future__ import annotations
 
 import os
+import re
 import signal
 import sys
 
@@ -87,8 +88,15 @@ def _say(rank: str, line: str, code: int) -> int:
         for bar in list(getattr(sys.modules["tqdm"].tqdm, "_instances", ())):
             bar.close()
     if rank == "0":
-        print(line, file=sys.stderr, flush=True)
+        print(for_console(line), file=sys.stderr, flush=True)
     return code
+
+
+def for_console(text: str) -> str:
+    """`text` without the bidirectional controls (U+202A-U+202E embeddings and overrides, U+2066-U+2069 isolates),
+    which make a terminal show the characters after them in another order than they are: a file name, a data row or
+    a tool's output quoted in a console line cannot make it read as something else."""
+    return re.sub("[\u202a-\u202e\u2066-\u2069]", "", text)
 
 
 def lost_peer(err: BaseException) -> bool:

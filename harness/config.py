@@ -241,8 +241,8 @@ class Config:
     run_name: str = arg("", "run directory name ('' = <model>-<date-time>; with --resume, '' = latest run)")
     resume: bool = arg(False, "continue the run from its latest checkpoint (its settings must match, except length, "
                               "evaluation, logging and output ones)")
-    allow_config_change: bool = arg(False, "with --resume: accept settings that differ from the run's (listed in "
-                                           "the run's config_history.yaml)")
+    allow_config_change: bool = arg(False, "with --resume: accept settings that differ from the run's or from its "
+                                           "newest checkpoint's (listed in the run's config_history.yaml)")
     save_every: int = arg(8, "checkpoint every N steps (the last step is always saved; 0 = the last step only) "
                              "[embedded]", valid="[0, inf)")
     keep_checkpoints: int = arg(2, "checkpoints kept, the oldest deleted (0 = keep all)", valid="[0, inf)")
@@ -315,8 +315,10 @@ def parse_args(parser, argv, prog: str, cls=None) -> dict:
     expert = expert_keys(cls)
     configfile.check_flags(argv, RENAMED, expert)
     flags = [f.name for f in dataclasses.fields(cls) if f.name not in expert]
+    expanded = configfile.expand_set(argv, expert, flags)
+    configfile.check_values(expanded)                       # no alias bomb reaches the parser
     try:
-        values = parser.parse_args(configfile.expand_set(argv, expert, flags)).as_dict()
+        values = parser.parse_args(expanded).as_dict()
     except ArgumentError as err:
         message = " ".join(str(err).split())
         unknown = re.match(r"Option '([^']+)' is not accepted", message)        # a key of a --config file

@@ -1,6 +1,7 @@
 """The command line's settings before the parser: the YAML files that hold them (--config files, a run's config.yaml and
-config_history.yaml) read strictly (UTF-8, valid YAML, each key once, a mapping at the top; anything else is one line
-naming the file and the line), flags that went or that are --set keys refused, and --set KEY=VALUE spelled out."""
+config_history.yaml) read strictly (UTF-8, valid YAML, each key once, a mapping at the top, aliases that expand it to
+no more than MAX_VALUES values; anything else is one line naming the file and the line), the same bound on the YAML of
+every flag's value, flags that went or that are --set keys refused, and --set KEY=VALUE spelled out."""
 from __future__ import annotations
 
 from collections.abc import Hashable
@@ -11,13 +12,31 @@ import yaml
 from harness.cli import UserError
 
 
+MAX_VALUES = 10_000       # values a document's aliases may expand it to; a run's settings are a few hundred
+
+
 class _KeyTwice(yaml.YAMLError):
     def __init__(self, key, line: int, first: int):
         super().__init__(f"line {line}: key {key!r} is given twice (first on line {first}); give each key once")
 
 
+class _AliasBomb(yaml.YAMLError):
+    """A document whose aliases (*name) repeat values past MAX_VALUES, or name a value they are inside of."""
+
+
 class StrictLoader(yaml.SafeLoader):
-    """PyYAML's safe loader, except that a key given twice in one mapping is an error (PyYAML keeps the last value)."""
+    """PyYAML's safe loader, except that a key given twice in one mapping is an error (PyYAML keeps the last value),
+    and so is a document whose aliases would expand it past MAX_VALUES values (`expanded_size`)."""
+
+    def compose_document(self):
+        node = super().compose_document()
+        sizes: dict[int, tuple | None] = {}
+        total = expanded_size(node, sizes)
+        if total > MAX_VALUES and total > len(sizes):         # more values than it holds: aliases repeat them
+            size, line = min((size, n.start_mark.line + 1) for n, size in sizes.values() if size > MAX_VALUES)
+            raise _AliasBomb(f"line {line}: its aliases (*name) expand this value to {size:,} values, more than the "
+                             f"{MAX_VALUES:,} any settings need (an alias bomb); write the values out")
+        return node
 
     def construct_mapping(self, node, deep=False):
         first = {}
@@ -31,6 +50,47 @@ class StrictLoader(yaml.SafeLoader):
                 raise _KeyTwice(key, key_node.start_mark.line + 1, first[key])
             first[key] = key_node.start_mark.line + 1
         return super().construct_mapping(node, deep)
+
+
+def expanded_size(node, sizes: dict) -> int:
+    """How many values (scalars, lists and mappings, keys included) the composed YAML `node` holds once every alias
+    under it is written out, as a parser that copies the values (jsonargparse does) would build them. Counted on the
+    composed graph, where an alias is the node it names, so each node is counted once and a "billion laughs" of a few
+    hundred bytes is measured, never built. `sizes` collects (node, size) by id(node). An alias inside the value it
+    names (which never ends when written out) is an error."""
+    if id(node) in sizes:
+        if sizes[id(node)] is None:
+            raise _AliasBomb(f"line {node.start_mark.line + 1}: an alias (*name) inside the value it names repeats it "
+                             "without end; write the values out")
+        return sizes[id(node)][1]
+    sizes[id(node)] = None                                    # open: an alias reaching it now is a loop
+    if isinstance(node, yaml.MappingNode):
+        children = [part for pair in node.value for part in pair]
+    elif isinstance(node, yaml.SequenceNode):
+        children = node.value
+    else:
+        children = []
+    size = 1 + sum(expanded_size(child, sizes) for child in children)
+    sizes[id(node)] = (node, size)
+    return size
+
+
+def check_values(argv: list[str]) -> None:
+    """The values the parser reads as YAML (each flag's value, and the text of a --config that names no file) within
+    MAX_VALUES once their aliases are written out, else a UserError naming the flag. (A --config file is checked
+    when it is read: load_all.)"""
+    flag = ""
+    for item in argv:
+        if item.startswith("--"):
+            flag, equals, item = item.partition("=")
+            if not equals:
+                continue
+        try:
+            yaml.compose(item, Loader=StrictLoader)
+        except _AliasBomb as err:
+            raise UserError(f"{flag}: {err}") from None
+        except yaml.YAMLError:                                # not YAML: the parser says what is wrong
+            continue
 
 
 def load_all(path, where: str) -> list:
@@ -49,7 +109,7 @@ def load_all(path, where: str) -> list:
                         "UTF-8") from None
     try:
         return list(yaml.load_all(text, Loader=StrictLoader))
-    except _KeyTwice as err:
+    except (_KeyTwice, _AliasBomb) as err:
         raise UserError(f"{where}: {err}") from None
     except yaml.MarkedYAMLError as err:
         mark = err.problem_mark

@@ -19,6 +19,7 @@ import sys
 from pathlib import Path
 
 import tools
+from harness import jsonl
 from harness.cli import UserError
 
 
@@ -136,7 +137,7 @@ def load_dataset(path, skip_bad: bool = False) -> Dataset:
                        enumerate(pq.read_table(path).to_pylist())]
         else:
             records = [(f"line {i + 1}", lambda raw=raw: _jsonl_row(raw, path.stem))
-                       for i, raw in enumerate(_text(path).splitlines()) if raw.strip()]
+                       for i, raw in enumerate(jsonl.lines(_text(path))) if raw.strip()]
     except UserError:
         raise
     except (OSError, ValueError) as err:                         # pyarrow's ArrowInvalid is a ValueError

@@ -26,7 +26,7 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from urllib.parse import urlencode
 
-from harness import http_client
+from harness import http_client, jsonl
 from harness.cli import RunFailure, UserError
 from harness.config import cache_dir
 from tools import SearchError
@@ -90,7 +90,7 @@ class BM25Search:
         self._bm25s, self.topk = bm25s, topk
         path = Path(corpus_path) if corpus_path else default_corpus_path(cache)
         self.docs = []
-        for n, line in enumerate(path.read_text(encoding="utf-8").splitlines(), 1):
+        for n, line in enumerate(jsonl.lines(path.read_text(encoding="utf-8")), 1):
             if line.strip():
                 try:
                     row = json.loads(line)

@@ -52,15 +52,19 @@ PYTHON_LIMITS = {name: p.default for name, p in inspect.signature(tools.run_pyth
 
 def python_limits(limits: dict) -> dict:
     """--python_limits (some of PYTHON_LIMITS' keys: tools.run_python's limits, whose defaults they keep) checked and
-    complete. A key that is none of them, or a value that is not a positive number, is a UserError."""
+    complete. A key that is none of them, a value that is not a positive number, or one that is not a whole number
+    where run_python counts (max_processes, total_memory_mb, disk_mb: 2.0 is 2, 2.5 is refused) is a UserError."""
     unknown = sorted(set(limits) - set(PYTHON_LIMITS))
     if unknown:
         raise UserError(f"--python_limits: unknown key(s) {', '.join(unknown)}; the keys are "
                         f"{', '.join(PYTHON_LIMITS)}")
+    whole = {key for key, default in PYTHON_LIMITS.items() if isinstance(default, int)}
     for key, value in limits.items():
         if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0:
             raise UserError(f"--python_limits: {key} must be a positive number, got {value!r}")
-    return {**PYTHON_LIMITS, **limits}
+        if key in whole and not float(value).is_integer():
+            raise UserError(f"--python_limits: {key} must be a whole number (at least 1), got {value!r}")
+    return {**PYTHON_LIMITS, **{key: int(value) if key in whole else value for key, value in limits.items()}}
 
 
 def make_tools(search, limits: dict, names=("search", "python"), mcp_servers=(), tool_format: str = "tags",

@@ -22,6 +22,8 @@ import math
 import sys
 from pathlib import Path
 
+from harness import jsonl
+
 ARG_CHARS = 60                                     # a tool call's argument is kept to this many characters
 KINDS = {"premonitor": ("o", "pre-monitor"), "global": ("s", "global sample"), "branch": ("^", "branch"),
          "completion": ("D", "completion")}
@@ -92,7 +94,8 @@ def append(path: Path, recs: list[dict]) -> None:
 
 def load(path: Path, step: int | None = None) -> list[dict]:
     """The records of `step` in a trees.jsonl (default: its last step)."""
-    recs = [json.loads(line) for line in Path(path).read_text(encoding="utf-8").splitlines() if line.strip()]
+    text = Path(path).read_text(encoding="utf-8")
+    recs = [json.loads(line) for line in jsonl.lines(text) if line.strip()]
     if not recs:
         raise ValueError(f"{path}: no tree records")
     step = recs[-1]["step"] if step is None else step

@@ -181,6 +181,20 @@ class HangOnRank1(WrappedGenerator):
         return out
 
 
+class PrintsSeparators(WrappedGenerator):
+    """The real generator, except that a trajectory's first segment is a python call printing U+2028, U+2029 and
+    U+0085 (written as escapes in the call, so the tool's output is the first text that holds them raw)."""
+
+    def generate(self, contexts, max_new_tokens, seed, sampling=None, on_step=None):
+        from rollout import Segment
+        out = self.inner.generate(contexts, max_new_tokens, seed, sampling, on_step)
+        for i, context in enumerate(contexts):
+            if self.tokenizer.decode(context[-3:]).endswith("assistant\n"):      # right after the prompt
+                text = '<think> compute </think> <python> print("one\\u2028two\\u2029three\\x85four") </python>'
+                out[i] = Segment(self.tokenizer.encode(text, add_special_tokens=False), "tool", 0.5, text)
+        return out
+
+
 def varied_reward(response_text, golds):
     """`--reward tests/fakes.py:varied_reward` for a run in a subprocess: fake_score's reward (a deterministic spread
     over the texts, so advantages and gradients are not zero)."""

@@ -1,7 +1,8 @@
 """A newcomer's mistakes get one clear line: every user mistake is `error: ...` on stderr with exit code 2 and no
-traceback, before the run folder exists; --resume refuses changed settings (and keeps the config history); the
-defaults fit any number of processes; eval.py evaluates a run the way it trained; a search backend that is down is
-caught at start-up and, mid-run, named in the step line; bare boolean flags work."""
+traceback, before the run folder exists; --resume refuses changed settings (and keeps the config history) and a
+folder whose settings are not its checkpoint's; python limits that count are whole numbers; the defaults fit any
+number of processes; eval.py evaluates a run the way it trained; a search backend that is down is caught at start-up
+and, mid-run, named in the step line; console lines carry no bidirectional controls; bare boolean flags work."""
 import json
 import subprocess
 import sys
@@ -55,6 +56,9 @@ def mistakes(root: Path, tmp: Path) -> dict:
                                  "--entropy_coeff is gone: use --entropy_coef"),
         "bad python limit": (dict(python_limits='{memory_mb: 9}'), "--python_limits: unknown key.s. memory_mb; the "
                                                                    "keys are timeout_s, max_processes"),
+        "fractional python limit": (dict(python_limits='{timeout_s: 2.5, disk_mb: 1.5}'),
+                                    r"^error: --python_limits: disk_mb must be a whole number \(at least 1\), "
+                                    r"got 1.5$"),
         "bad cold-start key": (dict(cold_start_kw='{step: 9}'), "--cold_start_kw: unknown key step"),
         "bad mismatch band": (dict(set="mismatch_band=[2, 3]"), "--set mismatch_band=.2.0, 3.0.: two numbers"),
         "a --set key as a flag": (dict(packed="false"), "--packed is not a flag but a --set key: use --set "
@@ -76,8 +80,9 @@ def _yaml(tmp: Path, name: str, text: str) -> Path:
 @pytest.mark.parametrize("kind", ["malformed row", "not JSON", "empty file", "missing file", "not a model",
                                   "no such model", "bad sizes", "unknown flag", "unknown backend", "too few questions",
                                   "a flag that went", "a YAML key that went", "bad python limit",
-                                  "bad cold-start key", "bad mismatch band", "a --set key as a flag",
-                                  "an unknown --set key", "a flag given to --set", "set: in a YAML file"])
+                                  "fractional python limit", "bad cold-start key", "bad mismatch band",
+                                  "a --set key as a flag", "an unknown --set key", "a flag given to --set",
+                                  "set: in a YAML file"])
 def test_user_mistakes_are_one_line_and_leave_nothing(kind, setup, tmp_path, capsys):  # noqa: F811
     over, expected = mistakes(setup, tmp_path)[kind]
     code, err = command(capsys, train.main, flags(setup, f"mistake_{kind.replace(' ', '_')}", **over))
@@ -163,6 +168,58 @@ def test_resume_refuses_changed_settings_and_keeps_history(setup, monkeypatch, c
     assert [d["k"] for d in history] == [2, 3]
     rows = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in rows] == [1, 2, 3] and rows[2]["trajectories"] == 2 * 3
+
+
+def test_python_limits_that_count_are_whole_numbers():
+    """max_processes, total_memory_mb and disk_mb count processes and MB: 2.0 is 2, 2.5 is one line naming the key
+    (accepted, it made every python call of the run fail); timeout_s may be a fraction."""
+    from harness import settings
+    limits = settings.python_limits({"max_processes": 2.0, "total_memory_mb": 512, "timeout_s": 2.5})
+    assert limits == {"timeout_s": 2.5, "max_processes": 2, "total_memory_mb": 512, "disk_mb": 64}
+    assert isinstance(limits["max_processes"], int)
+    for key in ("max_processes", "total_memory_mb", "disk_mb"):
+        with pytest.raises(cli.UserError, match=f"^--python_limits: {key} must be a whole number \\(at least 1\\), "
+                                                "got 2.5$"):
+            config.parse_config(["--python_limits", f"{{{key}: 2.5}}"])
+
+
+def test_resume_refuses_a_folder_whose_settings_are_not_its_checkpoints(setup, capsys):  # noqa: F811
+    """The run folder's config.yaml replaced by another run's (here: another seed and beta): --resume says, in one line
+    and before writing anything, which settings differ from those its checkpoint was saved with; flags that restate
+    the folder's values change nothing; --allow_config_change resumes with the folder's settings."""
+    run = Path(train.main(flags(setup, "other_config", steps=1), score=fake_score)["run_dir"])
+    capsys.readouterr()
+    saved = yaml.safe_load((run / "config.yaml").read_text())
+    (run / "config.yaml").write_text(yaml.safe_dump({**saved, "seed": 7, "beta": 0.9}, sort_keys=False))
+    files = {path: path.read_bytes() for path in run.rglob("*") if path.is_file()}
+    for extra in ({}, {"seed": 7, "beta": 0.9}):
+        code, err = command(capsys, train.main, flags(setup, "other_config", steps=2, resume="true", **extra))
+        lines = [line for line in err.splitlines() if line.strip()]
+        assert code == 2 and lines == [
+            f"error: --resume: {run}/config.yaml does not hold the settings step_000001 was saved with (the "
+            "checkpoint's -> the folder's): beta: 0.5 -> 0.9; seed: 0 -> 7; the folder's settings may come from "
+            f"another run: restore them from {run}/checkpoints/step_000001/config.yaml, or add --allow_config_change "
+            "to resume with the folder's"], err
+        assert {path: path.read_bytes() for path in run.rglob("*") if path.is_file()} == files
+    train.main(flags(setup, "other_config", steps=2, resume="true", allow_config_change="true"), score=fake_score)
+    history = [d for d in yaml.safe_load_all((run / "config_history.yaml").read_text()) if d]
+    assert [(d["seed"], d["beta"]) for d in history] == [(7, 0.9)]
+
+
+def test_console_lines_carry_no_bidirectional_controls(capsys):
+    """A tool's error text in the step's warning line (runlog.last_error) and a message in the one error line
+    (cli.run_cli) lose U+202A-U+202E and U+2066-U+2069, which would make the terminal show what follows in another
+    order; the rest of the text stays."""
+    from types import SimpleNamespace
+    from harness.run import runlog
+    odd = "\u202a\u202b\u202c\u202d\u202e\u2066\u2067\u2068\u2069"
+    trajectory = SimpleNamespace(tool_calls=[("python", "x")], observations=[f"Error: exe.{odd}txt\u2028done\x1b[2J"])
+    assert runlog.last_error([trajectory], "python") == "Error: exe.txt done[2J"
+
+    def main(argv):
+        raise cli.UserError(f"--run_name {odd}gpj.exe: bad")
+    assert cli.run_cli(main, []) == 2
+    assert capsys.readouterr().err == "error: --run_name gpj.exe: bad\n"
 
 
 def test_eval_takes_the_runs_settings(setup, monkeypatch, capsys, tmp_path):

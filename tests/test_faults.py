@@ -2,7 +2,8 @@
 exactly, with non-zero gradients, to the same weights and AdamW moments as an uninterrupted run; two runs never share
 a folder (a lock; a killed run's lock is taken over); a run stopped before its first checkpoint restarts clean (its
 folder moved aside, never appended to); a run stopped during its final evaluation runs it on --resume; a failed
-resume writes nothing; damaged checkpoints end in one line."""
+resume writes nothing; damaged checkpoints end in one line; U+2028, U+2029 and U+0085 in a question, a corpus row and
+a tool's output are text, and a --resume keeps every row that holds them."""
 import json
 import os
 import signal
@@ -18,7 +19,7 @@ import train
 from harness import cli
 from harness.run import checkpoint
 from tests.conftest import flags, weights
-from tests.fakes import fake_score
+from tests.fakes import PrintsSeparators, fake_score
 
 ROOT = Path(__file__).resolve().parents[1]
 REWARD = "--reward=tests/fakes.py:varied_reward"
@@ -199,3 +200,36 @@ def test_a_failed_resume_writes_nothing_and_damaged_checkpoints_are_one_line(set
     (ckpt / "config.json").write_text(config_json.replace('"hidden_size": 32', '"hidden_size": 64'))
     files[ckpt / "config.json"] = (ckpt / "config.json").read_bytes()
     resume_fails(r"--resume: .*step_000001 holds another model than --model .*tiny: hidden_size 64 \(--model's 32\)")
+
+
+def test_line_separators_in_text_keep_every_row_through_a_resume(setup, tmp_path, capsys):
+    """U+2028, U+2029 and U+0085, which JSON writes raw (ensure_ascii=False) and str.splitlines() takes for line
+    ends, in a question, a search corpus row and a python call's output: the run reads them, finishes (its trees
+    drawn from trees.jsonl) and a --resume keeps every complete row of samples.jsonl and trees.jsonl, with no
+    warning of lines cut mid-write."""
+    odd = "\u2028\u2029\x85"
+    qa = tmp_path / "qa.jsonl"
+    qa.write_text("".join(json.dumps({"question": f"What is{odd}the capital of France? ({i})", "answer": ["Paris"]},
+                                     ensure_ascii=False) + "\n" for i in range(4)), encoding="utf-8")
+    corpus = tmp_path / "corpus.jsonl"
+    corpus.write_text(json.dumps({"id": "1", "title": f"Paris{odd}", "text": f"The capital{odd}of France."},
+                                 ensure_ascii=False) + "\n" + json.dumps({"id": "2", "title": "Rome", "text": "Italy"}),
+                      encoding="utf-8")
+    common = dict(train_data=qa, search="bm25", search_kw=json.dumps({"corpus_path": str(corpus)}),
+                  max_response_tokens=60)
+    train.main(flags(setup, "separators", steps=1, **common), score=fake_score,
+               make_generator=PrintsSeparators.factory())
+    run = setup / "runs" / "separators"
+    assert (run / "trees.png").exists()
+    before = {name: (run / name).read_text(encoding="utf-8") for name in ("samples.jsonl", "trees.jsonl")}
+    samples = [json.loads(line) for line in before["samples.jsonl"].split("\n")[:-1]]
+    assert len(samples) == 2 and all(row["question"].startswith(f"What is{odd}the capital") for row in samples)
+    assert all("<result>\none\u2028two\u2029threefour\n</result>" in row["text"] for row in samples)   # U+0085: D46
+    assert [rec["step"] for rec in map(json.loads, before["trees.jsonl"].split("\n")[:-1])] == [1, 1]
+    capsys.readouterr()
+    train.main(flags(setup, "separators", steps=2, resume="true", **common), score=fake_score,
+               make_generator=PrintsSeparators.factory())
+    assert "warning" not in capsys.readouterr().err
+    for name, text in before.items():
+        after = (run / name).read_text(encoding="utf-8")
+        assert after.startswith(text) and len(after.split("\n")) > len(text.split("\n")), name

@@ -1,10 +1,12 @@
 """More mistakes a user makes end in one line: `error: ...` on stderr naming the flag or file and what is wrong, exit
 code 2, no traceback and no run folder (or evaluation folder), before any work: a tokenizer prompts cannot be built
-with, a --config file that is not UTF-8, gives a key twice or one that is no setting, or is a list, a data row nested
-too deeply, with a non-finite gold or an id given twice, a question longer than the model's context, a run name too
-long for a folder, a cache or --out_dir that cannot be written, --device cuda without CUDA, eval.py --run on a damaged
-run folder or on a checkpoint of another model, a web search without its API key, and --resume on a checkpoint that
-lacks its trainer state. A --resume on logs cut short is one warning line, and the run goes on."""
+with, a --config file that is not UTF-8, gives a key twice or one that is no setting, is a list or an alias bomb (in
+a file, a --config text or a flag's value), a data row nested too deeply, with a non-finite gold or an id given
+twice, a question longer than the model's context, a run name too long for a folder, a cache or --out_dir that cannot
+be written, --device cuda without CUDA, eval.py --run on a damaged run folder or on a checkpoint of another model, a
+web search without its API key, and --resume on a checkpoint that lacks its trainer state. A --resume on logs cut
+short is one warning line, and the run goes on. U+2028, U+2029 and U+0085 inside a data row or a demonstration are
+text, not line ends."""
 import json
 import os
 import re
@@ -86,6 +88,12 @@ CONFIG_FILES = {
     "a list": (b"- lr: 0.001\n- k: 2\n", "its top level is a list, not a mapping of settings"),
     "an unknown key": (b"seed: 1\nbogus: 3\n", "line 2: Option 'bogus' is not accepted"),
     "not YAML": (b"lr: [0.001\n", "not valid YAML: line 2, column 1"),
+    "an alias bomb": (b"search_kw:\n  a: &a [x, x, x, x, x, x, x, x, x, x]\n" +
+                      b"".join(f"  {b}: &{b} [{', '.join(['*' + a] * 10)}]\n".encode() for a, b in zip("abc", "bcd")),
+                      r"line 5: its aliases \(\*name\) expand this value to 11,111 values, more than the 10,000 any "
+                      r"settings need \(an alias bomb\); write the values out$"),
+    "an alias inside itself": (b"search_kw:\n  a: &a [1, *a]\n", r"line 2: an alias \(\*name\) inside the value it "
+                                                                 "names repeats it without end"),
 }
 
 
@@ -103,6 +111,24 @@ def test_a_bad_config_file_is_one_line(kind, setup, tmp_path, capsys):
 def test_config_files_that_are_fine():
     """Merge keys are no duplicates; a --config that is YAML text rather than a file is still the parser's."""
     assert config.parse_config(["--config", "{k: 3, lr: 0.01}"]).k == 3
+
+
+def test_aliases_are_bounded_in_every_yaml_value():
+    """An alias that repeats a value a few times is YAML as usual; one that would expand a value past 10,000 values
+    (jsonargparse copies each value, so a bomb of a few hundred bytes grew without bound) is one line naming the flag,
+    whether the YAML is a --config text, a flag's value or a --set value."""
+    fine = "report_to: &none []\nmismatch_masks: *none\nsearch_kw: {a: &x [1, 2], b: *x}"
+    cfg = config.parse_config(["--config", fine])
+    assert (cfg.report_to, cfg.mismatch_masks, cfg.search_kw) == ([], [], {"a": [1, 2], "b": [1, 2]})
+    levels = ["&a [" + ", ".join(["x"] * 10) + "]"]
+    levels += [f"&{b} [{', '.join(['*' + a] * 10)}]" for a, b in zip("abc", "bcd")]      # each 10 of the one before
+    mapping = "{" + ", ".join(f"{name}: {level}" for name, level in zip("abcd", levels)) + "}"
+    for argv, flag in [(["--config", mapping], "--config"), (["--python_limits", mapping], "--python_limits"),
+                       ([f"--search_kw={mapping}"], "--search_kw"),
+                       (["--set", f"mismatch_band=[{', '.join(levels)}]"], "--mismatch_band")]:
+        with pytest.raises(cli.UserError, match=f"^{flag}: line 1: its aliases \\(\\*name\\) expand this value to "
+                                                "11,111 values, more than the 10,000 any settings need"):
+            config.parse_config(argv)
 
 
 # ---------------------------------------------------------------------------------------------------------------------
@@ -172,6 +198,25 @@ def test_a_bad_data_file_is_one_line(kind, command, setup, tmp_path, capsys):
                                                   "--out_dir", str(tmp_path / "ev")])
         assert not (tmp_path / "ev").exists()
     assert re.search(f"{path}.*: ({says})", line) and len(line) < 500, line[:1000]
+
+
+def test_line_separators_inside_a_row_are_data(tmp_path):
+    """U+2028, U+2029 and U+0085 inside a JSON string (json.dumps writes them raw with ensure_ascii=False; Python's
+    str.splitlines() ends a line at each) end no row: a dataset row and a demonstration are read whole, each on its
+    own line number (harness/jsonl.py)."""
+    from harness import dataset
+    from harness.run import coldstart
+    odd = "\u2028\u2029\x85"
+    data = tmp_path / "qa.jsonl"
+    data.write_text(json.dumps({"question": f"Q{odd}?", "answer": f"A{odd}B"}, ensure_ascii=False) + "\n" +
+                    json.dumps({"question": "R?", "answer": "C"}) + "\n", encoding="utf-8")
+    rows = dataset.load_dataset(data)
+    assert [(r["question"], r["golds"], r["id"]) for r in rows] == [(f"Q{odd}?", [f"A{odd}B"], "qa:1"),
+                                                                   ("R?", ["C"], "qa:2")]
+    demos = tmp_path / "demos.jsonl"
+    demo = {"messages": [{"role": "user", "content": f"Q{odd}?"}, {"role": "assistant", "content": f"A{odd}"}]}
+    demos.write_text(json.dumps(demo, ensure_ascii=False) + "\n\n" + json.dumps(demo) + "\n", encoding="utf-8")
+    assert coldstart.load_demonstrations(str(demos)) == [demo, demo]
 
 
 # ---------------------------------------------------------------------------------------------------------------------

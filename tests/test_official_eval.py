@@ -807,11 +807,12 @@ def test_with_allow_failures_1_an_unreachable_serp_api_is_a_warning(setup, tmp_p
 
 
 def test_failures_are_counted_over_every_data_set_and_run():
+    """Summed over data sets and runs; the first error quoted without bidirectional controls (cli.for_console)."""
     runs = [{"counts": {"browse/serp_requests": 10, "browse/serp_errors": 1, "policy_calls": 4},
              "judge_requests": 2, "judge_errors": 0}, {"counts": {"browse/serp_requests": 10}, "judge_requests": 2,
                                                        "judge_errors": 1}]
     lines, failed = endpoints.failures([{"per_run": runs[:1]}, {"per_run": runs[1:]}],
-                                       {"browse/serp_errors": "SearchError: down", "judge_errors": ""}, 0.05)
+                                       {"browse/serp_errors": "SearchError: \u202edown", "judge_errors": ""}, 0.05)
     assert lines == ["warning: the search backend (--search / --search_kw url) failed 1 of 20 requests (5%, within "
                      "--set allow_failures=0.05; browse/serp_errors in the summaries); the first error: "
                      "SearchError: down",

@@ -16,7 +16,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from harness import openai_client, search as search_mod
-from harness.cli import RunFailure, UserError
+from harness.cli import RunFailure, UserError, for_console
 from harness.official.browse import PageCache
 
 CHECK_PROMPT = "Reply with one word: OK."      # the start-up request to a chat or completions endpoint (1 token)
@@ -209,7 +209,7 @@ def failures(summaries: list[dict], first_errors: dict, allow: float) -> tuple[l
             continue
         share = totals[errors] / max(1, totals[asked])
         over = share > allow
-        first = " ".join(str(first_errors.get(errors) or "not kept").split())[:300]
+        first = " ".join(for_console(str(first_errors.get(errors) or "not kept")).split())[:300]
         lines.append(f"{'FAILED' if over else 'warning'}: {role} ({source}) failed {totals[errors]} of "
                      f"{totals[asked]} requests ({share:.0%}, "
                      f"{'more than' if over else 'within'} --set allow_failures={allow:g}; {errors} in the summaries); "

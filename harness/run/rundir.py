@@ -16,6 +16,8 @@ from pathlib import Path
 from harness.run import checkpoint
 from harness import cli
 from harness import config
+from harness import configfile
+from harness import jsonl
 from harness.run import parallel
 
 # ---------------------------------------------------------------------------------------------------------------------
@@ -54,12 +56,34 @@ def plan_run(cfg, state: RunState | None = None) -> tuple[Path, list[Path]]:
     if not cfg.resume and ckpts:
         raise cli.UserError(f"{run_dir} already has checkpoints: add --resume to continue it, or give another "
                                "--run_name")
-    if cfg.resume:
-        changes = config_changes(saved_config(run_dir), cfg)
-        if changes and not cfg.allow_config_change:
+    if cfg.resume and not cfg.allow_config_change:
+        saved = saved_config(run_dir)
+        check_checkpoint_config(run_dir, ckpts[-1], saved)
+        changes = config_changes(saved, dataclasses.asdict(cfg))
+        if changes:
             raise cli.UserError(f"--resume: settings differ from {run_dir}'s: " + "; ".join(changes) +
                                    " (use the run's values, or add --allow_config_change to resume with these)")
     return run_dir, ckpts
+
+
+def check_checkpoint_config(run_dir: Path, ckpt: Path, saved: dict) -> None:
+    """--resume: the settings the run folder gives a resume (`saved`: its config_history.yaml's newest, else its
+    config.yaml) are those its newest checkpoint `ckpt` was saved with (the checkpoint's own config.yaml), outside
+    RESUMABLE; else one line naming each that differs. A config.yaml or config_history.yaml copied over from another
+    run (or a checkpoint copied in from one) would otherwise resume that checkpoint under another run's settings
+    without a word. --allow_config_change resumes all the same, with the folder's settings. A checkpoint without a
+    config.yaml is not compared."""
+    path = ckpt / "config.yaml"
+    if not path.is_file():
+        return
+    theirs = configfile.load_settings(path, f"--resume: {path} (the checkpoint's settings)") or {}
+    changes = config_changes(theirs, saved)
+    if changes:
+        source = "config_history.yaml" if (run_dir / "config_history.yaml").is_file() else "config.yaml"
+        raise cli.UserError(f"--resume: {run_dir / source} does not hold the settings {ckpt.name} was saved with ("
+                            f"the checkpoint's -> the folder's): " + "; ".join(changes) + "; the folder's settings may "
+                            f"come from another run: restore them from {path}, or add --allow_config_change to resume "
+                            "with the folder's")
 
 
 def check_newest(run_dir: Path, ckpts: list[Path]) -> None:
@@ -197,14 +221,15 @@ def unlock(file) -> None:
 
 def trim_logs(run_dir: Path, step: int) -> None:
     """On resume: drop the lines metrics.jsonl, samples.jsonl and trees.jsonl got after the checkpoint of `step`, and
-    lines torn by a crash or Ctrl-C mid-write. One warning line per file names the torn lines dropped and the steps
-    up to `step` metrics.jsonl lacks (cut short, emptied or removed): the run goes on, its log without them."""
+    lines torn by a crash or Ctrl-C mid-write (a line ends at a line feed only: harness/jsonl.py). One warning line per
+    file names the torn lines dropped and the steps up to `step` metrics.jsonl lacks (cut short, emptied or removed):
+    the run goes on, its log without them."""
     for name in ("metrics.jsonl", "samples.jsonl", "trees.jsonl"):
         path = run_dir / name
-        lines = path.read_text(errors="replace").splitlines() if path.exists() else []
+        lines = jsonl.lines(path.read_text(encoding="utf-8", errors="replace")) if path.exists() else []
         kept = [line for line in lines if _step_of(line) <= step]
         if path.exists():
-            path.write_text("".join(line + "\n" for line in kept))
+            path.write_text("".join(line + "\n" for line in kept), encoding="utf-8")
         torn = sum(_step_of(line) == float("inf") for line in lines)
         lacks = sorted(set(range(1, step + 1)) - {_step_of(line) for line in kept}) if name == "metrics.jsonl" else []
         said = [f"dropped {torn} line(s) cut mid-write (not JSON with a step)"] if torn else []
@@ -277,9 +302,9 @@ RESUMABLE = {"steps", "epochs", "eval_data", "eval_limit", "eval_n", "eval_every
              "parallel", "backend", "vllm_gpu_memory_utilization", "allow_config_change"}
 
 
-def config_changes(saved: dict, cfg: config.Config) -> list[str]:
-    """`name: saved -> now` for every setting outside RESUMABLE that differs from the run's saved config."""
-    now = dataclasses.asdict(cfg)
+def config_changes(saved: dict, now: dict) -> list[str]:
+    """`name: saved -> now` for every setting of `now` outside RESUMABLE that `saved` gives another value (one that
+    `saved` lacks, a setting newer than it, is no change)."""
     return [f"{key}: {saved.get(key)!r} -> {now[key]!r}" for key in now
             if key not in RESUMABLE and saved.get(key, now[key]) != now[key]]
 
