@@ -8,7 +8,8 @@
     python bench/compare_algorithms.py --only experiments --methods grpo,aepo,aepo-norollout   # some of them
     python bench/compare_algorithms.py --report_only        # re-aggregate the finished runs
 
-Task: bench/lookup_task.py (fictional people and firms behind the BM25 search tool; one- and two-search questions).
+Task: data/build_lookup.py (fictional people and firms behind the BM25 search tool; one- and two-search questions;
+since 2026-12-06 12 of its 24 cold-start demonstrations search twice: the runs of results.md (2026-12-05) had none).
 Model: the embedded SmolLM2-135M-Instruct, cold-started once per seed on the same 24 demonstrations, so every run of
 a seed starts from the same weights. Algorithms: configs/<name>.yaml (algorithm.md §7): GRPO, REINFORCE++, DAPO, GPPO,
 CISPO, GiGPO, ARPO, AEPO. The entropy-fall experiments are AEPO with one mechanism changed each (--only
@@ -40,10 +41,11 @@ from pathlib import Path
 import numpy as np
 
 ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT / "bench"))
+sys.path.insert(0, str(ROOT / "data"))
 sys.path.insert(0, str(ROOT))
+from harness import jsonl  # noqa: E402
 from harness.config import Config  # noqa: E402
-from lookup_task import make_task  # noqa: E402
+from build_lookup import make_task  # noqa: E402
 
 ALGOS = ("grpo", "reinforce_pp", "dapo", "gppo", "cispo", "gigpo", "arpo", "aepo")
 EXPERIMENTS = {"aepo-noentadv": ["--entropy_advantage=false"], "aepo-nosg": ["--sg_clip=false"],
@@ -106,7 +108,7 @@ def run_one(name: str, seed: int, task: dict, args) -> str:
 def load_run(run_dir: Path) -> dict:
     if not (run_dir / "metrics.jsonl").exists() or not (run_dir / "eval" / "after_summary.json").exists():
         raise FileNotFoundError(f"{run_dir.name}: no finished run in {run_dir} (run without --report_only)")
-    rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines() if line.strip()]
+    rows = [json.loads(line) for line in jsonl.lines((run_dir / "metrics.jsonl").read_text(encoding="utf-8")) if line.strip()]
     ev = {p.name[:-len("_summary.json")]: json.loads(p.read_text()) for p in (run_dir / "eval").glob("*_summary.json")}
     return {"metrics": rows, "eval": ev}
 
@@ -124,8 +126,8 @@ def per_question(run_dir: Path, name: str, key: str = "correct") -> np.ndarray |
     """(questions,) the share of evaluation `name`'s samples that were correct (or had `key` true, e.g.
     format_valid), per held-out question, in the data's order (eval.py's {name}_results.jsonl); None where the rows
     do not list their samples."""
-    rows = [json.loads(line) for line in (run_dir / "eval" / f"{name}_results.jsonl").read_text().splitlines()
-            if line.strip()]
+    text = (run_dir / "eval" / f"{name}_results.jsonl").read_text(encoding="utf-8")
+    rows = [json.loads(line) for line in jsonl.lines(text) if line.strip()]
     rows.sort(key=lambda r: r["index"])
     if key == "correct":
         return np.array([r["num_correct"] / r["n"] for r in rows], dtype=float)

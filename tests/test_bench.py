@@ -1,4 +1,4 @@
-"""The benchmark helpers that produce README numbers: the synthetic lookup task, the comparison's aggregation and
+"""The benchmark helpers that produce README numbers: the lookup task (data/build_lookup.py), the comparison's aggregation and
 the branch-concentration statistics its plots use."""
 import json
 import math
@@ -11,9 +11,11 @@ import pytest
 import rollout
 from harness import search as search_mod
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "bench"))
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "bench"))
+sys.path.insert(0, str(ROOT / "data"))
+import build_lookup  # noqa: E402
 import compare_algorithms  # noqa: E402
-import lookup_task  # noqa: E402
 
 
 def read(path):
@@ -21,30 +23,58 @@ def read(path):
 
 
 def test_lookup_task_is_deterministic_and_answerable_by_search(tmp_path):
-    a = lookup_task.make_task(tmp_path / "a", n_train=40, n_test=20, n_cold=10)
-    b = lookup_task.make_task(tmp_path / "b", n_train=40, n_test=20, n_cold=10)
+    a = build_lookup.make_task(tmp_path / "a", n_train=40, n_test=20, n_cold=10, two_hop_demos=4)
+    b = build_lookup.make_task(tmp_path / "b", n_train=40, n_test=20, n_cold=10, two_hop_demos=4)
     for key in a:
         assert Path(a[key]).read_text() == Path(b[key]).read_text()
     train, test, corpus = read(a["train"]), read(a["test"]), read(a["corpus"])
     assert len(train) == 50 and len(test) == 20 and len(corpus) == 2 * 70
-    assert all(r["type"] == "lookup" for r in train[:10])                      # the cold-start rows
-    assert [r["type"] for r in train[10:14]] == ["lookup", "director", "lookup", "director"]
+    assert [r["type"] for r in train[:10]].count("two_hop") == 4                # the cold-start rows
+    assert [r["type"] for r in train[10:14]] == ["lookup", "two_hop", "lookup", "two_hop"]
     assert not {r["question"] for r in train} & {r["question"] for r in test}
+    # a demonstration names only cold-start people and their firms: no RL or test entity
+    later = {r["bridge"] for r in train[10:] + test if "bridge" in r} | \
+        {r["question"].split(" of ")[-1].rstrip("?") for r in train[10:] + test}
+    assert not any(name in json.dumps(r) for r in train[:10] for name in later)
     search = search_mod.make_search("bm25", corpus_path=a["corpus"], cache=tmp_path / "cache", topk=1)
     rows = train + test
-    first = search.search([r["query"] for r in rows])
-    for r, result in zip(rows, first):
+    for r in rows:
+        queries = [r["query"]] if r["type"] == "lookup" else r["query"]
+        results = search.search(queries)
         phrase = r["answer"][0]
-        assert len(phrase.split()) == 3
-        if r["type"] == "lookup":                                              # one search finds the answer
-            assert phrase in result, (r, result)
-        else:                                                                  # the firm names its director ...
-            assert phrase not in result
-            director = result.split("Its director is ")[1].rstrip(".\n")
-            second = search.search([f"{director} passphrase"])[0]              # ... whose page has the answer
-            assert phrase in second, (r, result, second)
+        assert len(phrase.split()) == 3 and phrase in results[-1], (r, results)
+        if r["type"] == "two_hop":                     # the question's own text finds the firm, not the answer ...
+            first = search.search([r["question"]])[0]
+            assert phrase not in first and f"Its director is {r['bridge']}." in first, (r, first)
+            assert r["query"][1] == f"{r['bridge']} passphrase"      # ... which names the director: the second query
 
 
+def test_committed_lookup_task_is_what_the_generator_writes(tmp_path):
+    """data/lookup/ (configs/learn.yaml) is build_lookup.py's output at its defaults, byte for byte."""
+    made = build_lookup.make_task(tmp_path / "lookup")
+    for key, path in made.items():
+        assert Path(path).read_bytes() == (ROOT / "data" / "lookup" / Path(path).name).read_bytes(), key
+
+
+def test_two_hop_rows_make_two_search_demonstrations(tmp_path):
+    from harness.run import coldstart
+    task = build_lookup.make_task(tmp_path / "t", n_train=2, n_test=2, n_cold=4, two_hop_demos=2)
+    rows = [{"question": r["question"], "golds": r["answer"], "meta": r} for r in read(task["train"])[:4]]
+    search = search_mod.make_search("bm25", corpus_path=task["corpus"], cache=tmp_path / "cache", topk=1)
+    demos = coldstart.build_demonstrations(rows, search)
+    assert len(demos) == 4
+    for row, demo in zip(rows, demos):
+        roles = [m["role"] for m in demo["messages"]]
+        hops = 2 if row["meta"]["type"] == "two_hop" else 1
+        assert roles == ["system", "user"] + ["assistant", "tool"] * hops + ["assistant"]
+        calls = [m["content"] for m in demo["messages"] if m["role"] == "assistant"][:-1]
+        queries = row["meta"]["query"] if hops == 2 else [row["meta"]["query"]]
+        assert all(f"<search> {q} </search>" in c for q, c in zip(queries, calls))
+        assert row["golds"][0] in demo["messages"][-2]["content"]                 # the last result holds the answer
+        assert f"\\boxed{{{row['golds'][0]}}}" in demo["messages"][-1]["content"]
+    bad = [dict(rows[1], meta={**rows[1]["meta"], "query": ["a firm director", ""]})]
+    with pytest.raises(Exception, match="a list of queries"):
+        coldstart.build_demonstrations(bad, search)
 def traj(group, tid, parent=None):
     return rollout.Trajectory(group_id=group, traj_id=tid, prompt_ids=[1, 2], response_ids=[3, 4, 5],
                               loss_mask=[1, 1, 1], parent=parent, fork_offset=1 if parent is not None else 0)
@@ -89,7 +119,7 @@ def test_compare_report_aggregates_every_seed(tmp_path):
     args = compare_algorithms.main_parser().parse_args(
         ["--work", str(tmp_path / "work"), "--out", str(tmp_path / "out"), "--seeds", "0,1", "--eval_n", "4",
          "--steps", "8", "--eval_every", "4", "--backend", "transformers"])
-    task = lookup_task.make_task(tmp_path / "work" / "task", n_train=4, n_test=2, n_cold=2)
+    task = build_lookup.make_task(tmp_path / "work" / "task", n_train=4, n_test=2, n_cold=2, two_hop_demos=1)
     after = {("grpo", 0): 0.2, ("grpo", 1): 0.4, ("aepo", 0): 0.5, ("aepo", 1): 0.1,
              ("aepo-shortcold", 0): 0.0, ("aepo-shortcold", 1): 0.0}
     for (algo, seed), v in after.items():

@@ -29,40 +29,49 @@ from harness.run.policy import backward_micro_batches, optimizer_step, tensorize
 DEMO_THINK = ("<think> I need to find {what}. I will search for it. </think>\n",
               "<think> I do not know this for sure, so I will look it up. </think>\n",
               "<think> Let me search the encyclopedia for {what}. </think>\n")
+DEMO_NEXT = "<think> The results point to the next thing to find: {what}. I will search for it. </think>\n"
 DEMO_ANSWER = ("<think> The search results say the answer is {answer}. </think>\n"
                "<answer> The answer is \\boxed{{{answer}}}. </answer>")
 
 
 def build_demonstrations(rows: list[dict], search, fmt=tools.TAGS) -> list[dict]:
-    """Chat demonstrations from QA rows with a good search `query`: think -> search -> real results -> answer, the
-    call written in the run's tool-call format `fmt`. Rows whose search results do not contain the gold answer are
-    left out (they would teach guessing)."""
+    """Chat demonstrations from QA rows with good search queries: think -> search -> real results -> ... -> answer,
+    each call written in the run's tool-call format `fmt`. A row's `query` is one query, or a list of queries searched
+    in turn (a multi-hop demonstration: each later query is what the earlier results pointed to). Rows whose last
+    search results do not contain the gold answer are left out (they would teach guessing)."""
     if "search" not in [t.name for t in fmt.tools]:
         raise cli.UserError("the cold start's demonstrations are built with the search tool, which --tools leaves "
                             "out: pass --cold_start_kw '{data: demos.jsonl}' or --cold_start false")
-    missing = [i for i, r in enumerate(rows) if not r["meta"].get("query")]
+    queries = [row["meta"].get("query") for row in rows]
+    queries = [[q] if isinstance(q, str) else q for q in queries]
+    missing = [i for i, q in enumerate(queries) if not q or not all(isinstance(x, str) and x for x in q)]
     if missing:
-        raise cli.UserError(f"cold start from the training data needs a 'query' field in every row (row "
-                         f"{missing[0]} has none): pass --cold_start_kw '{{data: demos.jsonl}}' or --cold_start false")
-    results = search.search([r["meta"]["query"] for r in rows])
-    demos = []
-    for i, (row, result) in enumerate(zip(rows, results)):
+        raise cli.UserError(f"cold start from the training data needs a 'query' field (a query, or a list of queries) "
+                            f"in every row (row {missing[0]} has none): pass --cold_start_kw '{{data: demos.jsonl}}' "
+                            "or --cold_start false")
+    flat = search.search([q for qs in queries for q in qs])      # one batch for every row's every query
+    demos, at = [], 0
+    for i, (row, qs) in enumerate(zip(rows, queries)):
+        results, at = flat[at:at + len(qs)], at + len(qs)
         gold = row["golds"][0]
-        if gold.lower() not in result.lower():
+        if gold.lower() not in results[-1].lower():
             continue
-        think = DEMO_THINK[i % len(DEMO_THINK)].format(what=row["meta"]["query"].rstrip("?. ").lower())
-        demos.append({"messages": [
-            {"role": "system", "content": fmt.system_prompt},
-            {"role": "user", "content": row["question"]},
-            {"role": "assistant", "content": think + fmt.call_text("search", row["meta"]["query"])},
-            {"role": "tool", "content": result},
-            {"role": "assistant", "content": DEMO_ANSWER.format(answer=gold)}]})
+        messages = [{"role": "system", "content": fmt.system_prompt}, {"role": "user", "content": row["question"]}]
+        for j, (query, result) in enumerate(zip(qs, results)):
+            if j == 0:
+                think = DEMO_THINK[i % len(DEMO_THINK)].format(what=query.rstrip("?. ").lower())
+            else:                                # the query names what the last results pointed to
+                think = DEMO_NEXT.format(what=query.rstrip("?. "))
+            messages += [{"role": "assistant", "content": think + fmt.call_text("search", query)},
+                         {"role": "tool", "content": result}]
+        demos.append({"messages": messages + [{"role": "assistant", "content": DEMO_ANSWER.format(answer=gold)}]})
     return demos
 
 
 def load_demonstrations(path: str) -> list[dict]:
+    from harness import jsonl                    # rows split at "\n" only: a message may hold U+2028
     demos = []
-    for n, line in enumerate(Path(path).read_text(encoding="utf-8-sig").splitlines(), 1):
+    for n, line in enumerate(jsonl.lines(Path(path).read_text(encoding="utf-8-sig")), 1):
         if not line.strip():
             continue
         try:
