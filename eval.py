@@ -93,7 +93,8 @@ def evaluate(generator, tokenizer, rows: list[dict], tool_runner, settings: Eval
                 f.write(json.dumps(rec, ensure_ascii=False) + "\n")
         (out / f"{name}_summary.json").write_text(json.dumps(summary, indent=2, ensure_ascii=False))
         (out / f"{name}_trees.jsonl").write_text("".join(json.dumps(s, ensure_ascii=False) + "\n" for s in shapes))
-        (out / f"{name}_summary.md").write_text(markdown_table([summary]))
+        per_type = [{**s, "dataset": f"{name}: {kind}"} for kind, s in summary.get("by_type", {}).items()]
+        (out / f"{name}_summary.md").write_text(markdown_table([summary, *per_type]))
     return summary
 
 
@@ -149,8 +150,9 @@ def _question_record(index: int, row: dict, scored: list, criterion: str, judge,
             "pass@k": {str(k): pass_at_k(n, c, k) for k in range(1, n + 1)}, "samples": samples}
 
 
-def summarize(records: list[dict], n: int, name: str) -> dict:
-    """Dataset-level metrics from per-question records (means over questions, then samples)."""
+def summarize(records: list[dict], n: int, name: str, by_type: bool = True) -> dict:
+    """Dataset-level metrics from per-question records (means over questions, then samples); with by_type, the same
+    per question type (`by_type`), where the rows have a `type` field."""
     samples = [s for r in records for s in r["samples"]]
     q, m = max(1, len(records)), max(1, len(samples))
     summary = {"dataset": name, "questions": len(records), "n": n,
@@ -159,6 +161,10 @@ def summarize(records: list[dict], n: int, name: str) -> dict:
         summary[f"pass@{k}"] = sum(pass_at_k(n, r["num_correct"], k) for r in records) / q
     for key in ("em", "f1", "reward", "format_valid", "tool_calls", "truncated", "response_tokens"):
         summary[key] = sum(len(s[key]) if key == "tool_calls" else s[key] for s in samples) / m
+    kinds = sorted({r["meta"]["type"] for r in records if isinstance(r["meta"].get("type"), str)})
+    if by_type and kinds:
+        summary["by_type"] = {kind: summarize([r for r in records if r["meta"].get("type") == kind], n, name, False)
+                              for kind in kinds}
     return summary
 
 

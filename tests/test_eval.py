@@ -613,3 +613,16 @@ def test_a_hub_id_with_the_hub_unreachable_is_one_line_at_once(monkeypatch):
             done.set()
             listener.join()
     assert len(attempts) == 1                                     # one request: the retries are not reached
+
+
+def test_summary_splits_pass_at_k_by_question_type():
+    def record(kind, correct, n=2):
+        samples = [{"em": float(i < correct), "f1": 0.0, "reward": 0.0, "format_valid": True, "tool_calls": [],
+                    "truncated": False, "response_tokens": 10} for i in range(n)]
+        return {"meta": {"type": kind} if kind else {}, "num_correct": correct, "samples": samples, "criterion": "em"}
+    records = [record("lookup", 2), record("lookup", 1), record("two_hop", 0), record("two_hop", 1)]
+    summary = E.summarize(records, 2, "held-out")
+    assert summary["pass@1"] == 0.5
+    assert summary["by_type"]["lookup"]["pass@1"] == 0.75 and summary["by_type"]["two_hop"]["pass@1"] == 0.25
+    assert summary["by_type"]["two_hop"]["pass@2"] == 0.5 and summary["by_type"]["two_hop"]["questions"] == 2
+    assert "by_type" not in E.summarize([record(None, 1)], 2, "x")

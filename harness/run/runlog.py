@@ -17,7 +17,7 @@ import torch
 
 import tools
 from harness.run import parallel
-from harness import trees
+from harness import jsonl, trees
 
 # ---------------------------------------------------------------------------------------------------------------------
 # One line per step on rank 0, metrics.jsonl, samples.jsonl, optional TensorBoard / W&B, a PNG at the end
@@ -26,7 +26,8 @@ from harness import trees
 LINE = [("reward", "reward", "{:.3f}"), ("acc", "acc", "{:.2f}"), ("entropy", "entropy", "{:.2f}"),
         ("clip_hi", "clip_hi", "{:.3f}"), ("clip_lo", "clip_lo", "{:.3f}"), ("preserved", "preserved", "{:.3f}"),
         ("m", "m", "{:.1f}"), ("branches", "branches", "{:.1f}"), ("tool_calls", "tool_calls", "{:.1f}"),
-        ("resp_len", "resp_len", "{:.0f}"), ("mismatch", "mismatch/k3", "{:.1e}")]
+        ("resp_len", "resp_len", "{:.0f}"), ("zero_std", "frac_reward_zero_std", "{:.2f}"),
+        ("mismatch", "mismatch/k3", "{:.1e}")]
 
 # what each rank sums, and what the sum is divided by to give the logged mean (docs/reference.md defines each)
 PER_TRAJECTORY = ("reward", "acc", "f1", "format_ok", "tool_calls", "resp_len", "seq_len", "gen_len", "truncated",
@@ -66,6 +67,7 @@ def step_metrics(step: int, batch: StepBatch, tree_stats: dict, adv, entropy, lo
                   "f1": sum(s["f1"] for s in scores), "format_ok": sum(s["format_valid"] for s in scores),
                   "adv_nonzero": float((adv != 0).any(1).sum())})
     local.update({f"diversity/{key}": v for key, v in trees.diversity(batch.trajectories, scores).items()})
+    local.update(group_sums(batch))
     g = parallel.reduce_metrics(local)
     n_tok, n_opt = max(1.0, g["n_tokens"]), len(grad_norms)
     mean_h, std_h = advantage.mean_std(entropy)
@@ -80,6 +82,44 @@ def step_metrics(step: int, batch: StepBatch, tree_stats: dict, adv, entropy, lo
               "grad_norm": sum(grad_norms) / n_opt})
     out.update({key: g[key] / g["questions"] for key in sorted(g) if key.startswith("diversity/")})
     out.update({key: v for key, v in g.items() if key.startswith("tools/")})
+    out.update(group_means(g))
+    return out
+
+
+def group_sums(batch: StepBatch) -> dict[str, float]:
+    """This rank's sums behind `frac_reward_zero_std` (the share of questions whose rewards are all equal, so that
+    their advantages are 0 and they teach nothing) and, per question type (a dataset's `type` field), the same
+    with the trajectories' success, searches and truncation: docs/reference.md, the metrics."""
+    members: dict[int, list] = {}
+    for t, s, r in zip(batch.trajectories, batch.scores, batch.rewards.tolist()):
+        members.setdefault(t.group_id, []).append((t, s, r))
+    sums: dict[str, float] = {"groups": 0.0, "groups_zero_std": 0.0}
+    for g, group in members.items():
+        rewards = [r for _, _, r in group]
+        zero_std = float(max(rewards) - min(rewards) < 1e-6)
+        sums["groups"] += 1
+        sums["groups_zero_std"] += zero_std
+        kind = batch.rows[g]["meta"].get("type")
+        if not isinstance(kind, str) or not kind.strip():
+            continue
+        kind = kind.strip().replace("/", "_")        # one level of the metric's name
+        per = {"groups": 1.0, "groups_zero_std": zero_std, "trajectories": len(group),
+               "acc": sum(s["em"] for _, s, _ in group),
+               "searches": sum(name == "search" for t, _, _ in group for name, _ in t.tool_calls),
+               "truncated": sum(bool(t.truncated) for t, _, _ in group)}
+        for key, value in per.items():
+            sums[f"type/{kind}/{key}"] = sums.get(f"type/{kind}/{key}", 0.0) + float(value)
+    return sums
+
+
+def group_means(g: dict[str, float]) -> dict[str, float]:
+    """group_sums summed over ranks -> the logged means (`type/<type>/acc` is per trajectory of that type)."""
+    out = {"frac_reward_zero_std": g["groups_zero_std"] / g["groups"] if g.get("groups") else 0.0}
+    for kind in sorted({key.split("/")[1] for key in g if key.startswith("type/")}):
+        at = f"type/{kind}/"
+        out[at + "questions"] = g[at + "groups"]
+        out[at + "frac_reward_zero_std"] = g[at + "groups_zero_std"] / g[at + "groups"]
+        out.update({at + key: g[at + key] / g[at + "trajectories"] for key in ("acc", "searches", "truncated")})
     return out
 
 
@@ -164,7 +204,8 @@ class RolloutProgress:
 def eval_line(summary: dict) -> str:
     return (f"Pass@1 {summary['pass@1']:.3f} | EM {summary['em']:.3f} | F1 {summary['f1']:.3f} | "
             f"reward {summary['reward']:.3f} | format ok {summary['format_valid']:.2f} | "
-            f"tool calls {summary['tool_calls']:.2f} | {summary['wall_s']:.0f}s")
+            f"tool calls {summary['tool_calls']:.2f} | {summary['wall_s']:.0f}s" +
+            "".join(f" | {kind} Pass@1 {s['pass@1']:.3f}" for kind, s in summary.get("by_type", {}).items()))
 
 
 def saved_eval(run_dir: Path, name: str) -> dict | None:
@@ -181,6 +222,8 @@ def saved_eval(run_dir: Path, name: str) -> dict | None:
 
 def format_line(step: int, steps: int, m: dict) -> str:
     parts = [f"step {step}/{steps}"] + [f"{label} {fmt.format(m[key])}" for label, key, fmt in LINE if key in m]
+    parts += [f"acc {key.split('/')[1]} {m[key]:.2f}" for key in sorted(m) if key.startswith("type/")
+              and key.endswith("/acc")]
     parts += [f"{tool} errors {errors}/{calls}" for tool, errors, calls in failing_tools(m)]
     slowest = f" (slowest rank {m['time/rollout_slowest']:.1f}s, {m['time/rollout_imbalance']:.2f}x the mean)" \
         if m.get("time/rollout_imbalance", 1.0) > 1.05 else ""
@@ -200,13 +243,15 @@ def failing_tools(m: dict) -> list[tuple[str, int, int]]:
 
 
 def last_error(trajectories, tool: str) -> str:
-    """The last `Error: ...` observation a call of `tool` got in these trajectories (this rank's), or ''."""
+    """The last `Error: ...` observation a call of `tool` got in these trajectories (this rank's), or '', as one
+    console line: no control character, escape sequence, line end or bidirectional control reaches the terminal."""
+    from harness.cli import for_console
     found = ""
     for t in trajectories:
         for (name, _), text in zip(t.tool_calls, t.observations):
             if name == tool and text.startswith("Error:"):
                 found = text
-    return " ".join(tools.as_data(found).split())[:300]         # no escape sequence reaches the terminal
+    return " ".join(for_console(tools.as_data(found)).split())[:300]
 
 
 def log_step(run_dir: Path, metrics: dict, batch: StepBatch, steps: int, n_samples: int, search, log) -> None:
@@ -224,7 +269,7 @@ def plot_curves(metrics_path: Path, out_png: Path, evals: dict) -> None:
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
-    rows = [json.loads(line) for line in metrics_path.read_text().splitlines() if line.strip()]
+    rows = [json.loads(line) for line in jsonl.lines(metrics_path.read_text(encoding="utf-8")) if line.strip()]
     if not rows:
         return
     keys = [("reward", "reward"), ("acc", "accuracy (EM)"), ("entropy", "token entropy"),
