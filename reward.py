@@ -8,7 +8,9 @@ exact match and Pass@k (`pass_at_k`, §6); its other checks (`math_equal`, the L
 harness/correctness.py. This file copies with tools.py (torch is not needed).
 
 Deviations from the paper / official code (algorithm.md §8): D24 (the text of `<result>` blocks opaque to the format
-check and the bonus), D25 (the evaluation prediction when the format check fails).
+check and the bonus), D25 (the evaluation prediction when the format check fails), D47 (a block ends at its first
+`</result>`, and a result wrapped by tools.format_result, as the rollout's are, holds no other: what a tool prints
+never answers, calls or closes anything here; wrap your results with it when you score your own rollouts' text).
 """
 from __future__ import annotations
 
@@ -101,7 +103,8 @@ def extract_boxed(text: str) -> str | None:
 
 def _events(text: str, tag: re.Pattern = _TAG) -> tuple[list[tuple[str, int, int]], str]:
     """Tags in order, each <result>…</result> block collapsed into one opaque "result" event, and the
-    policy's own text (everything outside result blocks)."""
+    policy's own text (everything outside result blocks). A block ends at its first </result>: in a rollout's text
+    that is the environment's own, since tools.format_result writes one a tool printed as &lt;/result&gt; (D47)."""
     events, policy, i = [], [], 0
     while (m := tag.search(text, i)) is not None:
         if m.group(0) == "<result>":

@@ -9,7 +9,8 @@ when a program runs, so this file copies alone with rollout.py (then a program r
 
 Deviations from the paper / official code (algorithm.md §8): D11 (malformed calls become `Error: ...`
 observations), D12 (the python tool runs in a sandbox; results cached by tool and argument), D14 (generation also
-stops at `</answer>`), D15 (the result wrapper), D45 (other tools and formats), D46 (observations are data).
+stops at `</answer>`), D15 (the result wrapper), D45 (other tools and formats), D46 (observations are data), D47 (a
+tool's text cannot close its `<result>` block).
 """
 from __future__ import annotations
 
@@ -49,7 +50,8 @@ Page 1: Canberra: Canberra is the capital city of Australia.
 
 
 class SearchError(RuntimeError):
-    """A search backend failed for a whole batch (after retries); Tools turns it into an observation."""
+    """A search request failed (after its retries): a backend's whole batch when it raises from `search`, which Tools
+    turns into an observation for each of its calls."""
 
 
 @dataclass(frozen=True)
@@ -85,7 +87,10 @@ class Tool:
 
 
 class SearchTool(Tool):
-    """The search tool: one batched `backend.search(queries)` per round (harness/search.py's backends)."""
+    """The search tool: one batched `backend.search(queries)` per round (harness/search.py's backends), which gives
+    one text per query, a query that failed an `Error:` text of its own; a backend that raises fails the batch.
+    timeout_s: the wait for the backend's batch, all its queries together; None where the backend bounds each query's
+    time itself (harness/search.py's do: every request ends within its own timeout), so a slow query fails alone."""
     name, what, batch = "search", "search query", True
     description = "Searches the web and returns the best pages' titles and snippets."
     parameters = {"type": "object", "properties": {"query": {"type": "string", "description": "what to search for"}},
@@ -187,8 +192,12 @@ def build_prompt(tokenizer, question: str, system_prompt: str = SYSTEM_PROMPT) -
 
 
 def format_result(text: str) -> str:
-    """Wrap an observation for appending to the trajectory (loss mask 0)."""
-    return "\n<result>\n" + text + "\n</result>\n"
+    """Wrap an observation for appending to the trajectory (loss mask 0). A `<result>` or `</result>` that the tool
+    printed is written `&lt;result&gt;` / `&lt;/result&gt;` (D47): the block ends where the environment ends it, so
+    no text of a web page or a program can close it and pass for the policy's own (an answer, a call, a tag the format
+    check counts). Other text is appended as it is."""
+    sealed = text.replace("<result>", "&lt;result&gt;").replace("</result>", "&lt;/result&gt;")
+    return "\n<result>\n" + sealed + "\n</result>\n"
 
 
 def as_data(text: str) -> str:

@@ -127,7 +127,8 @@ class HermesFormat:
                                                   return_dict=False, **self.template_kw))
 
     def response_text(self, tokenizer, response_ids: list[int], loss_mask: list[int], observations: list[str]) -> str:
-        """A response as the reward reads it: the policy's text, each tool turn shown as a <result> block."""
+        """A response as the reward reads it: the policy's text, each tool turn shown as a <result> block
+        (tools.format_result: no text of the tool can close it, D47)."""
         parts, start, results = [], 0, iter(observations)
         for i in range(1, len(loss_mask) + 1):
             if i == len(loss_mask) or loss_mask[i] != loss_mask[start]:

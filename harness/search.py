@@ -5,6 +5,10 @@ snippet` lines (10 snippets of at most 1,000 characters in the official code). E
 list[str]) -> list[str]`, one result text per query, so a rollout round's queries go out as one batch. The two web
 backends (Bright Data's SERP API over Bing, as the official code calls it, and Serper.dev) also give their results
 themselves (`organic`), which the official evaluation's browsing search fetches and summarises (harness/official/browse.py).
+A query fails alone: the web backends send each query as its own request, with 4 attempts as the official code's
+`retry_count: 4`, and one that still fails is an `Error: search failed: ...` text in its place while the other
+queries of the batch keep their results; each backend bounds its own time (every HTTP attempt ends within timeout_s),
+so no wait over a whole batch cuts the queries that were answered.
 
 Deviations from the paper / official code (algorithm.md §8): D13 (the default is offline BM25 over ~10,000 English
 Wikipedia summaries; Bright Data's SERP API over Bing, the official training and evaluation search, is the
@@ -34,6 +38,7 @@ from tools import SearchError
 TOPK = 10  # snippets per search result
 SNIPPET_CHARS = 1_000  # each snippet is cut to this many characters
 API_KEY_ENV = {"web": "SERPER_API_KEY", "brightdata": "BRIGHTDATA_API_KEY"}  # the web backends' keys, unless api_key
+FAILED = "Error: search failed: SearchError: "  # opens the result of a query whose request failed (Tools' wording)
 
 
 def format_pages(snippets: list[str], topk: int = TOPK, max_chars: int = SNIPPET_CHARS) -> str:
@@ -166,8 +171,9 @@ def _post_json(url: str, payload, headers: dict, timeout_s: float, retries: int,
                max_bytes: int = 16 << 20):
     """POST JSON and decode the JSON reply; each attempt ends within timeout_s seconds (connect, headers and body
     together) and reads at most max_bytes (http_client.post_json). Connection errors, cut replies, 429 and 5xx are
-    retried with exponential backoff (backoff_s * 2**attempt); other HTTP errors and invalid JSON raise SearchError
-    at once. Error messages name the URL and never the headers (they may hold an API key)."""
+    retried with exponential backoff (backoff_s * 2**attempt), so retries=3 is the official code's 4 tries of a call;
+    other HTTP errors and invalid JSON raise SearchError at once (a retry cannot mend them; the official code tries
+    every failure again). Error messages name the URL and never the headers (they may hold an API key)."""
     for attempt in range(retries + 1):
         try:
             status, body = http_client.post_json(url, payload, headers, timeout_s, max_bytes)
@@ -224,10 +230,24 @@ class HTTPSearch:
         return out
 
 
+def _each_query(one, queries: list[str], max_workers: int) -> list[str]:
+    """one(query) -> its result text, for every query of a batch, at most max_workers at once. A query whose request
+    failed after its retries (SearchError) gets `Error: search failed: SearchError: ...` in its place, and the other
+    queries keep their results: a failure is the call's alone, as each official call is run and retried on its own."""
+    def isolated(query: str) -> str:
+        try:
+            return one(query)
+        except SearchError as err:
+            return FAILED + str(err)
+    with ThreadPoolExecutor(max_workers=max(1, min(max_workers, len(queries)))) as pool:
+        return list(pool.map(isolated, queries))
+
+
 class WebSearch:
     """Serper.dev Google search: POST {"q": query, "num": k} to `url` with the key from $SERPER_API_KEY in the
     X-API-KEY header (never logged). Snippets are the organic results' `snippet` texts, as in the authors' cache.
-    Queries of a batch are sent concurrently; each request ends within timeout_s seconds and reads at most
+    Queries of a batch are sent concurrently, each on its own with `retries` more attempts after a failure (a query
+    that still fails is its own `Error:` text); each request ends within timeout_s seconds and reads at most
     max_bytes."""
 
     def __init__(self, api_key: str | None = None, url: str = "https://google.serper.dev/search", topk: int = TOPK,
@@ -257,10 +277,10 @@ class WebSearch:
                 for r in self._reply(query)[:self.topk]]
 
     def search(self, queries: list[str]) -> list[str]:
+        """One result text per query; a query that failed is an `Error:` text of its own (`_each_query`)."""
         def one(query: str) -> str:
             return format_pages([r.get("snippet", "") for r in self._reply(query)], self.topk)
-        with ThreadPoolExecutor(max_workers=max(1, min(self.max_workers, len(queries)))) as pool:
-            return list(pool.map(one, queries))
+        return _each_query(one, queries, self.max_workers)
 
 
 _CJK = re.compile(r"[\u4e00-\u9fff]")
@@ -273,12 +293,13 @@ class BrightDataSearch:
     $BRIGHTDATA_ZONE, else "serp_api1"); the market is zh-CN for a query with Chinese characters, else en-US. The
     reply's `organic` results give `search` its `Page i:` snippet lines (their `description`s, as the training
     tool) and `organic` the results themselves, asked for as the evaluation's browsing search asks (11 results,
-    HTML text decorations, whose <b> tags are dropped). Queries of a batch are sent concurrently; each request ends
-    within timeout_s seconds and reads at most max_bytes."""
+    HTML text decorations, whose <b> tags are dropped). Queries of a batch are sent concurrently, each on its own
+    with `retries` more attempts after a failure (a query that still fails is its own `Error:` text); each request
+    ends within timeout_s seconds and reads at most max_bytes."""
 
     def __init__(self, api_key: str | None = None, zone: str | None = None,
                  url: str = "https://api.brightdata.com/request", topk: int = TOPK, location: str = "cn",
-                 timeout_s: float = 20.0, retries: int = 2, backoff_s: float = 1.0, max_workers: int = 8,
+                 timeout_s: float = 20.0, retries: int = 3, backoff_s: float = 1.0, max_workers: int = 8,
                  max_bytes: int = 16 << 20):
         self._key = api_key or os.environ.get(API_KEY_ENV["brightdata"])
         if not self._key:
@@ -315,26 +336,32 @@ class BrightDataSearch:
                 for r in self._reply(query, browse=True)[:self.topk]]
 
     def search(self, queries: list[str]) -> list[str]:
+        """One result text per query; a query that failed is an `Error:` text of its own (`_each_query`)."""
         def one(query: str) -> str:
             return format_pages([r.get("description", "") for r in self._reply(query, browse=False)], self.topk)
-        with ThreadPoolExecutor(max_workers=max(1, min(self.max_workers, len(queries)))) as pool:
-            return list(pool.map(one, queries))
+        return _each_query(one, queries, self.max_workers)
 
 
 def check_reachable(backend) -> None:
     """Fail fast: one probe query, without retries, to a backend behind a URL (http, web, brightdata); a RunFailure
-    naming it if it does not answer. Local backends (bm25, replay) have nothing to reach."""
+    naming it if it does not answer: a batch that failed (SearchError), or the probe's own failed result (the web
+    backends give a failed query an `Error:` text). Local backends (bm25, replay) have nothing to reach."""
     url = getattr(backend, "url", None)
     if url is None:
         return
     retries, backend.retries = backend.retries, 0
+    why = None
     try:
-        backend.search(["connection check"])
+        answer = backend.search(["connection check"])[0]
+        if answer.startswith(FAILED):
+            why = answer[len(FAILED):]
     except SearchError as err:
-        raise RunFailure(f"search backend {backend!r} is unreachable: {err} (start it, fix --search_kw, or use "
-                         "--search bm25 for the offline index)") from None
+        why = str(err)
     finally:
         backend.retries = retries
+    if why is not None:
+        raise RunFailure(f"search backend {backend!r} is unreachable: {why} (start it, fix --search_kw, or use "
+                         "--search bm25 for the offline index)")
 
 
 def make_search(backend: str = "bm25", **kw):

@@ -81,7 +81,8 @@ def make_tools(search, limits: dict, names=("search", "python"), mcp_servers=(),
     try:
         for name in names:
             if name == "search":
-                built.append(("--tools search", tools.SearchTool(search)))
+                # harness/search.py's backends bound each query's time and fail a query alone: no wait over a batch
+                built.append(("--tools search", tools.SearchTool(search, timeout_s=None)))
             elif name == "python":
                 built.append(("--tools python", tools.PythonTool(timeout_s, **kw)))
             elif ":" in name:

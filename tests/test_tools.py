@@ -1,6 +1,7 @@
-"""Tests for tools.py: the call parser (cases + hypothesis fuzz), the four search backends (BM25 over the embedded
-corpus, replay cache, a Search-R1 retrieval server and Serper.dev, both against a local 127.0.0.1 server), the
-python tool's observations, and Tools.run (batching, caching, error and timeout accounting). The python tool's
+"""Tests for tools.py: the call parser (cases + hypothesis fuzz), the search backends (BM25 over the embedded
+corpus, replay cache, a Search-R1 retrieval server, Serper.dev and Bright Data, against a local 127.0.0.1 server; a
+failed or slow query failing alone, also in both rollout schedules), the python tool's observations, and Tools.run
+(batching, caching, error and timeout accounting). The python tool's
 sandbox and limits are tested in test_sandbox.py; no test here asserts wall-clock time (bench/ measures it)."""
 import functools
 import json
@@ -14,6 +15,7 @@ import pytest
 from hypothesis import given, settings, strategies as st
 
 from harness import search
+from harness.cli import RunFailure
 import rollout
 import sampler
 import tools
@@ -247,11 +249,87 @@ def test_web_search_against_local_server(monkeypatch):
         assert out[0] == "Page 1: moon snippet 0\nPage 2: moon snippet 1\nPage 3: moon snippet 2"  # de-duplicated
         assert out[1].startswith("Page 1: sun snippet 0")
         bad = search.WebSearch(api_key="wrong", url=srv.url("/serper"), retries=3)
-        with pytest.raises(search.SearchError, match="HTTP 401") as e:
-            bad.search(["moon"])
-        assert "wrong" not in str(e.value) and srv.hits["/serper"] == 3  # 401 is not retried
+        refused = bad.search(["moon"])                                  # a failed query is its result, not a raise
+        assert refused[0].startswith("Error: search failed: SearchError:") and "HTTP 401" in refused[0]
+        assert "wrong" not in refused[0] and srv.hits["/serper"] == 3  # 401 is not retried
+        with pytest.raises(RunFailure, match="is unreachable: .*HTTP 401"):
+            search.check_reachable(bad)                                # the start-up probe still fails on it
     with pytest.raises(ValueError, match="--search bing: unknown search backend"):
         search.make_search("bing")
+
+
+WEB_PATHS = {"web": "/serper", "brightdata": "/request"}
+
+
+@pytest.mark.parametrize("backend", ["web", "brightdata"])
+def test_a_failed_or_slow_query_fails_alone(backend):
+    """A web backend sends each query of a batch on its own with the official code's 4 tries: a query the API always
+    refuses (HTTP 500) and one it answers only after every attempt's deadline are each one `Error:` observation,
+    asked 4 times, while the other queries of the same batch keep their results and are asked once (the run's tool
+    runner, which waits on no whole batch)."""
+    from harness import settings
+    with FakeServer(slow_s=1.0) as srv:
+        client = search.make_search(backend, api_key=API_KEY, url=srv.url(WEB_PATHS[backend]), timeout_s=0.3,
+                                    backoff_s=0.01)
+        runner = settings.make_tools(client, {}, ["search"])
+        calls = [ToolCall("search", query) for query in ("moon", "failing query", "slow query", "sun")]
+        observations, counts = runner.run(calls)
+        runner.close()
+    assert observations[0].startswith("Page 1: moon") and observations[3].startswith("Page 1: sun"), observations
+    assert observations[1].startswith("Error: search failed: SearchError:") and "HTTP 500" in observations[1]
+    assert observations[2].startswith("Error: search failed: SearchError:") and "within 0.3 s" in observations[2]
+    assert srv.asked == {"moon": 1, "failing query": 4, "slow query": 4, "sun": 1}
+    assert counts["search/calls"] == 4 and counts["search/errors"] == 2
+    assert runner.by_name["search"].timeout_s is None         # each query bounds its own time: no wait over a batch
+
+
+class _SearchOnce:
+    """A policy (character tokens, fakes.TOK) whose trajectories search once and then answer; trajectory 0 of question
+    0 searches a query the API always refuses, every other one "query <question> <trajectory>". Which trajectory asks
+    is known from its segment's request seed."""
+    vocab_size = 1000
+
+    def __init__(self, seed: int, questions: int, k: int):
+        self.calls = []                          # fakes.ScriptedDecoding records its steps here
+        self.who = {sampler.request_seed(seed, g, t, 0): (g, t) for g in range(questions) for t in range(k)}
+
+    def segment(self, context, limit, seed):
+        from tests.fakes import TOK
+        if "<result>" in TOK.decode(context):
+            text, reason = "<think>done</think> <answer>\\boxed{x}</answer>", "answer"
+        else:
+            question, trajectory = self.who[seed]
+            query = "failing query" if (question, trajectory) == (0, 0) else f"query {question} {trajectory}"
+            text, reason = f"<think>t</think> <search> {query} </search>", "tool"
+        return rollout.Segment(TOK.encode(text)[:limit], reason, 1.0, text)
+
+    def start(self, sampling=None, on_step=None):
+        from tests.fakes import ScriptedDecoding
+        return ScriptedDecoding(self)
+
+
+@pytest.mark.parametrize("lockstep", [True, False], ids=["lockstep", "own pace"])
+def test_a_failed_query_fails_its_call_alone_in_either_rollout(lockstep):
+    """algorithm.md §2e's two schedules, 3 questions × k = 2 searching at once against a loopback web search:
+    lockstep sends every tree's calls as one batch, each tree at its own pace sends its own two; either way only the
+    trajectory whose query the API refuses reads an `Error:` result (after 4 tries), and every other one, its
+    sibling in the same batch included, reads its own query's result and answers."""
+    from harness import settings
+    from tests.fakes import TOK, prompts
+    with FakeServer() as srv:
+        client = search.make_search("web", api_key=API_KEY, url=srv.url("/serper"), backoff_s=0.01)
+        runner = settings.make_tools(client, {}, ["search", "python"])
+        trajectories, _ = rollout.tree_rollout(prompts(3), _SearchOnce(7, 3, 2), runner, TOK, k=2, seed=7,
+                                               entropy_branching=False, lockstep=lockstep, max_response_tokens=4000)
+        runner.close()
+    assert len(trajectories) == 6 and srv.asked["failing query"] == 4
+    for t in trajectories:
+        (observation,) = t.observations
+        if (t.group_id, t.traj_id) == (0, 0):
+            assert observation.startswith("Error: search failed: SearchError:") and "HTTP 500" in observation
+        else:
+            assert observation.startswith(f"Page 1: query {t.group_id} {t.traj_id} snippet"), observation
+        assert t.finish_reason == "answer"
 
 
 # ---------------------------------------------------------------------------------------------------------------

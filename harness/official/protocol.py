@@ -316,7 +316,8 @@ def main(cfg, datasets: list, out: Path) -> list[dict]:
     checked = endpoints.check(cfg, cfg.page_cache or config.cache_dir() / "browse" / "pages.sqlite")
     judge = OfficialJudge(checked.judge.url, checked.judge.model, checked.judge.api_key, judge_prompt) \
         if checked.judge else None
-    browse = BrowseSearch(search_mod.make_search(cfg.search, **{"timeout_s": cfg.tool_timeout_s, **cfg.search_kw}),
+    serp_kw = {"timeout_s": cfg.tool_timeout_s, "retries": 2, **cfg.search_kw}   # 3 tries, as the official evaluator's
+    browse = BrowseSearch(search_mod.make_search(cfg.search, **serp_kw),
                           Summarizer(checked.summarizer.url, checked.summarizer.model, checked.summarizer.api_key),
                           checked.cache, cfg.fetch_timeout_s)
     print(f"browsing search: {browse!r}; judge: {getattr(judge, 'model', None)}; system prompt: "
