@@ -39,6 +39,7 @@ MISSING_DATA = ["python train.py --config configs/aepo_qwen3_14b.yaml --backend 
                 "python train.py --config configs/aepo_qwen3_14b.yaml --config configs/grpo.yaml --k 8",
                 "python train.py --config configs/aepo_qwen3_14b.yaml --config configs/lora.yaml --lr 1e-5"]
 LORA_ON_CPU = ["python train.py --config configs/lora.yaml --lr 1e-4"]
+LEARN_ON_CPU = ["python train.py --config configs/learn.yaml"]
 OWN_TOOLS_ON_CPU = ["python train.py --tools '[search, docs/examples/calculator.py:calculator]'",
                     "python train.py --tools '[search, docs/examples/calculator.py:calculator]' --tool_format hermes",
                     "python train.py --reward docs/examples/calculator.py:exact_reward"]
@@ -71,7 +72,7 @@ def documented_commands() -> list[str]:
 
 
 def test_every_documented_command_is_covered():
-    covered = TRAIN_ON_CPU + LORA_ON_CPU + OWN_TOOLS_ON_CPU + EVAL_ON_CPU + MISSING_DATA + HELP + TREES + VLLM_ON_CPU + \
+    covered = TRAIN_ON_CPU + LORA_ON_CPU + LEARN_ON_CPU + OWN_TOOLS_ON_CPU + EVAL_ON_CPU + MISSING_DATA + HELP + TREES + VLLM_ON_CPU + \
         OFFICIAL_OFFLINE + MULTI_NODE
     for command in documented_commands():
         if command.startswith("python bench/"):
@@ -316,3 +317,19 @@ def test_benchmark_scripts_answer_help(script, scratch):
     """Benchmarks take minutes to hours (bench/README.md gives each one's time): here they only have to start."""
     proc = run(f"python {script} --help", scratch, timeout=300)
     assert proc.returncode == 0 and "usage" in proc.stdout.lower(), proc.stderr[-2000:]
+
+
+@pytest.mark.slow
+def test_the_learning_setting_runs_and_splits_its_metrics_by_question_type(scratch):
+    """configs/learn.yaml as written (quick form): the lookup task's cold start has two-search demonstrations, and the
+    step line, metrics.jsonl and the held-out summaries split by question type."""
+    command = LEARN_ON_CPU[0]
+    proc = run(command, scratch, quick(command, eval_limit=4, questions_per_step=2) + LEAN + ["--out_dir", "runs_learn"])
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    run_dir = next((scratch / "runs_learn").iterdir())
+    row = json.loads((run_dir / "metrics.jsonl").read_text().split("\n")[0])
+    assert 0.0 <= row["frac_reward_zero_std"] <= 1.0 and any(key.startswith("type/") for key in row)
+    assert "zero_std" in proc.stdout + proc.stderr
+    after = json.loads((run_dir / "eval" / "after_summary.json").read_text())
+    assert sorted(after["by_type"]) == ["lookup", "two_hop"] and after["by_type"]["two_hop"]["questions"] == 2
+    assert "two_hop Pass@1" in proc.stdout + proc.stderr

@@ -1,0 +1,179 @@
+"""The gate before RL on the lookup task: can the cold-started policy reach a two-hop answer at all?
+
+RL sharpens what sampling already reaches; it does not invent from zero. So before training, each cold start (d
+two-hop demonstrations among its 24, and its steps / batch / learning rate) is sampled the way RL samples: k = 8
+independent trajectories per question at temperature 1 and the learning setting's token budget, on RL-pool questions
+of each type (lookup, two_hop; data/build_lookup.py). Per type: Pass@1, Pass@8, the share in format, with >= 2
+searches, truncated, and (two-hop) answering the director's name instead of the passphrase. The cold start to train
+from is one where two-hop Pass@1 is about 0.05-0.20 and Pass@8 >= 0.4: something for RL to amplify.
+
+    .venv-vllm/bin/python bench/gate.py                           # every variant below -> bench/results/gate/
+    .venv-vllm/bin/python bench/gate.py --variants d12-s8,d12-s24 # some of them
+    python bench/gate.py --report_only                             # the table again from the finished variants
+
+Each variant runs in a process of its own (its cold start is cached like a run's), writes <work>/<variant>.json and
+is reused when that file is there; the report is results.md and results.json under --out.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "data"))
+from build_lookup import DEFAULT, make_task  # noqa: E402
+from reward import pass_at_k  # noqa: E402
+
+LEARN_D = DEFAULT["two_hop_demos"]
+# name -> (two-hop demonstrations d, cold-start steps, batch, learning rate)
+VARIANTS = {"d12-s8": (12, 8, 3, 5e-5), "d12-s24": (12, 24, 3, 5e-5), "d6-s24": (6, 24, 3, 5e-5),
+            "d3-s24": (3, 24, 3, 5e-5), "d2-s24": (2, 24, 3, 5e-5), "d1-s24": (1, 24, 3, 5e-5),
+            "d0-s24": (0, 24, 3, 5e-5)}
+
+
+def variant_argv(name: str, task: dict, args) -> list[str]:
+    d, steps, batch, lr = VARIANTS[name]
+    return ["--train_data", task["train"], "--eval_data", "", "--search", "bm25",
+            "--search_kw", json.dumps({"corpus_path": task["corpus"], "topk": 1}),
+            "--cold_start_kw", json.dumps({"questions": 24, "steps": steps, "batch": batch, "lr": lr}),
+            "--backend", args.backend, "--device", "cpu", "--seed", str(args.seed), "--steps", "1",
+            "--max_response_tokens", str(args.max_response_tokens), "--out_dir", str(Path(args.work) / "runs"),
+            "--run_name", name]
+
+
+def sample_one(argv: list[str], per_type: int, k: int) -> dict:
+    """Cold-start (or load the cached cold start), then k samples at temperature 1 of `per_type` RL-pool questions of
+    each type; per-question counts."""
+    import torch
+    import reward
+    import rollout
+    from harness import config, generation
+    from harness.run import rundir
+    from harness.run.startup import set_up
+    cfg = config.parse_config(argv)
+    run = set_up(cfg, 0, 1, torch.device("cpu"), rundir.RunState(), reward.score_response,
+                 generation.make_generator)
+    rows = []
+    for kind in ("lookup", "two_hop"):
+        rows += [r for r in run.train_rows if r["meta"]["type"] == kind][:per_type]
+    tree = rollout.TreeSettings(k=k, dynamic_budget=False, entropy_branching=False,
+                                max_tool_calls=cfg.max_tool_calls, max_response_tokens=cfg.max_response_tokens)
+    out, started = [], time.time()
+    for s in range(0, len(rows), 10):
+        chunk = rows[s:s + 10]
+        with torch.no_grad(), run.amp():
+            trajectories, _ = rollout.tree_rollout([run.tools.format.build_prompt(run.tokenizer, r["question"])
+                                                    for r in chunk], run.generator, run.tools, run.tokenizer, tree,
+                                                   sampling=rollout.Sampling(1.0, 1.0), seed=cfg.seed + s)
+        for g, row in enumerate(chunk):
+            mine = [t for t in trajectories if t.group_id == g]
+            scores = [run.score(t.text, row["golds"]) for t in mine]
+            bridge = reward.normalize_answer(row["meta"].get("bridge", "")) or None
+            out.append({"type": row["meta"]["type"], "question": row["question"], "k": len(mine),
+                        "correct": int(sum(s["em"] for s in scores)),
+                        "format_ok": sum(s["format_valid"] for s in scores),
+                        "two_searches": sum(sum(c[0] == "search" for c in t.tool_calls) >= 2 for t in mine),
+                        "searches": sum(sum(c[0] == "search" for c in t.tool_calls) for t in mine),
+                        "truncated": sum(bool(t.truncated) for t in mine),
+                        "bridge": sum(bridge is not None and reward.normalize_answer(s["prediction"] or "") == bridge
+                                      for s in scores),
+                        "example": mine[0].text[:1500]})
+    run.generator.close()
+    return {"questions": out, "sample_s": round(time.time() - started, 1)}
+
+
+def summary(result: dict, k: int) -> dict:
+    """Per type: Pass@1, Pass@k and the shares, as means over questions (each question's k samples)."""
+    out = {}
+    for kind in ("lookup", "two_hop"):
+        qs = [q for q in result["questions"] if q["type"] == kind]
+        n = sum(q["k"] for q in qs)
+        out[kind] = {"questions": len(qs), "pass@1": sum(q["correct"] for q in qs) / n,
+                     f"pass@{k}": sum(pass_at_k(q["k"], int(q["correct"]), k) for q in qs) / len(qs),
+                     **{key: sum(q[key] for q in qs) / n
+                        for key in ("format_ok", "two_searches", "truncated", "bridge", "searches")}}
+    return out
+
+
+def report(done: dict, args) -> str:
+    k = args.k
+    lines = [f"# The gate: cold starts sampled as RL samples ({time.strftime('%Y-%m-%d')})", "",
+             f"{args.per_type} RL-pool questions per type x k = {k} at temperature 1, {args.max_response_tokens} "
+             f"response tokens, BM25 top-1, seed {args.seed}; backend {args.backend}. d = two-hop demonstrations among "
+             "the cold start's 24; s = cold-start steps of 3 demonstrations. Shares are of samples.", "",
+             f"| variant | d | steps | lr | type | Pass@1 | Pass@{k} | in format | >= 2 searches | searches | truncated "
+             "| answers the director | cold start + sampling |", "|" + "---|" * 13]
+    for name, result in done.items():
+        d, steps, batch, lr = VARIANTS[name]
+        for kind, s in summary(result, k).items():
+            lines.append(f"| {name} | {d} | {steps} | {lr:g} | {kind} | {s['pass@1']:.3f} | {s[f'pass@{k}']:.2f} | "
+                         f"{s['format_ok']:.2f} | {s['two_searches']:.2f} | {s['searches']:.2f} | "
+                         f"{s['truncated']:.2f} | {s['bridge'] if kind == 'two_hop' else float('nan'):.2f} | "
+                         f"{result['wall_s']:.0f} s |")
+    fit = [name for name, result in done.items() if 0.05 <= summary(result, k)["two_hop"]["pass@1"] <= 0.25
+           and summary(result, k)["two_hop"][f"pass@{k}"] >= 0.4]
+    lines += ["", f"Something for RL to amplify (two-hop Pass@1 about 0.05-0.20, here 0.05-0.25, and Pass@{k} >= 0.4): "
+              f"{', '.join(fit) or 'none'}. configs/learn.yaml trains from d = {LEARN_D} (data/lookup/train.jsonl: "
+              f"data/build_lookup.py's two_hop_demos) with 24 cold-start steps."]
+    return "\n".join(lines) + "\n"
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--variants", default=",".join(VARIANTS), help="comma-separated names of VARIANTS")
+    parser.add_argument("--per_type", type=int, default=20, help="RL-pool questions per type")
+    parser.add_argument("--k", type=int, default=8, help="samples per question")
+    parser.add_argument("--max_response_tokens", type=int, default=512)
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--backend", default="vllm" if _has_vllm() else "transformers")
+    parser.add_argument("--work", default="/tmp/aepo_gate")
+    parser.add_argument("--out", default=str(ROOT / "bench" / "results" / "gate"))
+    parser.add_argument("--report_only", action="store_true")
+    parser.add_argument("--one", help=argparse.SUPPRESS)           # (internal) one variant, in its own process
+    args = parser.parse_args()
+    names = [n for n in args.variants.split(",") if n]
+    if unknown := [n for n in names if n not in VARIANTS]:
+        parser.error(f"--variants: unknown {', '.join(unknown)}; the variants are {', '.join(VARIANTS)}")
+    work = Path(args.work)
+    if args.one:
+        task = make_task(work / "tasks" / f"d{VARIANTS[args.one][0]}", two_hop_demos=VARIANTS[args.one][0])
+        shutil.rmtree(work / "runs" / args.one, ignore_errors=True)        # a failed try's folder
+        started = time.time()
+        result = sample_one(variant_argv(args.one, task, args), args.per_type, args.k)
+        result["wall_s"] = round(time.time() - started, 1)
+        (work / f"{args.one}.json").write_text(json.dumps(result))
+        return
+    env = {**os.environ, "TOKENIZERS_PARALLELISM": "false", "VLLM_CPU_KVCACHE_SPACE": "2"}
+    for name in names if not args.report_only else []:
+        if (work / f"{name}.json").exists():
+            continue
+        work.mkdir(parents=True, exist_ok=True)
+        cmd = [sys.executable, __file__, "--one", name, *sys.argv[1:]]
+        with open(work / f"{name}.log", "w") as log:
+            if subprocess.run(cmd, cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT).returncode:
+                sys.exit(f"{name} failed: see {work / f'{name}.log'}")
+        print(f"{name}: done", flush=True)
+    done = {n: json.loads((work / f"{n}.json").read_text()) for n in names if (work / f"{n}.json").exists()}
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "results.md").write_text(report(done, args))
+    (out / "results.json").write_text(json.dumps({n: {"variant": VARIANTS[n], "wall_s": r["wall_s"],
+                                                      "by_type": summary(r, args.k)} for n, r in done.items()},
+                                                 indent=1))
+    print(report(done, args))
+
+
+def _has_vllm() -> bool:
+    import importlib.util
+    return importlib.util.find_spec("vllm") is not None
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,197 @@
+"""Does RL teach the lookup task? AEPO in the learning setting (configs/learn.yaml), several seeds, before and after.
+
+    .venv-vllm/bin/python bench/learn.py                     # seeds 0,1,2 -> bench/results/learn/
+    .venv-vllm/bin/python bench/learn.py --seeds 0 --jobs 1  # one run
+    python bench/learn.py --report_only                      # the report again from the finished runs
+
+Each seed is one `python train.py --config configs/learn.yaml --seed S` (the cold start is seeded too, so each seed
+has its own start); held-out Pass@1 on the config's 100 questions x 2 samples before and after, and the gain after -
+start with a 95% interval (a bootstrap over seeds and questions: bench/compare_algorithms.py's `interval`), overall
+and per question type (lookup / two_hop). A run that stopped resumes from its last checkpoint (--resume true); a
+finished one is reused when it ran the same command. While a run trains, its processes' resident memory is sampled
+every 5 s (<work>/logs/<run>.rss.tsv: seconds, GB, the run's last log line), so the report gives each run's peak and
+the phase it was in.
+"""
+from __future__ import annotations
+
+import argparse
+import concurrent.futures
+import json
+import os
+import shlex
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import numpy as np
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "bench"))
+sys.path.insert(0, str(ROOT))
+from compare_algorithms import interval, per_question  # noqa: E402
+from harness import jsonl  # noqa: E402
+
+TYPES = ("lookup", "two_hop")
+
+
+def train_argv(seed: int, args) -> list[str]:
+    return ["train.py", "--config", args.config, f"--seed={seed}", f"--run_name=learn-s{seed}",
+            f"--out_dir={args.work}/runs", f"--backend={args.backend}", "--device=cpu", *args.extra]
+
+
+def tree_rss_gb(pid: int) -> float:
+    """Resident memory of a process and all its descendants (Linux /proc), in GB."""
+    total, todo = 0, [pid]
+    while todo:
+        p = todo.pop()
+        try:
+            status = Path(f"/proc/{p}/status").read_text()
+            total += int(next(line.split()[1] for line in status.splitlines() if line.startswith("VmRSS")))
+            for task in Path(f"/proc/{p}/task").iterdir():
+                todo += [int(c) for c in (task / "children").read_text().split()]
+        except (OSError, StopIteration, ValueError):
+            continue
+    return total / 1e6
+
+
+def last_line(log: Path) -> str:
+    try:
+        tail = log.read_bytes()[-2000:].decode("utf-8", "replace").replace("\r", "\n")
+    except OSError:
+        return ""
+    lines = [x.strip() for x in tail.splitlines() if x.strip()]
+    return lines[-1][:120] if lines else ""
+
+
+def run_one(seed: int, args) -> str:
+    name, work = f"learn-s{seed}", Path(args.work)
+    run_dir, log = work / "runs" / name, work / "logs" / f"learn-s{seed}.log"
+    argv, argv_file = train_argv(seed, args), log.with_suffix(".argv.json")
+    if (run_dir / "eval" / "after_summary.json").exists():
+        if json.loads(argv_file.read_text()) != argv:
+            raise RuntimeError(f"{run_dir} finished with other settings; pass another --work or delete it")
+        return f"{name}: done before, reused"
+    resume = (run_dir / "checkpoints").exists() and argv_file.exists() and json.loads(argv_file.read_text()) == argv
+    log.parent.mkdir(parents=True, exist_ok=True)
+    argv_file.write_text(json.dumps(argv))
+    env = {**os.environ, "OMP_NUM_THREADS": str(args.threads), "MKL_NUM_THREADS": str(args.threads),
+           "TOKENIZERS_PARALLELISM": "false", "VLLM_CPU_KVCACHE_SPACE": "1"}
+    started = time.time()
+    with open(log, "a") as f, open(log.with_suffix(".rss.tsv"), "a") as rss:
+        proc = subprocess.Popen([sys.executable, *argv, *(["--resume", "true"] if resume else [])], cwd=ROOT,
+                                env=env, stdout=f, stderr=subprocess.STDOUT)
+        done = threading.Event()
+
+        def sample():
+            while not done.wait(5):
+                rss.write(f"{time.time() - started:.0f}\t{tree_rss_gb(proc.pid):.2f}\t{last_line(log)}\n")
+                rss.flush()
+        thread = threading.Thread(target=sample, daemon=True)
+        thread.start()
+        code = proc.wait()
+        done.set()
+        thread.join()
+    if code:
+        raise RuntimeError(f"{name}: train.py exited {code}; see {log} (the same command resumes it)")
+    seconds = time.time() - started
+    (log.with_suffix(".wall_s")).write_text(f"{seconds:.0f}\n")
+    return f"{name}: {seconds / 60:.1f} min"
+
+
+def peak(rss_file: Path) -> tuple[float, str]:
+    rows = [line.split("\t", 2) for line in rss_file.read_text().splitlines() if line.count("\t") == 2]
+    gb, _, phase = max(((float(r[1]), int(r[0]), r[2]) for r in rows), default=(0.0, 0, ""))
+    return gb, phase
+
+
+def report(args, seeds: list[int]) -> dict:
+    work = Path(args.work)
+    runs = [work / "runs" / f"learn-s{s}" for s in seeds]
+    types = [json.loads(line)["meta"].get("type") for line in
+             jsonl.lines((runs[0] / "eval" / "after_results.jsonl").read_text(encoding="utf-8")) if line.strip()]
+    before = np.stack([per_question(r, "before") for r in runs])
+    after = np.stack([per_question(r, "after") for r in runs])
+    res = {"seeds": seeds, "config": args.config, "backend": args.backend,
+           "command": "python " + shlex.join(train_argv(seeds[0], args)).replace(f"{ROOT}/", ""),
+           "questions": int(after.shape[1]), "types": {t: types.count(t) for t in TYPES},
+           "algos": {"aepo": {"start": interval(before), "pass@1": interval(after), "gain": interval(after - before),
+                              "by_type": {}}},
+           "runs": {}}
+    for t in TYPES:
+        cols = [i for i, x in enumerate(types) if x == t]
+        res["algos"]["aepo"]["by_type"][t] = {"start": interval(before[:, cols]), "pass@1": interval(after[:, cols]),
+                                              "gain": interval(after[:, cols] - before[:, cols])}
+    for s, r in zip(seeds, runs):
+        log = work / "logs" / f"learn-s{s}.log"
+        metrics = [json.loads(line) for line in jsonl.lines((r / "metrics.jsonl").read_text(encoding="utf-8")) if line.strip()]
+        gb, phase = peak(log.with_suffix(".rss.tsv")) if log.with_suffix(".rss.tsv").exists() else (0.0, "")
+        wall = log.with_suffix(".wall_s")
+        res["runs"][s] = {"wall_min": round(int(wall.read_text()) / 60, 1) if wall.exists() else None,
+                          "peak_rss_gb": gb, "peak_during": phase,
+                          "before": json.loads((r / "eval" / "before_summary.json").read_text())["pass@1"],
+                          "after": json.loads((r / "eval" / "after_summary.json").read_text())["pass@1"],
+                          "frac_reward_zero_std": [m["frac_reward_zero_std"] for m in metrics],
+                          "two_hop_acc": [m.get("type/two_hop/acc") for m in metrics],
+                          "two_hop_searches": [m.get("type/two_hop/searches") for m in metrics]}
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "results.json").write_text(json.dumps(res, indent=1))
+    (out / "results.md").write_text(markdown(res))
+    print(markdown(res))
+    return res
+
+
+def markdown(res: dict) -> str:
+    def ci(x):
+        return f"{x[0]:.3f} [{x[1]:.3f}, {x[2]:.3f}]"
+    a = res["algos"]["aepo"]
+    lines = [f"# AEPO in the learning setting ({time.strftime('%Y-%m-%d')})", "",
+             f"`{res['command']}` and the same for seeds {', '.join(map(str, res['seeds']))} (backend "
+             f"{res['backend']}). Held-out: {res['questions']} questions ({res['types']['lookup']} lookups, "
+             f"{res['types']['two_hop']} two-hop) x 2 samples at temperature 0.6, before and after; mean and 95% "
+             "interval, a bootstrap over seeds and questions.", "",
+             "| questions | start | after | after − start |", "|---|---|---|---|",
+             f"| all | {ci(a['start'])} | {ci(a['pass@1'])} | {ci(a['gain'])} |"]
+    lines += [f"| {t} | {ci(v['start'])} | {ci(v['pass@1'])} | {ci(v['gain'])} |" for t, v in a["by_type"].items()]
+    lines += ["", "| seed | before | after | wall (min) | peak memory (GB, the run's processes) | during | groups with "
+              "equal rewards, first → last 4 steps | two-hop training success, first → last 4 steps |",
+              "|---|---|---|---|---|---|---|---|"]
+    for s, r in res["runs"].items():
+        z, acc = r["frac_reward_zero_std"], [x for x in r["two_hop_acc"] if x is not None]
+        lines.append(f"| {s} | {r['before']:.3f} | {r['after']:.3f} | {r['wall_min']} | {r['peak_rss_gb']:.1f} | "
+                     f"{r['peak_during'][:60]} | {np.mean(z[:4]):.2f} → {np.mean(z[-4:]):.2f} | "
+                     f"{np.mean(acc[:4]) if acc else float('nan'):.2f} → "
+                     f"{np.mean(acc[-4:]) if acc else float('nan'):.2f} |")
+    return "\n".join(lines) + "\n"
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--seeds", default="0,1,2")
+    parser.add_argument("--config", default="configs/learn.yaml")
+    parser.add_argument("--work", default=str(ROOT / "runs" / "learn"), help="run directories and logs")
+    parser.add_argument("--out", default=str(ROOT / "bench" / "results" / "learn"))
+    parser.add_argument("--jobs", type=int, default=2, help="runs at once")
+    parser.add_argument("--threads", type=int, default=1, help="torch threads per run")
+    parser.add_argument("--backend", default="vllm" if _has_vllm() else "transformers",
+                        choices=["vllm", "transformers"])
+    parser.add_argument("--report_only", action="store_true")
+    parser.add_argument("extra", nargs="*", help="more train.py flags for every run (after --)")
+    args = parser.parse_args()
+    seeds = [int(s) for s in args.seeds.split(",")]
+    if not args.report_only:
+        with concurrent.futures.ThreadPoolExecutor(args.jobs) as pool:
+            for line in pool.map(lambda s: run_one(s, args), seeds):
+                print(line, flush=True)
+    report(args, seeds)
+
+
+def _has_vllm() -> bool:
+    import importlib.util
+    return importlib.util.find_spec("vllm") is not None
+
+
+if __name__ == "__main__":
+    main()
