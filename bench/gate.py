@@ -104,9 +104,11 @@ def summary(result: dict, k: int) -> dict:
 
 def report(done: dict, args) -> str:
     k = args.k
-    lines = [f"# The gate: cold starts sampled as RL samples ({time.strftime('%Y-%m-%d')})", "",
+    dates = sorted({r.get("date", "2026-12-06") for r in done.values()})      # (the first variants: that day)
+    lines = [f"# The gate: cold starts sampled as RL samples ({', '.join(dates)})", "",
              f"{args.per_type} RL-pool questions per type x k = {k} at temperature 1, {args.max_response_tokens} "
-             f"response tokens, BM25 top-1, seed {args.seed}; backend {args.backend}. d = two-hop demonstrations among "
+             f"response tokens, BM25 top-1, seed {args.seed}; backend "
+             f"{', '.join(sorted({r['backend'] for r in done.values()}))}. d = two-hop demonstrations among "
              "the cold start's 24; s = cold-start steps of 3 demonstrations. Shares are of samples.", "",
              f"| variant | d | steps | lr | type | Pass@1 | Pass@{k} | in format | >= 2 searches | searches | truncated "
              "| answers the director | cold start + sampling |", "|" + "---|" * 13]
@@ -147,7 +149,7 @@ def main() -> None:
         shutil.rmtree(work / "runs" / args.one, ignore_errors=True)        # a failed try's folder
         started = time.time()
         result = sample_one(variant_argv(args.one, task, args), args.per_type, args.k)
-        result["wall_s"] = round(time.time() - started, 1)
+        result.update(wall_s=round(time.time() - started, 1), backend=args.backend, date=time.strftime("%Y-%m-%d"))
         (work / f"{args.one}.json").write_text(json.dumps(result))
         return
     env = {**os.environ, "TOKENIZERS_PARALLELISM": "false", "VLLM_CPU_KVCACHE_SPACE": "2"}
