@@ -18,6 +18,7 @@ import argparse
 import concurrent.futures
 import json
 import os
+import re
 import shlex
 import subprocess
 import sys
@@ -101,9 +102,13 @@ def run_one(seed: int, args) -> str:
 
 
 def peak(rss_file: Path) -> tuple[float, str]:
+    """The largest sample of a run's .rss.tsv and the phase its log showed then ("step 6", "eval before", ...)."""
     rows = [line.split("\t", 2) for line in rss_file.read_text().splitlines() if line.count("\t") == 2]
-    gb, _, phase = max(((float(r[1]), int(r[0]), r[2]) for r in rows), default=(0.0, 0, ""))
-    return gb, phase
+    gb, _, line = max(((float(r[1]), int(r[0]), r[2]) for r in rows), default=(0.0, 0, ""))
+    step = re.match(r"train:\s+\d+%\S*\s+(\d+)/(\d+)", line)
+    if step:                                     # the bar shows the steps done: the peak is in the next one
+        return gb, f"step {int(step.group(1)) + 1} of {step.group(2)}"
+    return gb, line.split(":")[0][:40]
 
 
 def report(args, seeds: list[int]) -> dict:
@@ -113,7 +118,7 @@ def report(args, seeds: list[int]) -> dict:
              jsonl.lines((runs[0] / "eval" / "after_results.jsonl").read_text(encoding="utf-8")) if line.strip()]
     before = np.stack([per_question(r, "before") for r in runs])
     after = np.stack([per_question(r, "after") for r in runs])
-    res = {"seeds": seeds, "config": args.config, "backend": args.backend,
+    res = {"seeds": seeds, "config": args.config, "backend": args.backend, "note": args.note,
            "command": "python " + shlex.join(train_argv(seeds[0], args)).replace(f"{ROOT}/", ""),
            "questions": int(after.shape[1]), "types": {t: types.count(t) for t in TYPES},
            "algos": {"aepo": {"start": interval(before), "pass@1": interval(after), "gain": interval(after - before),
@@ -151,7 +156,7 @@ def markdown(res: dict) -> str:
              f"`{res['command']}` and the same for seeds {', '.join(map(str, res['seeds']))} (backend "
              f"{res['backend']}). Held-out: {res['questions']} questions ({res['types']['lookup']} lookups, "
              f"{res['types']['two_hop']} two-hop) x 2 samples at temperature 0.6, before and after; mean and 95% "
-             "interval, a bootstrap over seeds and questions.", "",
+             "interval, a bootstrap over seeds and questions." + (f" {res['note']}" if res.get("note") else ""), "",
              "| questions | start | after | after − start |", "|---|---|---|---|",
              f"| all | {ci(a['start'])} | {ci(a['pass@1'])} | {ci(a['gain'])} |"]
     lines += [f"| {t} | {ci(v['start'])} | {ci(v['pass@1'])} | {ci(v['gain'])} |" for t, v in a["by_type"].items()]
@@ -164,6 +169,10 @@ def markdown(res: dict) -> str:
                      f"{r['peak_during'][:60]} | {np.mean(z[:4]):.2f} → {np.mean(z[-4:]):.2f} | "
                      f"{np.mean(acc[:4]) if acc else float('nan'):.2f} → "
                      f"{np.mean(acc[-4:]) if acc else float('nan'):.2f} |")
+    lines += ["", "Two-hop training success per step (exact match of the step's two-hop trajectories; – where the step drew "
+              "no two-hop question):"]
+    lines += [f"- seed {s}: " + ", ".join("–" if x is None else f"{x:.2f}" for x in r["two_hop_acc"])
+              for s, r in res["runs"].items()]
     return "\n".join(lines) + "\n"
 
 
@@ -178,6 +187,7 @@ def main() -> None:
     parser.add_argument("--backend", default="vllm" if _has_vllm() else "transformers",
                         choices=["vllm", "transformers"])
     parser.add_argument("--report_only", action="store_true")
+    parser.add_argument("--note", default="", help="a line the report prints under its command (what differed)")
     parser.add_argument("extra", nargs="*", help="more train.py flags for every run (after --)")
     args = parser.parse_args()
     seeds = [int(s) for s in args.seeds.split(",")]
