@@ -101,6 +101,21 @@ def run_one(seed: int, args) -> str:
     return f"{name}: {seconds / 60:.1f} min"
 
 
+def searches(run_dir: Path, name: str) -> dict:
+    """Per question type, the held-out samples of evaluation `name` by their search calls against what the type needs
+    (lookup 1, two_hop 2): shares with fewer, as many, more, and truncated."""
+    need, out = {"lookup": 1, "two_hop": 2}, {}
+    rows = [json.loads(line) for line in jsonl.lines((run_dir / "eval" / f"{name}_results.jsonl").read_text(
+        encoding="utf-8")) if line.strip()]
+    for kind, hops in need.items():
+        samples = [x for r in rows if r["meta"].get("type") == kind for x in r["samples"]]
+        calls = [sum(c[0] == "search" for c in x["tool_calls"]) for x in samples]
+        n = max(1, len(samples))
+        out[kind] = {"fewer": sum(c < hops for c in calls) / n, "as_needed": sum(c == hops for c in calls) / n,
+                     "more": sum(c > hops for c in calls) / n, "truncated": sum(x["truncated"] for x in samples) / n}
+    return out
+
+
 def peak(rss_file: Path) -> tuple[float, str]:
     """The largest sample of a run's .rss.tsv and the phase its log showed then ("step 6", "eval before", ...)."""
     rows = [line.split("\t", 2) for line in rss_file.read_text().splitlines() if line.count("\t") == 2]
@@ -137,6 +152,7 @@ def report(args, seeds: list[int]) -> dict:
                           "peak_rss_gb": gb, "peak_during": phase,
                           "before": json.loads((r / "eval" / "before_summary.json").read_text())["pass@1"],
                           "after": json.loads((r / "eval" / "after_summary.json").read_text())["pass@1"],
+                          "searches": {name: searches(r, name) for name in ("before", "after")},
                           "frac_reward_zero_std": [m["frac_reward_zero_std"] for m in metrics],
                           "two_hop_acc": [m.get("type/two_hop/acc") for m in metrics],
                           "two_hop_searches": [m.get("type/two_hop/searches") for m in metrics]}
@@ -169,6 +185,13 @@ def markdown(res: dict) -> str:
                      f"{r['peak_during'][:60]} | {np.mean(z[:4]):.2f} → {np.mean(z[-4:]):.2f} | "
                      f"{np.mean(acc[:4]) if acc else float('nan'):.2f} → "
                      f"{np.mean(acc[-4:]) if acc else float('nan'):.2f} |")
+    lines += ["", "Held-out samples by their searches against what the type needs (lookup 1, two-hop 2): fewer / as "
+              "many / more, and truncated (512 tokens), before → after:"]
+    for s, r in res["runs"].items():
+        for kind in ("lookup", "two_hop"):
+            b, a = r["searches"]["before"][kind], r["searches"]["after"][kind]
+            lines.append(f"- seed {s}, {kind}: " + "; ".join(f"{key.replace('_', ' ')} {b[key]:.2f} → {a[key]:.2f}"
+                                                              for key in ("fewer", "as_needed", "more", "truncated")))
     lines += ["", "Two-hop training success per step (exact match of the step's two-hop trajectories; – where the step drew "
               "no two-hop question):"]
     lines += [f"- seed {s}: " + ", ".join("–" if x is None else f"{x:.2f}" for x in r["two_hop_acc"])
