@@ -17,6 +17,7 @@ is reused when that file is there; the report is results.md and results.json und
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import json
 import os
 import shutil
@@ -119,8 +120,8 @@ def report(done: dict, args) -> str:
                          f"{s['format_ok']:.2f} | {s['two_searches']:.2f} | {s['searches']:.2f} | "
                          f"{s['truncated']:.2f} | {s['bridge'] if kind == 'two_hop' else float('nan'):.2f} | "
                          f"{result['wall_s']:.0f} s |")
-    fit = [name for name, result in done.items() if 0.05 <= summary(result, k)["two_hop"]["pass@1"] <= 0.25
-           and summary(result, k)["two_hop"][f"pass@{k}"] >= 0.4]
+    two_hop = {name: summary(result, k)["two_hop"] for name, result in done.items()}
+    fit = [name for name, s in two_hop.items() if 0.05 <= s["pass@1"] <= 0.25 and s[f"pass@{k}"] >= 0.4]
     lines += ["", f"Something for RL to amplify (two-hop Pass@1 about 0.05-0.20, here 0.05-0.25, and Pass@{k} >= 0.4): "
               f"{', '.join(fit) or 'none'}. configs/learn.yaml trains from d = {LEARN_D} (data/lookup/train.jsonl: "
               f"data/build_lookup.py's two_hop_demos) with 24 cold-start steps."]
@@ -134,7 +135,7 @@ def main() -> None:
     parser.add_argument("--k", type=int, default=8, help="samples per question")
     parser.add_argument("--max_response_tokens", type=int, default=512)
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--backend", default="vllm" if _has_vllm() else "transformers")
+    parser.add_argument("--backend", default="vllm" if importlib.util.find_spec("vllm") else "transformers")
     parser.add_argument("--work", default="/tmp/aepo_gate")
     parser.add_argument("--out", default=str(ROOT / "bench" / "results" / "gate"))
     parser.add_argument("--report_only", action="store_true")
@@ -170,11 +171,6 @@ def main() -> None:
                                                       "by_type": summary(r, args.k)} for n, r in done.items()},
                                                  indent=1))
     print(report(done, args))
-
-
-def _has_vllm() -> bool:
-    import importlib.util
-    return importlib.util.find_spec("vllm") is not None
 
 
 if __name__ == "__main__":

@@ -15,6 +15,7 @@ the phase it was in.
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import concurrent.futures
 import json
 import os
@@ -207,7 +208,7 @@ def main() -> None:
     parser.add_argument("--out", default=str(ROOT / "bench" / "results" / "learn"))
     parser.add_argument("--jobs", type=int, default=2, help="runs at once")
     parser.add_argument("--threads", type=int, default=1, help="torch threads per run")
-    parser.add_argument("--backend", default="vllm" if _has_vllm() else "transformers",
+    parser.add_argument("--backend", default="vllm" if importlib.util.find_spec("vllm") else "transformers",
                         choices=["vllm", "transformers"])
     parser.add_argument("--report_only", action="store_true")
     parser.add_argument("--note", default="", help="a line the report prints under its command (what differed)")
@@ -219,11 +220,6 @@ def main() -> None:
             for line in pool.map(lambda s: run_one(s, args), seeds):
                 print(line, flush=True)
     report(args, seeds)
-
-
-def _has_vllm() -> bool:
-    import importlib.util
-    return importlib.util.find_spec("vllm") is not None
 
 
 if __name__ == "__main__":
