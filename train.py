@@ -33,7 +33,7 @@ import eval as evaluation
 import loss
 import reward
 import rollout
-from harness import cli, config, generation, mismatch, settings, trees
+from harness import cli, config, generation, memory, mismatch, settings, trees
 from harness.run import checkpoint, parallel, probe, rundir, runlog
 from harness.run.policy import located, micro_batches, no_grad_sync, optimizer_step, pad_share, tensorize, unwrap
 from harness.run.startup import Run, set_up
@@ -162,6 +162,7 @@ def evaluate(run: Run, name: str) -> dict | None:
                                       evaluation.eval_settings(cfg), name=name,
                                       out_dir=run.dir / "eval", config=dataclasses.asdict(cfg), rank=run.rank,
                                       world=run.world, progress=run.master)
+    memory.release()                             # the generation's freed memory back before training goes on
     run.log(f"eval {name}: " + runlog.eval_line(summary))
     return summary
 

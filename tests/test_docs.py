@@ -108,7 +108,8 @@ def test_every_logged_metric_is_defined():
     keys = set(keys) | {"time/rollout", "time/old_logp", "time/update", "time/sync", "time/step", "update_tokens_per_s",
                         "time/rollout_slowest", "time/rollout_imbalance", "mismatch/k1", "mismatch/k3",
                         "mismatch/log_ppl_diff", "mismatch/ratio_p01", "mismatch/ratio_p50", "mismatch/ratio_p99",
-                        "mismatch/out_2x", "probe_entropy"}
+                        "mismatch/out_2x", "probe_entropy", "memory/rollout", "memory/old_logp",
+                        "memory/update", "memory/sync"}
     for key in keys:
         family = key.split("/")[0] + "/…"
         assert key in named or (key.startswith(("tools/", "type/")) and family in named), key

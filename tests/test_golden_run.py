@@ -25,7 +25,7 @@ from tests.conftest import flags
 from tests.fakes import SearchFirst, fake_score
 
 GOLDEN = Path(__file__).parent / "golden" / "tiny_two_steps.jsonl"
-TIMES = ("time/", "update_tokens_per_s")
+TIMES = ("time/", "update_tokens_per_s", "memory/")
 MODEL_FLOATS = {"entropy", "entropy_std", "approx_kl", "kl_ref", "ratio", "pg_loss", "kl_loss", "grad_norm"}
 FLOAT_REL = 2e-2
 

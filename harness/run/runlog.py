@@ -17,7 +17,7 @@ import torch
 
 import tools
 from harness.run import parallel
-from harness import jsonl, trees
+from harness import jsonl, memory, trees
 
 # ---------------------------------------------------------------------------------------------------------------------
 # One line per step on rank 0, metrics.jsonl, samples.jsonl, optional TensorBoard / W&B, a PNG at the end
@@ -149,29 +149,36 @@ class MismatchWatch:
 
 
 class Clock:
-    """Wall-clock seconds of a step's phases: `with clock("update"): ...` adds the block's time to seconds["update"];
-    `metrics` gives the step's time/* metrics."""
+    """Wall-clock seconds and peak resident memory of a step's phases: `with clock("update"): ...` adds the block's
+    time to seconds["update"] and keeps the process's peak memory during it in peaks["update"] (harness/memory.py),
+    then hands the memory the phase freed back to the system; `metrics` gives the step's time/* and memory/* metrics."""
 
     def __init__(self):
-        self.start, self.seconds = time.time(), {}
+        self.start, self.seconds, self.peaks = time.time(), {}, {}
 
     @contextlib.contextmanager
     def __call__(self, phase: str):
         start = time.time()
+        memory.reset_peak()
         try:
             yield
         finally:
             self.seconds[phase] = self.seconds.get(phase, 0.0) + time.time() - start
+            peak = memory.peak_gb()
+            if peak is not None:
+                self.peaks[phase] = max(peak, self.peaks.get(phase, 0.0))
+            memory.release()
 
     def metrics(self, rollout_seconds: list[float], update_tokens: float) -> dict:
         """time/<phase> for each phase, the whole step, the slowest rank's rollout and its ratio to the ranks' mean
         (rollout_seconds: every rank's, parallel.gather), and the update's throughput (update_tokens: the loss
-        tokens of every rank, times the epochs)."""
+        tokens of every rank, times the epochs); memory/<phase>: this rank's peak resident GB in the phase."""
         out = {f"time/{phase}": seconds for phase, seconds in self.seconds.items()}
         slowest, mean = max(rollout_seconds), sum(rollout_seconds) / len(rollout_seconds)
         out.update({"time/rollout_slowest": slowest, "time/rollout_imbalance": slowest / max(1e-9, mean),
                     "time/step": time.time() - self.start,
                     "update_tokens_per_s": update_tokens / max(self.seconds.get("update", 0.0), 1e-9)})
+        out.update({f"memory/{phase}": gb for phase, gb in self.peaks.items()})
         return out
 
 
