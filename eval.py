@@ -189,7 +189,7 @@ def markdown_table(summaries: list[dict]) -> str:
 def like(key: str, default=dataclasses.MISSING, help: str = ""):
     """A field of another command's config (eval.py) that is the training setting `key`: Config's help unless `help`
     is given, Config's default unless `default` is, and metadata "train_key" (eval.py --run reads the run's value of
-    `key` into it); a --set key where the training setting is one."""
+    `key` into it); rarely changed (--help's last group) where the training setting is."""
     source = {f.name: f for f in dataclasses.fields(Config)}[key]
     if default is dataclasses.MISSING:
         default = source.default_factory() if source.default_factory is not dataclasses.MISSING else source.default

@@ -16,8 +16,6 @@ exp and 0 at mask-0 tokens, a safeguard neither official loss has; k3 clamped to
 low_var_kl), D20 (token entropy over the full vocabulary in float32, chunk by chunk from the hidden states), D21 (the
 entropy bonus a setting of its own), D22 (CISPO's lower bound off through eps_low = 1).
 """
-import dataclasses
-import warnings
 from dataclasses import dataclass
 
 import torch
@@ -255,7 +253,7 @@ class LossSettings:
     """The objective, chosen once at set-up (algorithm.md §4, §7): the surrogate J (`aepo_surrogate`,
     `gppo_surrogate`, `cispo_surrogate`), the sg_clip switch (the stop-gradient upper bound; off: PPO's clip), ε_l, ε_h
     and dual-clip c, the KL and entropy-bonus coefficients, the aggregation (`aggregate`; max_len for
-    seq-mean-token-sum-norm). surrogate="ppo" (before sg_clip was one) is aepo, sg_clip False (warned once)."""
+    seq-mean-token-sum-norm)."""
     surrogate: str = "aepo"
     eps_low: float = 0.2
     eps_high: float = 0.2
@@ -267,10 +265,6 @@ class LossSettings:
     sg_clip: bool = True                     # last, so that the fields before it keep their positions
 
     def __post_init__(self):
-        if self.surrogate == "ppo":
-            _warn_once("LossSettings(surrogate='ppo')", "LossSettings(sg_clip=False)")
-            object.__setattr__(self, "surrogate", "aepo")
-            object.__setattr__(self, "sg_clip", False)
         if self.surrogate not in SURROGATES:
             raise ValueError(f"surrogate must be one of {', '.join(SURROGATES)}; got {self.surrogate!r}")
         if not isinstance(self.sg_clip, bool):
@@ -296,7 +290,7 @@ def k3(logp: torch.Tensor, ref_logp: torch.Tensor, valid: torch.Tensor) -> torch
 
 
 def policy_loss(logp, old_logp, advantages, mask, n_valid, settings: LossSettings = LossSettings(), *,
-                ref_logp=None, entropy=None, n_seqs=None, weights=None, **old_keywords):
+                ref_logp=None, entropy=None, n_seqs=None, weights=None):
     """Eq. (algorithm.md §4): r = exp(`log_ratio`); loss = aggregate(−J) + kl_coef·aggregate(`k3`)
     − entropy_coef·aggregate(H), J the settings' surrogate; aggregate: token-mean Σ·mask / n_valid (or verl's).
     logp: (B, T) current-policy log-probs (carry gradient); old_logp: (B, T) behaviour policy; advantages: (B, T) Ã,
@@ -304,11 +298,10 @@ def policy_loss(logp, old_logp, advantages, mask, n_valid, settings: LossSetting
     mask-1 tokens of the whole optimiser mini-batch (all micro-batches and ranks); ref_logp: (B, T) frozen reference
     (k3 always reported, in the loss when kl_coef > 0); entropy: (B, T) current-policy H with its gradient (in the
     loss when entropy_coef != 0); n_seqs: sequences of the mini-batch (seq-mean-*); weights: (B, T) detached
-    per-token factors of J (harness/mismatch.py's correction), None = 1. Its keywords before LossSettings still work
-    (`_settings_of`, a DeprecationWarning once each); any other keyword is a TypeError.
+    per-token factors of J (harness/mismatch.py's correction), None = 1.
     Returns (loss 0-d, metrics): `clip_metrics`' sums, and "kl_ref" (Σ k3), "pg_loss", "kl_loss", "entropy_loss"
     (this call's additive parts of the loss); sum them over micro-batches and ranks, divide by the global count."""
-    s = _settings_of(settings, old_keywords) if old_keywords else settings
+    s = settings
     advantages, n_valid = check_inputs(logp, old_logp, advantages, mask, n_valid, s, ref_logp, entropy, weights)
     agg = dict(n_valid=n_valid, loss_agg=s.loss_agg, n_seqs=n_seqs, max_len=s.max_len)
     valid, adv = mask.bool(), advantages.float()
@@ -363,37 +356,3 @@ def check_inputs(logp, old_logp, advantages, mask, n_valid, settings, ref_logp=N
         raise ValueError(f"n_valid must be > 0 (global count of mask-1 tokens), got {n_valid}")
     return advantages, n_valid
 
-
-# policy_loss's keywords before LossSettings (docs/reference.md: The copy surface) that are not LossSettings fields
-_OLD_KEYWORDS = {"entropy_coeff": "entropy_coef=...", "sg_clip_low": "surrogate='gppo'", "cispo": "surrogate='cispo'"}
-_warned: set[str] = set()
-
-
-def _warn_once(old: str, new: str) -> None:
-    """A DeprecationWarning that loss.`old` is now loss.`new`, once per name in this process."""
-    if old not in _warned:
-        _warned.add(old)
-        warnings.warn(f"loss.{old} is now loss.{new}", DeprecationWarning, stacklevel=4)
-
-
-def _settings_of(settings: LossSettings, old_keywords: dict) -> LossSettings:
-    """`settings` with the keywords policy_loss took before LossSettings: a field given directly (sg_clip=False,
-    eps_low=0.1, ...), entropy_coeff=, sg_clip_low=True (gppo), cispo=True (cispo; it wins, as it did). Each warns
-    once that it moved into LossSettings; any other keyword is a TypeError naming it and the valid ones."""
-    fields = [f.name for f in dataclasses.fields(LossSettings)]
-    unknown = [name for name in old_keywords if name not in fields and name not in _OLD_KEYWORDS]
-    if unknown:
-        raise TypeError(f"policy_loss() got unknown keyword(s) {', '.join(unknown)}; its keywords are ref_logp, "
-                        f"entropy, n_seqs, weights and settings, a LossSettings of {', '.join(fields)} (these given "
-                        f"directly, and the old {', '.join(_OLD_KEYWORDS)}, still work)")
-    for name in old_keywords:
-        new = _OLD_KEYWORDS.get(name, name + "=...")
-        _warn_once(f"policy_loss({name}=)", f"policy_loss(settings=LossSettings({new}))")
-    changes = {name: value for name, value in old_keywords.items() if name not in _OLD_KEYWORDS}
-    if "entropy_coeff" in old_keywords:
-        changes["entropy_coef"] = old_keywords["entropy_coeff"]
-    if old_keywords.get("sg_clip_low"):
-        changes["surrogate"] = "gppo"
-    if old_keywords.get("cispo"):
-        changes["surrogate"] = "cispo"
-    return dataclasses.replace(settings, **changes)

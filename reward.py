@@ -225,17 +225,3 @@ def pass_at_k(n: int, c: int, k: int) -> float:
         return 1.0
     return 1.0 - math.comb(n - c, k) / math.comb(n, k)
 
-
-_RENAMED = {"TOOL_TAGS": "tools.TOOLS"}
-_warned: set[str] = set()
-
-
-def __getattr__(name: str):
-    """Names that moved (docs/reference.md: The copy surface): they still work, with one DeprecationWarning each."""
-    if name not in _RENAMED:
-        raise AttributeError(f"module 'reward' has no attribute {name!r}")
-    if name not in _warned:
-        _warned.add(name)
-        import warnings
-        warnings.warn(f"reward.{name} is now {_RENAMED[name]}", DeprecationWarning, stacklevel=2)
-    return TOOLS

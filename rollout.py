@@ -13,7 +13,8 @@ Deviations from the paper / official code (algorithm.md §8): D1 (one pre-monito
 (H_tool over its post-tool segments), D3 (m rounded up; no pre-monitor without the dynamic budget), D4 (the
 consecutive-branch count per path, fresh every step), D5 (a branch's ΔH reference is its path's first segment), D6
 (the pre-monitor's branching decisions taken when it finishes), D7 (groups completed with fresh samples, all at once,
-never branching), D10 (a notice at the tool-call limit; `tool_limit_ends` does what the official code does).
+never branching), D10 (a notice at the tool-call limit; `tool_limit_ends` does what the official code does), D11
+(malformed calls are `Error:` observations; no branching decision follows one, nor the notice, as officially).
 """
 from __future__ import annotations
 
@@ -21,14 +22,12 @@ import dataclasses
 import math
 import random
 import time
-import warnings
 from collections import Counter
 from concurrent.futures import FIRST_COMPLETED, ThreadPoolExecutor, wait
 from dataclasses import dataclass, field
 from typing import Any
 
 import tools
-import sampler
 from sampler import Generator, Sampling, Segment, WholeCalls, request_seed
 
 # --------------------------------------------------------------------------------------------------
@@ -38,8 +37,9 @@ from sampler import Generator, Sampling, Segment, WholeCalls, request_seed
 def segment_entropy(topk_logprobs: list[list[float]], vocab_size: int, n: int = 20) -> float:
     """Eq.: H_seg = (1 / log|V|) · Σ_{j<n} Σ_{c ∈ topk_j} −exp(l_c)·l_c  (a sum over positions).
 
-    topk_logprobs: per generated position the top-k log-probs (k = 10) returned for it, not renormalised. Only the
-    first n positions count; a shorter segment sums what it has."""
+    topk_logprobs: one list per generated position of the top-k log-probs (k = 10) returned for it,
+    not renormalised. Only the first n positions count; a shorter segment sums what it has.
+    """
     if vocab_size < 2:
         raise ValueError(f"vocab_size must be >= 2, got {vocab_size}")
     total = 0.0
@@ -58,8 +58,11 @@ def global_budget(k: int, h_root: float, h_tool: float, beta: float = 0.5) -> in
 
 
 def branch_probability(u: float, delta_h: float, l: int, gamma: float = 0.2, lam: float = 0.05) -> float:
-    """Eq.: P_t = (u + γ·ΔH_t) · (1 − min(1, λ·l)); the caller branches iff P_t ≥ τ. u ~ U(0,1); delta_h =
-    H_seg(latest segment) − H_seg(first segment of this path); l = consecutive branch-creating tool steps on it."""
+    """Eq.: P_t = (u + γ·ΔH_t) · (1 − min(1, λ·l)); the caller branches iff P_t ≥ τ.
+
+    u ~ U(0,1); delta_h = H_seg(latest segment) − H_seg(first segment of this path);
+    l = consecutive branch-creating tool steps on this path.
+    """
     return (u + gamma * delta_h) * (1.0 - min(1.0, lam * l))
 
 
@@ -89,8 +92,9 @@ class TreeSettings:
     max_tool_calls: int = 6
     max_response_tokens: int = 4096   # policy tokens and tool results together
     tool_limit_ends: bool = False     # past max_tool_calls: EOS and the end, as the official code (D10)
-    deadline_s: float = 0.0           # wall-clock seconds a trajectory may take (0 = none), checked after each round
-    lockstep: bool = False            # every tree waits for every other at each round (algorithm.md §2e)
+    trajectory_deadline_s: float = 0.0  # wall-clock seconds a trajectory may take (0 = none), checked per round
+    lockstep_rollout: bool = False    # every tree waits for every other at each round (the synchronous rollout,
+    #                                   algorithm.md §2e); False: each tree starts its next round when its own is done
 
 
 @dataclass
@@ -109,15 +113,16 @@ class Trajectory:
     kind: str = "global"              # "premonitor" | "global" | "branch" | "completion"
     tool_calls: list[tuple[str, str]] = field(default_factory=list)
     observations: list[str] = field(default_factory=list)  # what each call returned (before format_result)
-    gen_logp: list[float] | None = field(default_factory=list)  # the generator's log-prob of each response token (0
-    #                      at tool tokens, nan at a token it did not sample), None once a segment came without them
+    gen_logp: list[float] | None = field(default_factory=list)  # the generator's log-prob of each response token
+    #                                      (Segment.logprobs; 0.0 at tool tokens, nan at a token it did not sample),
+    #                                      None once a segment came without them
     seg_entropies: list[float] = field(default_factory=list)
     branch_l: list[int] = field(default_factory=list)   # l at each branch this trajectory created
     result_ends: list[int] = field(default_factory=list)  # len(response_ids) after each tool result
     finish_reason: str = ""           # "answer" | "eos" | "length" | "deadline" ("" while active)
     truncated: bool = False           # ran out of the response-token budget
     text: str = ""                    # decoded response (policy tokens and tool results)
-    started: float = field(default_factory=time.monotonic)   # when it was created (deadline_s)
+    started: float = field(default_factory=time.monotonic)   # when it was created (trajectory_deadline_s)
 
     @property
     def finished(self) -> bool:
@@ -148,14 +153,15 @@ def tree_rollout(prompts: list[list[int]], generator: Generator, tool_runner, to
     rollout's sums and counts (`tree_stats`).
 
     prompts: token ids per question (chat template applied); tool_runner: `.run(calls) -> (observations, counts)`
-    like `tools.Tools`, run in worker threads; settings: `TreeSettings`, whose fields may also be given as keywords
-    (k=8); progress: None, or `progress(rounds_done, finished, total)` after every round of a tree, whose `on_step`
-    (if any) the generator calls after every decoding step."""
+    like `tools.Tools`, called from worker threads; settings: `TreeSettings`, any of whose fields may also be given as
+    a keyword (k=8); progress: None, or `progress(rounds_done, finished, total)` after every round of a tree, whose
+    `on_step` method (if any) the generator calls after every decoding step."""
     s = dataclasses.replace(settings or TreeSettings(), **overrides)
     if s.k < 1:
         raise ValueError(f"k must be >= 1, got {s.k}")
-    trees = [_start(Tree(g, list(prompt), rng=random.Random(request_seed(seed, g))), s) for g, prompt in
-             enumerate(prompts)]                                                  # round 0 of each, its own draws u
+    trees = []
+    for g, prompt in enumerate(prompts):         # round 0 of each question, with its own draws u
+        trees.append(_start(Tree(g, list(prompt), rng=random.Random(request_seed(seed, g))), s))
     rounds = _Rounds(trees, generator, tool_runner, tokenizer, s, sampling, seed, progress)
     counts = rounds.run()
     trajectories = [t for tree in trees for t in tree.trajectories]
@@ -165,22 +171,45 @@ def tree_rollout(prompts: list[list[int]], generator: Generator, tool_runner, to
                                     max((tree.rounds for tree in trees), default=0))
 
 
+@dataclass
+class _Pending:
+    """One trajectory's part in its tree's round: the tool call its segment ended with (None while the segment decodes,
+    and for a segment that ended the trajectory) and that call's observation (None until the call is back)."""
+    trajectory: Trajectory
+    call: tools.ToolCall | tools.ToolError | None = None
+    observation: str | None = None
+
+
 class _Rounds:
-    """The trees' rounds (algorithm.md §2e): a tree's next round starts when its own segments and calls are back. All
-    trees' segments decode in one running batch (`Generator.start`); calls run in worker threads as their segments end
-    (a tool run per tree and step). lockstep (also without `start`): every tree waits for every other at each round."""
+    """The trees' rounds (algorithm.md §2e). In a tree's round each of its active trajectories generates one segment
+    and the tool call it ends with runs; when all of them are back, the round's results are appended in trajectory
+    order, with the branching decisions (§2b), the deadline, m (§2a) and completion (§2c), and the tree's next round
+    starts. Segments of every tree decode in one running batch (`Generator.start`) and tool calls run in worker
+    threads as soon as their segment ends (one tool run per tree and decoding step), so a tree waits only for its own
+    calls. With `lockstep_rollout` every tree waits for every other: the round's calls run together once all its
+    segments are in, and the next round starts when all trees' calls are back (the synchronous rollout; also with a
+    generator that has no `start`).
+
+    Each pass of the loop (`run`) takes four steps: collect the segments that ended (`_collect_segments`), send the
+    calls they end with (`_send_calls`), collect the results that came back (`_collect_results`), and end the round
+    of every tree whose segments and calls are all back (`_end_rounds`)."""
 
     def __init__(self, trees, generator, tool_runner, tokenizer, s: TreeSettings, sampling, seed, progress):
         self.trees, self.tool_runner, self.tokenizer, self.s, self.seed = trees, tool_runner, tokenizer, s, seed
         self.fmt = getattr(tool_runner, "format", tools.TAGS)   # how calls are written and results rendered
-        self.progress, on_step = progress, getattr(progress, "on_step", None)
+        self.progress = progress
+        on_step = getattr(progress, "on_step", None)
         streams = callable(getattr(generator, "start", None))
-        self.decoding = generator.start(sampling, on_step) if streams else WholeCalls(generator, sampling, on_step)
-        self.lockstep = s.lockstep or not streams      # one generate call per round: which trees share it is fixed
-        self.generating: dict[int, list] = {}          # request id -> its round entry
-        self.held: list[list] = []                     # round entries whose calls are not sent yet
-        self.calling: dict[Any, list] = {}             # future of a tool run -> the round entries it answers
-        self.round: dict[int, list[list]] = {}         # group -> [trajectory, call, observation] per member, in order
+        if streams:
+            self.decoding = generator.start(sampling, on_step)
+        else:
+            self.decoding = WholeCalls(generator, sampling, on_step)
+        # one generate call per round without `start`: which trees share it must not depend on tool timing
+        self.in_lockstep = s.lockstep_rollout or not streams
+        self.generating: dict[int, _Pending] = {}          # request id -> the trajectory it decodes for
+        self.held: list[_Pending] = []                     # calls not sent yet (lockstep: until the round's end)
+        self.calling: dict[Any, list[_Pending]] = {}       # future of a tool run -> the calls it answers, in order
+        self.round: dict[int, list[_Pending]] = {}         # group -> its round's trajectories, in order
         self.counts: Counter = Counter()
 
     def run(self) -> Counter:
@@ -190,58 +219,96 @@ class _Rounds:
         try:
             for tree in self.trees:
                 self._begin(tree)
-            while self.generating or self.calling or self.held:
-                for request, segment in self.decoding.step() if self.generating else []:
-                    entry = self.generating.pop(request)
-                    entry[1] = _append_segment(entry[0], segment, self.s, self.fmt, self.tokenizer, self.counts)
-                    self.held += [entry] if entry[1] is not None else []
-                if self.held and not (self.lockstep and self.generating):      # send: each tree's calls together
-                    batches: dict[int, list] = {}
-                    for entry in self.held:
-                        batches.setdefault(-1 if self.lockstep else entry[0].group_id, []).append(entry)
-                    self.calling.update({pool.submit(self.tool_runner.run, [e[1] for e in batch]): batch
-                                         for batch in batches.values()})
-                    self.held = []
-                for future in [f for f in self.calling if f.done()]:
-                    observations, tool_counts = future.result()
-                    self.counts.update({f"tools/{key}": value for key, value in tool_counts.items()})
-                    for entry, observation in zip(self.calling.pop(future), observations):
-                        entry[2] = observation
+            while self.generating or self.held or self.calling:
+                self._collect_segments()
+                self._send_calls(pool)
+                self._collect_results()
                 self._end_rounds()
-                if not self.generating and self.calling:                       # the generator has nothing to do
-                    idle = time.monotonic()
-                    wait(self.calling, return_when=FIRST_COMPLETED)
-                    self.counts["gen_idle_s"] += time.monotonic() - idle
+                self._wait_for_calls()
         finally:
             pool.shutdown(wait=False, cancel_futures=True)      # (calls still running end within their timeouts)
         return self.counts
 
     def _begin(self, tree: Tree) -> None:
-        """A round of `tree`: a segment for each active trajectory, seeded by (seed, question, trajectory, segment)."""
-        self.round[tree.group_id] = [[t, None, None] for t in tree.trajectories if not t.finished]
-        for entry in self.round[tree.group_id]:
-            t = entry[0]
-            self.generating[self.decoding.add(t.prompt_ids + t.response_ids, self.s.max_response_tokens -
-                                              len(t.response_ids), request_seed(self.seed, t.group_id, t.traj_id,
-                                                                                len(t.seg_entropies)))] = entry
+        """A round of `tree`: each of its active trajectories asks for one segment, seeded by (seed, question,
+        trajectory, segment index)."""
+        members = [_Pending(t) for t in tree.trajectories if not t.finished]
+        self.round[tree.group_id] = members
+        for pending in members:
+            t = pending.trajectory
+            context = t.prompt_ids + t.response_ids
+            room = self.s.max_response_tokens - len(t.response_ids)
+            seed = request_seed(self.seed, t.group_id, t.traj_id, len(t.seg_entropies))
+            self.generating[self.decoding.add(context, room, seed)] = pending
+
+    def _collect_segments(self) -> None:
+        """One decoding step: every segment that ended is appended to its trajectory, and the call it ends with is
+        held for sending."""
+        if not self.generating:
+            return
+        for request, segment in self.decoding.step():
+            pending = self.generating.pop(request)
+            pending.call = _append_segment(pending.trajectory, segment, self.s, self.fmt, self.tokenizer, self.counts)
+            if pending.call is not None:
+                self.held.append(pending)
+
+    def _send_calls(self, pool: ThreadPoolExecutor) -> None:
+        """The held calls to the tool runner, in worker threads: each tree's together (lockstep: every tree's in one
+        run, once no segment is decoding)."""
+        if not self.held or (self.in_lockstep and self.generating):
+            return
+        runs: dict[int, list[_Pending]] = {}
+        for pending in self.held:
+            key = -1 if self.in_lockstep else pending.trajectory.group_id
+            runs.setdefault(key, []).append(pending)
+        for batch in runs.values():
+            self.calling[pool.submit(self.tool_runner.run, [pending.call for pending in batch])] = batch
+        self.held = []
+
+    def _collect_results(self) -> None:
+        """Every tool run that finished: its observations to their calls, its counts to the rollout's."""
+        for future in [f for f in self.calling if f.done()]:
+            observations, tool_counts = future.result()
+            self.counts.update({f"tools/{key}": value for key, value in tool_counts.items()})
+            for pending, observation in zip(self.calling.pop(future), observations):
+                pending.observation = observation
 
     def _end_rounds(self) -> None:
         """End the round of every tree whose segments and calls are all back (lockstep: once every tree's are)."""
-        busy = {e[0].group_id for e in [*self.generating.values(), *self.held, *sum(self.calling.values(), [])]}
-        if not (self.lockstep and busy):
-            for tree in [tree for tree in self.trees if tree.group_id in self.round and tree.group_id not in busy]:
-                self._end(tree)
+        waiting = [*self.generating.values(), *self.held]
+        for batch in self.calling.values():
+            waiting += batch
+        busy = {pending.trajectory.group_id for pending in waiting}
+        if self.in_lockstep and busy:
+            return
+        done = [tree for tree in self.trees if tree.group_id in self.round and tree.group_id not in busy]
+        for tree in done:
+            self._end(tree)
+
+    def _wait_for_calls(self) -> None:
+        """With nothing to decode, wait until a tool run finishes; the wait is the generator's idle time."""
+        if self.generating or not self.calling:
+            return
+        idle = time.monotonic()
+        wait(self.calling, return_when=FIRST_COMPLETED)
+        self.counts["gen_idle_s"] += time.monotonic() - idle
 
     def _end(self, tree: Tree) -> None:
-        """The round's results appended in trajectory order, each followed by its branching decision (§2b); then the
-        deadline, §2a's m and §2c's completion; then the next round, if the tree has active trajectories."""
+        """The round's results appended in trajectory order, each followed by its branching decision (§2b) where
+        `_branch_point` takes one; then the deadline, §2a's m and §2c's completion; then the next round, if the tree
+        has active trajectories."""
         s = self.s
-        for t, call, observation in self.round.pop(tree.group_id):
-            if call is not None and _append_result(t, observation, self.fmt, self.tokenizer, s.max_response_tokens) \
-                    and s.entropy_branching and tree.m is not None and len(tree.trajectories) < s.k:
-                _maybe_branch(t, len(t.result_ends) - 1, tree, tree.rng, tree.rounds, s)
+        for pending in self.round.pop(tree.group_id):
+            if pending.call is None:                 # its segment ended the trajectory
+                continue
+            t = pending.trajectory
+            goes_on = _append_result(t, pending.observation, self.fmt, self.tokenizer, s.max_response_tokens)
+            step = len(t.result_ends) - 1
+            if goes_on and _branch_point(t, step, tree, s):
+                _maybe_branch(t, step, tree, tree.rng, tree.rounds, s)
         tree.rounds += 1
-        _settle(tree, tree.rng, tree.rounds, s, self.counts)
+        _expire(tree, s.trajectory_deadline_s, self.counts)
+        _settle(tree, tree.rng, tree.rounds, s)
         if self.progress is not None:
             self.progress(max(tr.rounds for tr in self.trees),
                           sum(t.finished for tr in self.trees for t in tr.trajectories), s.k * len(self.trees))
@@ -250,7 +317,8 @@ class _Rounds:
 
 
 def _start(tree: Tree, s: TreeSettings) -> Tree:
-    """Round 0 of a question: k independent samples (no branching), a pre-monitor, or m = k // 2 global samples."""
+    """Round 0 of one question: k independent samples (no branching), a pre-monitor (dynamic budget), or m = k // 2
+    global samples."""
     if not s.entropy_branching:
         tree.m = s.k
     elif not s.dynamic_budget:
@@ -264,7 +332,10 @@ def _append_segment(t: Trajectory, seg: Segment, s: TreeSettings, fmt, tokenizer
     `tools.ToolError` the policy will read), or None when it ends the trajectory."""
     t.response_ids += seg.token_ids
     t.loss_mask += [1] * len(seg.token_ids)
-    t.gen_logp = t.gen_logp + list(seg.logprobs) if t.gen_logp is not None and seg.logprobs is not None else None
+    if t.gen_logp is not None and seg.logprobs is not None:
+        t.gen_logp = t.gen_logp + list(seg.logprobs)
+    else:                                            # a segment without log-probs: none for the trajectory
+        t.gen_logp = None
     t.seg_entropies.append(seg.h_seg)
     call = None
     if seg.finish_reason != "tool":
@@ -295,35 +366,59 @@ def _append_result(t: Trajectory, observation: str, fmt, tokenizer, max_response
     if t.finished:                                   # the call itself used up the budget
         return False
     ids = fmt.observation_ids(tokenizer, observation)
+    eos = tokenizer.eos_token_id
+    cut = not getattr(fmt, "as_data", True) and eos in ids       # D46, the authors' code: the response ends there
+    ids = ids[:ids.index(eos) + 1] if cut else ids
     room = max_response_tokens - len(t.response_ids)
     t.response_ids += ids[:room]
     t.loss_mask += [0] * len(ids[:room])
-    t.gen_logp = None if t.gen_logp is None else t.gen_logp + [0.0] * len(ids[:room])
+    if t.gen_logp is not None:                       # tool tokens were not sampled: 0.0
+        t.gen_logp = t.gen_logp + [0.0] * len(ids[:room])
     if len(ids) >= room:
         t.finish_reason, t.truncated = "length", True
+        return False
+    if cut:
+        t.finish_reason = "eos"
         return False
     t.result_ends.append(len(t.response_ids))
     return True
 
 
-def _settle(tree: Tree, rng: random.Random, rnd: int, s: TreeSettings, counts: Counter) -> None:
-    """After a round: an active trajectory older than deadline_s ends (truncated, "deadline": a slow tool or a long
-    tail does not hold its round, and every other rank, for ever); a finished pre-monitor sets m (§2a), starts the
-    other m − 1 global samples and takes its deferred branching decisions (§2d); a question with no active trajectory
-    and fewer than k gets fresh samples (§2c)."""
-    for t in tree.trajectories if s.deadline_s > 0 else []:
-        if not t.finished and time.monotonic() - t.started > s.deadline_s:
+def _expire(tree: Tree, trajectory_deadline_s: float, counts: Counter) -> None:
+    """End (truncated, finish_reason "deadline") every active trajectory older than trajectory_deadline_s, as one past
+    its token budget: a slow tool or a long tail does not hold its round, and every other rank, for ever."""
+    if trajectory_deadline_s <= 0:
+        return
+    for t in tree.trajectories:
+        if not t.finished and time.monotonic() - t.started > trajectory_deadline_s:
             t.finish_reason, t.truncated = "deadline", True
             counts["deadline_hits"] += 1
+
+
+def _settle(tree: Tree, rng: random.Random, rnd: int, s: TreeSettings) -> None:
+    """After a round: a finished pre-monitor sets m (§2a), starts the other m − 1 global samples and takes its
+    deferred branching decisions (§2d); a question with no active trajectory and fewer than k gets fresh samples
+    (§2c)."""
     first = tree.trajectories[0]
     if tree.m is None and first.finished:
         tree.m = premonitor_budget(first, s.k, s.beta)
         tree.spawn("global", rnd, tree.m - 1)
         for step in range(len(first.result_ends)):
-            if len(tree.trajectories) < s.k:
+            if _branch_point(first, step, tree, s):
                 _maybe_branch(first, step, tree, rng, rnd, s)
     if tree.m is not None and len(tree.trajectories) < s.k and all(t.finished for t in tree.trajectories):
         tree.spawn("completion", rnd, s.k - len(tree.trajectories))
+
+
+def _branch_point(t: Trajectory, step: int, tree: Tree, s: TreeSettings) -> bool:
+    """Whether a branching decision (§2b) follows tool result `step` of t, in a round's end and in the pre-monitor's
+    deferred decisions alike: branching is on, the tree's m is known, it has fewer than k trajectories, and the result
+    is a tool's answer, not the tool-limit notice (D10) nor an `Error:` observation (D11), after which the authors'
+    code takes no decision either (such a step leaves l as it was)."""
+    if not (s.entropy_branching and tree.m is not None and len(tree.trajectories) < s.k):
+        return False
+    past_the_limit = step >= s.max_tool_calls        # the call was the tool-limit notice
+    return not past_the_limit and not t.observations[step].startswith("Error:")
 
 
 def _maybe_branch(t: Trajectory, step: int, tree: Tree, rng: random.Random, rnd: int, s: TreeSettings) -> None:
@@ -385,16 +480,3 @@ def tree_stats(trajectories: list[Trajectory], m_per_question: list, counts: dic
     out.update({key: v for key, v in counts.items() if key.startswith("tools/")})
     return out
 
-
-_MOVED = {"ends_with_stop": "ends_with_stop", "first_stop": "first_stop", "finish_reason": "stop_reason"}  # sampler's
-_warned: set[str] = set()
-
-
-def __getattr__(name: str):
-    """Names that moved to sampler.py (docs/reference.md, the copy surface): they work, with one DeprecationWarning."""
-    if name not in _MOVED:
-        raise AttributeError(f"module 'rollout' has no attribute {name!r}")
-    if name not in _warned:
-        _warned.add(name)
-        warnings.warn(f"rollout.{name} is now sampler.{_MOVED[name]}", DeprecationWarning, stacklevel=2)
-    return getattr(sampler, _MOVED[name])

@@ -41,8 +41,9 @@ class Decoding(Protocol):
     joins the batch at the next step, and one whose segment ended leaves it, so that nothing waits for the slowest."""
 
     def add(self, context: list[int], max_new_tokens: int, seed: int) -> int:
-        """Queue one context; returns its request id. Its tokens are drawn from a generator of its own seeded with
-        `seed`, so they do not depend on which other requests share the batch."""
+        """Queue one context; returns its request id. Its tokens are drawn with randomness of its own seeded with
+        `seed`, so its draws do not depend on which other requests share the batch; its logits do, up to rounding
+        (in bfloat16 a token can change: algorithm.md §2e)."""
 
     def step(self) -> list[tuple[int, Segment]]:
         """Advance every running request by one decoding step (or prefill the ones that joined); returns (request id,
@@ -55,6 +56,8 @@ class Generator(Protocol):
     generator with `generate` only is called once per lockstep round (`WholeCalls`)."""
     vocab_size: int
     takes_adapter: bool               # LoRA: update_weights takes the adapters' tensors (else the merged weights)
+    weight_dtype: Any                 # the torch dtype update_weights' full tensors are gathered in (None: the
+    #                                   trainer's own): vLLM's bfloat16 halves an FSDP2 sync's traffic and peak
 
     def generate(self, contexts: list[list[int]], max_new_tokens: list[int], seed: int, sampling: Sampling,
                  on_step: Callable[[int], None] | None = None) -> list[Segment]:

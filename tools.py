@@ -19,7 +19,6 @@ import re
 import signal
 import threading
 import time
-import warnings
 from collections import OrderedDict
 from concurrent.futures import ThreadPoolExecutor, TimeoutError as FutureTimeout
 from dataclasses import dataclass
@@ -49,6 +48,7 @@ Page 1: Canberra: Canberra is the capital city of Australia.
 <answer> The capital of Australia is \\boxed{Canberra}. </answer>"""
 
 
+# ---- The tools: a call, a failed call, the Tool class, search and python ---------------------------------------------
 class SearchError(RuntimeError):
     """A search request failed (after its retries): a backend's whole batch when it raises from `search`, which Tools
     turns into an observation for each of its calls."""
@@ -66,12 +66,13 @@ class ToolError:
 
 
 class Tool:
-    """A tool the policy can call (subclass it, pass it to `Tools`). name: its tag; description: for the system prompt;
-    parameters: a JSON schema of its arguments (one text argument: the text between its tags; else a JSON object);
-    run(calls): per call (its arguments as a dict) the observation text or (text, "ok" | "error" | "timeout"), "ok"
-    cached (an exception or a wrong shape: "Error: ..."); batch: run gets all of a round's calls at once (else one each,
-    concurrently); timeout_s: the round's wait for a run (None: run enforces its own); max_chars, what: the longest
-    argument, and how an error names it."""
+    """A tool the policy can call; subclass it and pass it to `Tools`. name: what the policy calls it by (its tag);
+    description: for the system prompt; parameters: a JSON schema of its arguments (only one, text: the text between
+    its tags; else a JSON object there); run(calls): per call (its arguments as a dict) the observation text or
+    (text, "ok" | "error" | "timeout"), only "ok" cached (an exception or a wrong shape: "Error: ..." observations);
+    batch: run gets all the calls of one `Tools.run` at once (else one each, concurrently); timeout_s: how long
+    `Tools.run` waits for a run (None: run enforces its own); max_chars: the longest argument accepted; what: how an
+    error names the argument."""
     name, description = "", ""
     parameters: dict = {"type": "object", "properties": {"input": {"type": "string"}}, "required": ["input"]}
     batch: bool = False
@@ -118,18 +119,22 @@ class PythonTool(Tool):
         self.program_timeout_s, self.max_chars, self.limits = timeout_s, max_chars, limits
 
     def run(self, calls: list[dict]) -> list[tuple[str, str]]:
-        return [run_python(c["code"], self.program_timeout_s, **self.limits, status=True) for c in calls]
+        return [run_python_status(c["code"], self.program_timeout_s, **self.limits) for c in calls]
 
 
+# ---- The tags format: parsing a call, the prompt, the result ---------------------------------------------------------
 _TAG_AT_END = re.compile(rf"<(/?)({TOOL_NAME})>\s*$")
 _FENCE = re.compile(r"^```[\w+-]*\n(.*?)\n?```$", re.DOTALL)
 
 
 def parse_tags(segment_text: str, tools: tuple[Tool, ...] | list[Tool]) -> ToolCall | ToolError:
     """The tool call a generated segment ends with: the last `<name>` opening tag whose `</name>` ends the segment,
-    `name` one of `tools`' names. Never raises and is deterministic: every malformed call (no call, unclosed or nested
-    tags, an unknown tool, an empty or oversized argument, U+FFFD or unencodable characters, arguments that are not the
-    tool's) is a ToolError naming what was wrong. A python argument in a markdown fence (```python```) is unwrapped."""
+    `name` one of `tools`' names.
+
+    Never raises and is deterministic: every malformed call (no call, unclosed or nested tags, an unknown tool,
+    an empty or oversized argument, U+FFFD or unencodable characters, arguments that are not the tool's) is a
+    ToolError naming what was wrong. A python argument wrapped in a markdown fence (```python ... ```) is unwrapped.
+    """
     if not isinstance(segment_text, str):
         return ToolError(f"segment is {type(segment_text).__name__}, expected text")
     by_name = {t.name: t for t in tools}
@@ -174,7 +179,8 @@ def checked(tool: Tool, argument: str) -> ToolCall | ToolError:
 
 
 def text_parameter(tool: Tool) -> str | None:
-    """The tool's only parameter if it is text (search's query, python's code: the text between its tags), else None."""
+    """The name of the tool's only parameter when it is text (search's query, python's code): the text between the
+    tags is that argument. None: the tool takes a JSON object."""
     (key, schema), *more = tool.parameters.get("properties", {}).items() or [(None, {})]
     return key if key is not None and not more and schema.get("type", "string") == "string" else None
 
@@ -222,8 +228,8 @@ class TagFormat:
         return parse_tags(segment_text, self.tools)
 
     def observation_ids(self, tokenizer, text: str) -> list[int]:
-        """The token ids appended after a call (loss mask 0); as data (D46) text that spells a special token
-        (`<|im_end|>`) is split into ordinary tokens, else (the authors' code) it becomes that token."""
+        """The token ids appended after a call (loss mask 0). As data (D46) they hold no special token: text that
+        spells one (`<|im_end|>`) is split into ordinary tokens; else (the authors' code) it becomes that token."""
         split = {"split_special_tokens": True} if self.as_data and hasattr(tokenizer, "all_special_ids") else {}
         return tokenizer.encode(format_result(text), add_special_tokens=False, **split)
 
@@ -246,11 +252,13 @@ class TagFormat:
 TAGS = TagFormat([SearchTool(None), PythonTool()])    # the paper's: search and python in tags
 
 
+# ---- The python tool -------------------------------------------------------------------------------------------------
 UNSANDBOXED = "(not sandboxed: harness/sandbox/__init__.py is not beside tools.py)"
 
 
 def _run_unsandboxed(code: str, timeout_s: float, max_output_chars: int) -> tuple[str, str]:
-    """The program in a plain `python -I` subprocess, its process group killed at the timeout: no isolation (said)."""
+    """The program in a plain `python -I` subprocess in a temporary directory, its process group killed at the
+    timeout: no isolation, which the observation says (UNSANDBOXED)."""
     import os
     import subprocess
     import sys
@@ -273,32 +281,42 @@ def _run_unsandboxed(code: str, timeout_s: float, max_output_chars: int) -> tupl
     return (text or "(no output; use print() to show a value)") + "\n" + UNSANDBOXED, status
 
 
+def run_python_status(code: str, timeout_s: float = 10.0, max_output_chars: int = 4_000, memory_mb: int = 1_024,
+                      cpu_s: int | None = None, file_size_mb: int = 16, no_network: bool = True,
+                      max_processes: int = 64, total_memory_mb: int = 2_048, disk_mb: int = 64) -> tuple[str, str]:
+    """`run_python`'s observation and its status: "ok" | "error" (non-zero exit, or the process limit hit) |
+    "timeout". The python tool's call (`PythonTool`), which counts failures and caches successes by it."""
+    if any("\ud800" <= c <= "\udfff" for c in code):              # what UTF-8 cannot encode
+        return "Error: python code is not valid UTF-8 (surrogates not allowed)", "error"
+    try:
+        from harness.sandbox import observation  # only the python tool needs it: rollout.py + tools.py copy alone
+    except ImportError:                      # copied without harness/: a plain subprocess, as the official code
+        return _run_unsandboxed(code, timeout_s, max_output_chars)
+    if cpu_s is None:
+        cpu_s = int(timeout_s) + 1
+    return observation.run_program(code, timeout_s, max_output_chars, memory_mb, cpu_s, file_size_mb, no_network,
+                                   max_processes, total_memory_mb, disk_mb)
+
+
 def run_python(code: str, timeout_s: float = 10.0, max_output_chars: int = 4_000, memory_mb: int = 1_024,
                cpu_s: int | None = None, file_size_mb: int = 16, no_network: bool = True,
-               max_processes: int = 64, total_memory_mb: int = 2_048, disk_mb: int = 64, status: bool = False):
+               max_processes: int = 64, total_memory_mb: int = 2_048, disk_mb: int = 64) -> str:
     """Run `code` as a program in a fresh `sys.executable -I` subprocess inside the sandbox; return its stdout + stderr,
-    cut to max_output_chars, failures as text ("Error: timed out after 10 s", ...), and with status=True also "ok" |
-    "error" (non-zero exit, or the process limit hit) | "timeout". The limits and the isolation are
-    harness/sandbox/observation.py's `run_program`; only failing to start the program at all raises OSError."""
-    if any("\ud800" <= c <= "\udfff" for c in code):              # what UTF-8 cannot encode
-        out = "Error: python code is not valid UTF-8 (surrogates not allowed)", "error"
-    else:
-        try:
-            from harness.sandbox import observation  # only the python tool needs it: rollout.py + tools.py copy alone
-        except ImportError:                      # copied without harness/: a plain subprocess, as the official code
-            out = _run_unsandboxed(code, timeout_s, max_output_chars)
-        else:
-            out = observation.run_program(code, timeout_s, max_output_chars, memory_mb,
-                                          cpu_s if cpu_s is not None else int(timeout_s) + 1, file_size_mb,
-                                          no_network, max_processes, total_memory_mb, disk_mb)
-    return out if status else out[0]
+    cut to max_output_chars, failures as text ("Error: timed out after 10 s", ...). The limits and the isolation are
+    harness/sandbox/observation.py's `run_program`; only failing to start the program at all raises OSError.
+    `run_python_status` gives the same text with its status."""
+    text, _ = run_python_status(code, timeout_s, max_output_chars, memory_mb, cpu_s, file_size_mb, no_network,
+                                max_processes, total_memory_mb, disk_mb)
+    return text
 
 
+# ---- A round of tool calls -------------------------------------------------------------------------------------------
 class Tools:
-    """Runs tool calls concurrently (one `run` per tree and step) and holds the format that parses calls and renders
-    results (`format`: TagFormat, or harness/hermes.py's HermesFormat). The tools: search (a run's queries in one call
-    to a harness/search.py backend) and python (run_python), or `tools`. Successes are cached by (tool, argument) in an
-    LRU of `cache_size`; a failure is an "Error: ..." observation, not cached. Built once per process."""
+    """Runs tool calls concurrently and holds the tool-call format the rollout asks to parse calls and render results
+    (`format`: TagFormat, or harness/hermes.py's HermesFormat). The rollout calls `run` once per tree and decoding
+    step, from worker threads. The tools: search (a run's queries in one call to a harness/search.py backend, timeout
+    search_timeout_s) and python (run_python, python_timeout_s), or `tools`. Successes are cached by (tool, argument)
+    in an LRU of `cache_size`; a failure is an "Error: ..." observation, not cached. Built once per process."""
 
     def __init__(self, search, python_timeout_s: float = 10.0, max_workers: int = 32, search_timeout_s: float = 60.0,
                  cache_size: int = 10_000, python_kw: dict | None = None, *, tools: list[Tool] | None = None,
@@ -315,8 +333,8 @@ class Tools:
         self.cache_size, self._lock = cache_size, threading.Lock()
 
     def close(self):
-        """Cancel queued calls, wait for those in flight (each ends within its limit, a python call's programs removed,
-        also on Ctrl-C), then close each tool (a server, a connection)."""
+        """Cancel queued calls, wait for the ones in flight (each ends within its own limit; a python call removes all
+        its program started, also on Ctrl-C), then close each tool (a server, a connection)."""
         self.pool.shutdown(wait=True, cancel_futures=True)
         for tool in self.tools:
             tool.close()
@@ -375,8 +393,8 @@ def _run(tool: Tool, arguments: list[str]) -> list:
 
 
 def _collect(tool: Tool, job, n: int, sent: float) -> list[tuple[str, str]]:
-    """(observation, status) per call of one run() job: its results, or its failure as n observations; its timeout
-    counts from when the run was `sent` (time.monotonic()), so its place among the run's jobs gives it no extra time."""
+    """(observation, status) per call of one run() job sent at time.monotonic() `sent`: its results, or its failure as
+    n observations. Its timeout counts from `sent`, so a job's place among the run's jobs gives it no extra time."""
     try:
         wait_s = None if tool.timeout_s is None else max(0.0, sent + tool.timeout_s - time.monotonic())
         value = job.result(timeout=wait_s)
@@ -395,15 +413,3 @@ def _collect(tool: Tool, job, n: int, sent: float) -> list[tuple[str, str]]:
     except Exception as e:  # noqa: BLE001 -- any failure of a tool is an observation naming its type, never a crash
         return [(f"Error: {tool.name} failed: {type(e).__name__}: {e}", "error")] * n
 
-
-def __getattr__(name: str):
-    """A name that moved (docs/reference.md: The copy surface) still works, with one DeprecationWarning."""
-    if name != "parse_tool_call":
-        raise AttributeError(f"module 'tools' has no attribute {name!r}")
-    if name not in _warned:
-        _warned.add(name)
-        warnings.warn("tools.parse_tool_call is now tools.TAGS.parse", DeprecationWarning, stacklevel=2)
-    return TAGS.parse
-
-
-_warned: set[str] = set()

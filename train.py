@@ -68,7 +68,8 @@ def rl_step(run: Run, step: int, progress=None) -> tuple[dict, runlog.StepBatch]
         batches = micro_batches(trajectories, adv, rewards, cfg.questions_per_step // cfg.mini_batch_size, cfg,
                                 run.tokenizer.pad_token_id, run.device, run.packed)
         # ---- old-policy log-probs and token entropies (one no-grad pass), entropy-aware advantage Ã (§3b)
-        entropy_sums, mismatch_sums = old_policy_pass(run.policy, run.ref, batches, cfg, run.amp, run.correction)
+        olds, entropy_sums, mismatch_sums = old_policy_pass(run.policy, run.ref, batches, cfg, run.amp,
+                                                            run.correction)
 
     # ---- policy update (algorithm.md §4): ppo_epochs × mini-batches, each one optimiser step
     with clock("update"):
@@ -76,7 +77,7 @@ def rl_step(run: Run, step: int, progress=None) -> tuple[dict, runlog.StepBatch]
         unwrap(run.policy).lm.train()
         for epoch in range(cfg.ppo_epochs):
             for j, mbs in enumerate(batches):
-                losses.update(accumulate_gradients(run.policy, mbs, cfg, run.world, run.amp,
+                losses.update(accumulate_gradients(run.policy, mbs, olds[j], cfg, run.world, run.amp,
                                                    f"step {step + 1}, epoch {epoch}, mini-batch {j}", run.objective,
                                                    run.correction))
                 grad_norms.append(optimizer_step(run.policy, run.optimizer, cfg.grad_clip))
@@ -157,13 +158,15 @@ def evaluate(run: Run, name: str) -> dict | None:
     cfg = run.cfg
     if not run.eval_rows:
         return None
+    memory.reset_peak()
     with run.amp():
         summary = evaluation.evaluate(run.generator, run.tokenizer, run.eval_rows, run.tools,
                                       evaluation.eval_settings(cfg), name=name,
                                       out_dir=run.dir / "eval", config=dataclasses.asdict(cfg), rank=run.rank,
                                       world=run.world, progress=run.master)
+    peak = memory.peak_gb()
     memory.release()                             # the generation's freed memory back before training goes on
-    run.log(f"eval {name}: " + runlog.eval_line(summary))
+    run.log(f"eval {name}: " + runlog.eval_line(summary) + (f" | peak memory {peak:.1f} GB" if peak else ""))
     return summary
 
 
@@ -213,66 +216,90 @@ def outcome_advantages(trajectories, rewards: torch.Tensor, cfg, pad_id: int) ->
 # Mini-batches of whole questions, micro-batches for memory; the old-policy pass (§3b) and the update (§4)
 
 
+@dataclasses.dataclass
+class OldPolicy:
+    """What the old-policy pass gives one micro-batch, each (b, L-1) like its mask: π_old's log-probs and token
+    entropies at the rollout temperature, the reference's log-probs (None without a reference), and Ã (§3b), the
+    advantage the update weighs each token by (0 at mask-0 tokens)."""
+    old_logp: torch.Tensor
+    entropy: torch.Tensor
+    ref_logp: torch.Tensor | None
+    adv_tilde: torch.Tensor
+
+
 @torch.no_grad()
-def old_policy_pass(policy, ref, batches: list[list], cfg, amp,
-                    correction: mismatch.Correction | None = None) -> tuple[torch.Tensor, mismatch.MismatchSums]:
-    """Fill every micro-batch with old_logp and entropy (π_old at the rollout temperature), ref_logp (with a
-    reference), and adv_tok = Ã (§3b) z-scored with entropy statistics over all ranks; with --set reinforce_pp the
-    advantage is first the batch-normalised per-token return (§7). Returns, summed over all ranks, the old policy's
-    entropy statistics [count, ΣH, ΣH²] and the generator–trainer mismatch (harness/mismatch.py) under `correction`
-    (the run's, Run.correction; None: cfg's, for a call outside a run)."""
+def old_policy_pass(policy, ref, batches: list[list], cfg, amp, correction: mismatch.Correction | None = None
+                    ) -> tuple[list[list[OldPolicy]], torch.Tensor, mismatch.MismatchSums]:
+    """π_old's log-probs and entropies (at the rollout temperature) and the reference's for every micro-batch, and
+    Ã = A·(1 + α·sg(z(H))) (§3b) z-scored with entropy statistics over all ranks; with --set reinforce_pp A is
+    first the batch-normalised per-token return (§7). Returns an OldPolicy per micro-batch (nested as `batches`)
+    and, summed over all ranks, the old policy's entropy statistics [count, ΣH, ΣH²] and the generator–trainer
+    mismatch (harness/mismatch.py) under `correction` (the run's, Run.correction; None: cfg's, for a call outside a
+    run)."""
     unwrap(policy).eval()
     flat = [mb for mbs in batches for mb in mbs]
     stats, sums = torch.zeros(3, dtype=torch.float64), mismatch.MismatchSums.zeros()
     correction = settings.correction(cfg) if correction is None else correction
+    old_logps, entropies, ref_logps = [], [], []
     with amp():
         for i, mb in enumerate(flat):
             with located(f"the old-policy pass, micro-batch {i} of {len(flat)}"):
-                mb.old_logp, mb.entropy = policy(mb.input_ids, mb.attention_mask, mb.mask, cfg.temperature)
+                old_logp, entropy = policy(mb.input_ids, mb.attention_mask, mb.mask, cfg.temperature)
+            ref_logp = None
             if ref is not None:
-                mb.ref_logp, _ = ref(mb.input_ids, mb.attention_mask, mb.mask, cfg.temperature)
-            stats += advantage.entropy_stats(mb.entropy, mb.mask).cpu()
+                ref_logp, _ = ref(mb.input_ids, mb.attention_mask, mb.mask, cfg.temperature)
+            old_logps.append(old_logp)
+            entropies.append(entropy)
+            ref_logps.append(ref_logp)
+            stats += advantage.entropy_stats(entropy, mb.mask).cpu()
             if mb.gen_logp is not None:
-                sums += mismatch.mismatch_stats(mb.old_logp, mb.gen_logp, mb.mask, correction, mb.misfit)
+                sums += mismatch.mismatch_stats(old_logp, mb.gen_logp, mb.mask, correction, mb.misfit)
     stats = parallel.all_reduce_sum(stats)
     sums = mismatch.MismatchSums.from_vector(parallel.all_reduce_sum(sums.vector()))
     mean_h, std_h = advantage.mean_std(stats)
+    adv = [mb.adv for mb in flat]               # A per token (§3a)
     if cfg.reinforce_pp:                        # returns with the KL in the reward, normalised over all ranks
         kl = cfg.kl_coef
-        returns = [advantage.reinforce_pp_returns(mb.reward, mb.mask, *((mb.old_logp, mb.ref_logp) if kl else ()),
-                                                  beta=kl) for mb in flat]
+        returns = [advantage.reinforce_pp_returns(mb.reward, mb.mask, *((old_logp, ref_logp) if kl else ()), beta=kl)
+                   for mb, old_logp, ref_logp in zip(flat, old_logps, ref_logps)]
         ret_stats = sum(advantage.token_stats(g, mb.mask, "returns").cpu() for g, mb in zip(returns, flat))
         mean_g, std_g = advantage.mean_std(parallel.all_reduce_sum(ret_stats))
-        for g, mb in zip(returns, flat):
-            mb.adv = advantage.reinforce_pp_advantages(g, mb.mask, mean_g, std_g)
-    for mb in flat:
+        adv = [advantage.reinforce_pp_advantages(g, mb.mask, mean_g, std_g) for g, mb in zip(returns, flat)]
+    olds = []
+    for mb, a, old_logp, entropy, ref_logp in zip(flat, adv, old_logps, entropies, ref_logps):
         if cfg.entropy_advantage:
-            mb.adv_tok = advantage.entropy_weighted_advantages(mb.adv, mb.entropy, mb.mask, mean_h, std_h, cfg.alpha)
+            adv_tilde = advantage.entropy_weighted_advantages(a, entropy, mb.mask, mean_h, std_h, cfg.alpha)
         else:
-            mb.adv_tok = mb.adv * mb.mask
-    return stats, sums
+            adv_tilde = a * mb.mask
+        olds.append(OldPolicy(old_logp, entropy, ref_logp, adv_tilde))
+    per_mini_batch, start = [], 0
+    for mbs in batches:
+        per_mini_batch.append(olds[start:start + len(mbs)])
+        start += len(mbs)
+    return per_mini_batch, stats, sums
 
 
-def accumulate_gradients(policy, mbs: list, cfg, world: int, amp, where: str,
+def accumulate_gradients(policy, mbs: list, olds: list[OldPolicy], cfg, world: int, amp, where: str,
                          objective: loss.LossSettings | None = None,
                          correction: mismatch.Correction | None = None) -> dict:
-    """The forward and backward of loss.policy_loss over the micro-batches of one optimiser mini-batch, accumulating
-    gradients (DDP syncs them on the last), normalised by the mini-batch's token and sequence counts over all ranks
-    (N_valid, N_seq; × world undoes the ranks' gradient average). objective, correction: the run's, built once at
-    set-up (Run.objective, Run.correction; None: cfg's, for a call outside a run). Returns the loss metrics summed."""
+    """The forward and backward of loss.policy_loss over the micro-batches of one optimiser mini-batch, each with its
+    old-policy pass (`olds`), accumulating gradients (DDP syncs them on the last), normalised by the mini-batch's
+    token and sequence counts over all ranks (N_valid, N_seq; × world undoes the ranks' gradient average).
+    objective, correction: the run's, built once at set-up (Run.objective, Run.correction; None: cfg's, for a call
+    outside a run). Returns the loss metrics summed."""
     objective = settings.loss_settings(cfg) if objective is None else objective
     correction = settings.correction(cfg) if correction is None else correction
     counts = torch.tensor([sum(float(mb.mask.sum()) for mb in mbs), sum(len(mb.mask) for mb in mbs)],
                           dtype=torch.float64)
     n_valid, n_seqs = parallel.all_reduce_sum(counts).tolist()
     sums = Counter()
-    for i, mb in enumerate(mbs):
+    for i, (mb, old) in enumerate(zip(mbs, olds)):
         with no_grad_sync(policy, last=i == len(mbs) - 1), located(f"{where}, micro-batch {i}"):
             with amp():
                 logp, entropy = policy(mb.input_ids, mb.attention_mask, mb.mask, cfg.temperature)
-            value, metrics = loss.policy_loss(logp, mb.old_logp, mb.adv_tok, mb.mask, n_valid, objective,
-                                              ref_logp=mb.ref_logp, entropy=entropy, n_seqs=n_seqs,
-                                              weights=correction.weights(mb.old_logp, mb.gen_logp, mb.mask))
+            value, metrics = loss.policy_loss(logp, old.old_logp, old.adv_tilde, mb.mask, n_valid, objective,
+                                              ref_logp=old.ref_logp, entropy=entropy, n_seqs=n_seqs,
+                                              weights=correction.weights(old.old_logp, mb.gen_logp, mb.mask))
             loss.check_finite("the loss", value)
             (value * world).backward()
         sums.update({key: float(v) for key, v in metrics.items()})
@@ -303,23 +330,6 @@ def main(argv=None, *, score=reward.score_response, make_generator=generation.ma
             rundir.unlock(state.lock)
     parallel.close()
     return out
-
-
-_RENAMED = {"split_micro_batches": "harness.run.policy.split_micro_batches",
-            "full_named_parameters": "harness.run.policy.full_named_parameters"}
-_warned: set[str] = set()
-
-
-def __getattr__(name: str):
-    """Names that moved (docs/reference.md: The copy surface): they still work, with one DeprecationWarning each."""
-    if name not in _RENAMED:
-        raise AttributeError(f"module 'train' has no attribute {name!r}")
-    if name not in _warned:
-        _warned.add(name)
-        import warnings
-        warnings.warn(f"train.{name} is now {_RENAMED[name]}", DeprecationWarning, stacklevel=2)
-    from harness.run import policy
-    return getattr(policy, name)
 
 
 if __name__ == "__main__":

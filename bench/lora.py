@@ -58,18 +58,20 @@ def one(rank: int, model: str, repeats: int, rows: int, prompt: int, response: i
     halves = [tensorize(batch[:rows // 2], 0, "cpu"), tensorize(batch[rows // 2:], 0, "cpu")]
     amp = (lambda: torch.autocast("cpu", dtype=torch.bfloat16)) if bf16 else torch.autocast("cpu", enabled=False)
 
+    old_logps = {}                                                   # micro-batch -> its old-policy log-probs
+
     def old_pass():
         policy.eval()
         with torch.no_grad(), amp():
-            for mb in halves:
-                mb.old_logp, _ = policy(mb.input_ids, mb.attention_mask, mb.mask)
+            for i, mb in enumerate(halves):
+                old_logps[i], _ = policy(mb.input_ids, mb.attention_mask, mb.mask)
 
     def update():
         policy.train()
-        for mb in halves:                                            # 2 mini-batches, one optimiser step each
+        for i, mb in enumerate(halves):                              # 2 mini-batches, one optimiser step each
             with amp():
                 logp, _ = policy(mb.input_ids, mb.attention_mask, mb.mask)
-            value, _ = loss.policy_loss(logp, mb.old_logp, mb.mask * 0.5, mb.mask, float(mb.mask.sum()),
+            value, _ = loss.policy_loss(logp, old_logps[i], mb.mask * 0.5, mb.mask, float(mb.mask.sum()),
                                         loss.LossSettings())
             value.backward()
             optimizer.step()

@@ -9,10 +9,10 @@ master weights) over a fake process group of 8 ranks and filled with fake tensor
 allocated). Rank 0 runs a steady-state step under PyTorch's `FSDPMemTracker`, which counts every tensor's bytes as ops
 create and free them: the old-policy pass on one micro-batch; one optimiser mini-batch (its first --micro_batches
 micro-batches, then the gradient clip and AdamW's step: from the second micro-batch on, the state at each one's start
-repeats); the weight sync (`full_named_parameters` in bf16). The YAML's settings (bf16, fsdp, gradient checkpointing,
-the LM head 1024 tokens at a time); every trajectory at the full prompt + response budget, all response tokens scored,
-the MicroBatch tensors of all this rank's trajectories held throughout; micro-batches of 1, 4, 8, the config's and
-verl's per-GPU budget of rows (ppo_max_token_len_per_gpu = 2 x (prompt + response), use_dynamic_bsz).
+repeats); the weight sync (`full_named_parameters` gathered in bf16). The YAML's settings (bf16, fsdp, gradient
+checkpointing, the LM head 1024 tokens at a time); every trajectory at the full prompt + response budget, all response
+tokens scored, the MicroBatch tensors of all this rank's trajectories held throughout; micro-batches of 1, 4, 8, the
+config's and verl's per-GPU budget of rows (ppo_max_token_len_per_gpu = 2 x (prompt + response), use_dynamic_bsz).
 
 Attention as the GPU kernels allocate it: the model runs `flash_allocations_attention`, which allocates and saves
 what FlashAttention-2 (SDPA's flash backend, taken by transformers' sdpa path for an unpadded causal batch) does: the
@@ -26,9 +26,11 @@ it against Policy).
 Phases on a GPU (train.rl_step, harness/generation/vllm.py): rollout (vLLM awake, gpu_memory_utilization x the GPU for
 its weights, KV cache and activations, beside the trainer's float32 parameter and AdamW shards) -> sleep at level 2
 (vLLM's weights and KV cache freed) -> old-policy pass and update (the trainer alone) -> update_weights (vLLM's
-weights woken, every parameter gathered and reloaded, then its KV cache woken). Not in the tracker: the CUDA context,
-NCCL, a sleeping vLLM's CUDA graphs, fragmentation (NON_TORCH_GIB, an allowance), and vLLM's activations within its
-share (the KV cache shown is an upper bound). FSDP2's stream overlap is not simulated (its ops run in order).
+weights woken, every parameter gathered in bf16 and reloaded, then its KV cache woken; vLLM's layer-wise reload,
+model_executor/model_loader/reload/layerwise.py:materialize_layer, builds a new copy of each layer it reloads and
+copies it into the old storage: the largest parameter in bf16 is added to the sync). Not in the tracker: the CUDA
+context, NCCL, a sleeping vLLM's CUDA graphs, fragmentation (NON_TORCH_GIB, an allowance), and vLLM's activations
+within its share (the KV cache shown is an upper bound). FSDP2's stream overlap is not simulated (its ops run in order).
 """
 import argparse
 import contextlib
@@ -52,6 +54,7 @@ import loss  # noqa: E402
 from harness import config as config_mod, lora as lora_mod  # noqa: E402
 from harness.run.policy import (MicroBatch, Policy, enable_gradient_checkpointing, generator_weights,  # noqa: E402
                                 shard, trainable_parameters)
+from train import OldPolicy  # noqa: E402
 
 # huggingface.co/Qwen/Qwen3-14B and /Qwen/Qwen2.5-7B-Instruct, config.json (14.77B and 7.62B parameters)
 ARCHS = {
@@ -189,11 +192,12 @@ def build_policy(family: str, arch: dict, attention: str, lora=None) -> StaticSe
 
 
 def step_inputs(setting: Setting, device) -> list:
-    """This rank's micro-batches at the full budget: MicroBatch's (B, L) int64 and (B, L-1) float32 tensors (those
-    a run without a reference model fills) and the index of the scored (response) positions."""
+    """This rank's micro-batches at the full budget: MicroBatch's (B, L) int64 and (B, L-1) float32 tensors, the
+    old-policy pass's (train.OldPolicy: those a run without a reference model holds) and the index of the scored
+    (response) positions."""
     b, length = setting.batch, setting.prompt + setting.response
     per_row = [f.name for f in dataclasses.fields(MicroBatch) if f.name not in ("input_ids", "attention_mask",
-                                                                                  "reward", "ref_logp")]
+                                                                                  "reward")]
     rows = torch.arange(b, device=device).repeat_interleave(setting.response)
     cols = (setting.prompt - 1 + torch.arange(setting.response, device=device)).repeat(b)
     batches = []
@@ -202,15 +206,18 @@ def step_inputs(setting: Setting, device) -> list:
                         torch.ones(b, length, dtype=torch.long, device=device), None)
         for name in per_row:
             setattr(mb, name, torch.zeros(b, length - 1, device=device))
-        batches.append((mb, (rows, cols)))
+        old = OldPolicy(old_logp=torch.zeros(b, length - 1, device=device),
+                        entropy=torch.zeros(b, length - 1, device=device), ref_logp=None,
+                        adv_tilde=torch.zeros(b, length - 1, device=device))
+        batches.append((mb, old, (rows, cols)))
     return batches
 
 
-def surrogate_loss(logp, mb: MicroBatch, n_valid: float):
+def surrogate_loss(logp, mb: MicroBatch, old: OldPolicy, n_valid: float):
     """loss.policy_loss's token-level tensors (it checks its inputs for non-finite values, which fake tensors cannot
     answer): r = exp(logp - old_logp) at mask-1 tokens, J = min(r·Ã, clip(r, 0.8, 1.2)·Ã), -Σ J·mask / N_valid."""
-    ratio = torch.exp(torch.where(mb.mask.bool(), logp - mb.old_logp, 0.0))
-    j = torch.minimum(ratio * mb.adv_tok, ratio.clamp(0.8, 1.2) * mb.adv_tok)
+    ratio = torch.exp(torch.where(mb.mask.bool(), logp - old.old_logp, 0.0))
+    j = torch.minimum(ratio * old.adv_tilde, ratio.clamp(0.8, 1.2) * old.adv_tilde)
     return -(j * mb.mask).sum() / n_valid
 
 
@@ -223,27 +230,26 @@ def run_step(policy, optimizer, batches, setting: Setting, phase) -> dict:
     optimizer.step()
     optimizer.zero_grad(set_to_none=True)
     peaks = {}
-    mb, index = batches[0]
+    mb, old, index = batches[0]
     with phase("old-policy pass", peaks):
         policy.eval()
         with torch.no_grad(), torch.autocast(device.type, dtype=torch.bfloat16):
-            mb.old_logp, mb.entropy = policy(mb.input_ids, mb.attention_mask, index, 1.0, setting.chunk)
+            old.old_logp, old.entropy = policy(mb.input_ids, mb.attention_mask, index, 1.0, setting.chunk)
     with phase("update", peaks) as between:
         policy.lm.train()
         n_valid = float(setting.response * setting.batch * setting.micro_batches)
-        for mb, index in batches[:setting.micro_batches]:
+        for mb, old, index in batches[:setting.micro_batches]:
             with torch.autocast(device.type, dtype=torch.bfloat16):
                 logp, entropy = policy(mb.input_ids, mb.attention_mask, index, 1.0, setting.chunk)
-            (surrogate_loss(logp, mb, n_valid) * setting.world).backward()
+            (surrogate_loss(logp, mb, old, n_valid) * setting.world).backward()
             del logp, entropy
             between()
         torch.nn.utils.clip_grad_norm_([p for p in policy.parameters() if p.grad is not None], 1.0)
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
     peaks["resident"] = peaks.pop("update:current")
-    with phase("weight sync", peaks):                  # every parameter in bf16 (vLLM's dtype), or the adapters
-        for _, full in generator_weights(policy):
-            full = full.to(torch.bfloat16)
+    with phase("weight sync", peaks):          # every parameter gathered in bf16 (vLLM's dtype), or the adapters
+        for _, full in generator_weights(policy, dtype=torch.bfloat16):
             del full
     return {key: value for key, value in peaks.items() if not key.endswith(":current")}
 
@@ -253,7 +259,8 @@ def tracker_phase(policy, optimizer, inputs):
     @contextlib.contextmanager
     def phase(name, peaks):
         tracker = Tracker(policy, optimizer)
-        tracker.track_inputs(tuple(t for mb, index in inputs for t in (*vars(mb).values(), *index)
+        tracker.track_inputs(tuple(t for mb, old, index in inputs
+                                   for t in (*vars(mb).values(), *vars(old).values(), *index)
                                    if isinstance(t, torch.Tensor)))
         with tracker:
             yield tracker.reset_mod_stats                  # one root forward per micro-batch
@@ -298,6 +305,7 @@ def simulate(family: str, arch: dict, setting: Setting, device: str = "fake") ->
             phase = cuda_phase if device == "cuda" else tracker_phase(policy, optimizer, batches)
             peaks = run_step(policy, optimizer, batches, setting, phase)
             peaks["params"] = sum(p.numel() for p in policy.parameters())
+            peaks["largest"] = max(p.numel() for p in policy.parameters())
             peaks["trained"] = sum(p.numel() for p in trainable_parameters(policy))
         return peaks
     finally:
@@ -329,13 +337,15 @@ def report(cfg, arch, results: list[tuple[Setting, dict]]) -> tuple[list, list, 
     head_dim = arch.get("head_dim") or arch["hidden_size"] // arch["num_attention_heads"]
     kv_token = 2 * arch["num_hidden_layers"] * arch["num_key_value_heads"] * head_dim * 2      # K and V, bf16
     weights, allowance = 2 * peaks1["params"], NON_TORCH_GIB * GIB                            # vLLM's, bf16
+    reload = 2 * peaks1["largest"]           # vLLM's layer-wise reload: a new bf16 copy of the layer it reloads
     phases = [(f"rollout (vLLM awake at {u})", "—", peaks1["resident"], lambda g: u * g)]
     for setting, peaks in results:
         rows = f"{setting.batch} x {length:,}"
         phases += [("old-policy pass (vLLM asleep)", rows, peaks["old-policy pass"], lambda g: 0),
                    (f"update: {setting.micro_batches} micro-batch(es) + AdamW (vLLM asleep)", rows, peaks["update"],
                     lambda g: 0)]
-    phases.append(("weight sync (vLLM weights awake)", "—", peaks1["weight sync"], lambda g: weights))
+    phases.append(("weight sync (vLLM weights awake, + a reloaded layer)", "—", peaks1["weight sync"],
+                   lambda g: weights + reload))
     fits = []
     for phase, rows, trainer, vllm in phases:
         totals = [trainer + vllm(g) + allowance for g in GPUS.values()]
@@ -347,7 +357,8 @@ def report(cfg, arch, results: list[tuple[Setting, dict]]) -> tuple[list, list, 
         most_rows = max((s.batch for s, p in results if max(p["old-policy pass"], p["update"]) + allowance <= g),
                         default=0)
         u_min = (weights + kv_token * length) / g                               # vLLM's floor: one full sequence
-        u_max = (g - peaks1["resident"] - allowance) / g if weights + peaks1["weight sync"] + allowance <= g else 0.0
+        u_max = (g - peaks1["resident"] - allowance) / g if weights + reload + peaks1["weight sync"] + allowance <= g \
+            else 0.0
         kv = u * g - weights
         settings.append([name, label, f"{most_rows} x {length:,} ({most_rows * length:,} tokens)" if most_rows > 0
                          else "none", f"{math.ceil(u_min * 100) / 100:.2f}–{math.floor(u_max * 100) / 100:.2f}"

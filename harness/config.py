@@ -4,10 +4,11 @@ The defaults (paper §4; algorithm.md §6) are the paper's and the official laun
 marked [embedded], which size the no-argument run for 2 CPU cores (configs/aepo_qwen3_14b.yaml and
 configs/aepo_qwen25_7b.yaml restore the official ones). The four ablation switches of algorithm.md §6
 (dynamic_budget, entropy_branching, sg_clip, entropy_advantage) and the baselines' switches of §7 are plain settings,
-each read in one place. The settings users rarely change (`expert`) have no flag of their own: `--set key=value`
-gives them (`--set packed=false gen_batch_size=16`), a --config file as plain keys.
+each read in one place. Every setting is a flag (`--lr 1e-6`, `--packed false`) and a plain key of a --config file
+(`packed: false`); --help lists them all in groups, the paper's first and the ones users rarely change (`expert`) last.
+`--set key=value ...` is an alias (`--set packed=false gen_batch_size=16` is `--packed false --gen_batch_size 16`).
 
-    python train.py --help                                 # every flag with its meaning, and the --set keys
+    python train.py --help                                 # every setting with its meaning, grouped
     python train.py --config configs/aepo_qwen3_14b.yaml --config configs/grpo.yaml --k 8   # later ones win
 """
 from __future__ import annotations
@@ -35,15 +36,16 @@ from rollout import TreeSettings
 def arg(default, help: str, valid: str = "", **metadata):
     """A setting: its default, a one-line meaning and, where not every value of its type makes sense, the values it
     may take (`check_valid`): an interval "[1, inf)", "(0, 1]" (inf bounds open, and every value finite) or choices
-    "ddp | fsdp"; expert=True (`expert`): given as `--set key=value` (in a --config file, a plain key) instead of a
-    flag of its own. --help, docs/reference.md's tables and the check all read them from here."""
+    "ddp | fsdp"; group="title": this field opens --help's group of that title (the fields after it join it);
+    expert=True (`expert`): rarely changed, listed in --help's last group instead. --help, docs/reference.md's tables
+    and the check all read them from here."""
     metadata = {"help": help, "valid": valid, **metadata}
     return field(default_factory=lambda: copy.deepcopy(default), metadata=metadata) \
         if isinstance(default, (dict, list)) else field(default=default, metadata=metadata)
 
 
 def expert(default, help: str, valid: str = "", **metadata):
-    """A setting users rarely change (`arg` with expert=True): given as `--set key=value`, not a flag of its own."""
+    """A setting users rarely change (`arg` with expert=True): a flag like any other, listed in --help's last group."""
     return arg(default, help, valid, expert=True, **metadata)
 
 
@@ -64,18 +66,34 @@ def within(value, valid: str) -> bool:
 
 def check_valid(settings) -> None:
     """Every setting of a config dataclass (Config, eval.py's EvalConfig) within its valid values, else a UserError
-    naming the flag (or --set key), its value and what it may be."""
+    naming the flag, its value and what it may be."""
     for f in dataclasses.fields(settings):
         valid, value = f.metadata.get("valid"), getattr(settings, f.name)
         if valid and not within(value, valid):
             what = "one of " + valid if _INTERVAL.fullmatch(valid) is None else "in " + valid
-            given = f"--set {f.name}={value!r}" if f.metadata.get("expert") else f"--{f.name} {value!r}"
-            raise UserError(f"{given} is out of range: it must be {what}")
+            raise UserError(f"--{f.name} {value!r} is out of range: it must be {what}")
+
+
+RARELY_CHANGED = "rarely changed settings"         # the title of --help's last group
 
 
 def expert_keys(cls) -> list[str]:
-    """The settings of the config dataclass `cls` given with --set key=value rather than a flag (metadata expert)."""
+    """The settings of the config dataclass `cls` users rarely change (metadata expert): --help's last group."""
     return [f.name for f in dataclasses.fields(cls) if f.metadata.get("expert")]
+
+
+def help_groups(cls) -> list[tuple[str, list[dataclasses.Field]]]:
+    """--help's groups of the config dataclass `cls` as (title, fields), in field order: each field in the group the
+    last field with metadata "group" opened, except the rarely changed ones (expert_keys), which form the last group,
+    RARELY_CHANGED. The tables of docs/reference.md follow the same groups."""
+    groups: dict[str, list[dataclasses.Field]] = {}
+    title = ""
+    for f in dataclasses.fields(cls):
+        title = f.metadata.get("group", title)
+        if not f.metadata.get("expert"):
+            groups.setdefault(title, []).append(f)
+    rare = [f for f in dataclasses.fields(cls) if f.metadata.get("expert")]
+    return [*groups.items(), *([(RARELY_CHANGED, rare)] if rare else [])]
 
 
 @dataclass
@@ -109,8 +127,8 @@ class Config:
     lr: float = arg(1e-5, "AdamW learning rate (official 1e-6) [embedded]", valid="[0, inf)")
     weight_decay: float = arg(0.01, "AdamW weight decay (official)", valid="[0, inf)")
     grad_clip: float = arg(1.0, "gradient-norm clip (official)", valid="(0, inf)")
-    temperature: float = arg(1.0, "rollout sampling temperature; log-probs are computed at this temperature",
-                             valid="(0, inf)")
+    temperature: float = arg(1.0, "rollout sampling temperature; log-probs are computed at this temperature "
+                                  "(--backend vllm: at most 2)", valid="(0, inf)")
     top_p: float = arg(1.0, "rollout nucleus sampling", valid="(0, 1]")
     # model, data, evaluation
     model: str = arg("embedded", "transformers causal LM: local directory or hub id; 'embedded' = SmolLM2-135M-"
@@ -191,23 +209,23 @@ class Config:
                                                "(official 0; in the reward with reinforce_pp)", valid="[0, inf)")
     entropy_coef: float = arg(LossSettings.entropy_coef, "entropy bonus: loss − entropy_coef·H of the current policy "
                                                          "(verl's entropy_coeff; 0 = off)", valid="(-inf, inf)")
-    loss_agg: str = expert(LossSettings.loss_agg, "loss aggregation (verl's names): token-mean, seq-mean-token-sum, "
-                                                  "seq-mean-token-mean, seq-mean-token-sum-norm",
-                           valid=" | ".join(LOSS_AGGS))
+    loss_agg: str = arg(LossSettings.loss_agg, "loss aggregation (verl's names): token-mean, seq-mean-token-sum, "
+                                               "seq-mean-token-mean, seq-mean-token-sum-norm",
+                        valid=" | ".join(LOSS_AGGS))
     # the baselines (algorithm.md §7; configs/<algorithm>.yaml set them)
     surrogate: str = arg("aepo", "the clipped objective: aepo (the paper's; PPO's clip with --sg_clip false), gppo "
                                  "(GPPO: the lower bound keeps a gradient too) or cispo (CISPO: "
                                  "J = sg(clip(r))·Ã·log π)", valid="aepo | gppo | cispo",
                          group="baselines (algorithm.md §7; configs/<algorithm>.yaml)")
-    std_norm: bool = expert(True, "divide the group advantage by the group's std (False: Dr. GRPO)")
-    reinforce_pp: bool = expert(False, "SWITCH (REINFORCE++): per-token returns normalised over the whole batch "
-                                       "instead of group advantages, kl_coef·KL_t in the per-token reward")
-    gigpo: bool = expert(False, "SWITCH (GiGPO): add a step advantage over the trajectories that share a state (a "
-                                "tree's token prefix), weight ω = 1")
-    dynamic_sampling: bool = expert(False, "SWITCH (DAPO): roll out twice the questions, keep the groups whose rewards "
-                                           "differ (equal-reward groups fill the batch only when too few differ)")
-    overlong_cache: int = expert(0, "DAPO's soft overlong penalty: the last N tokens before max_response_tokens cost "
-                                    "up to −1 reward (0 = off)", valid="[0, inf)")
+    std_norm: bool = arg(True, "divide the group advantage by the group's std (False: Dr. GRPO)")
+    reinforce_pp: bool = arg(False, "SWITCH (REINFORCE++): per-token returns normalised over the whole batch "
+                                    "instead of group advantages, kl_coef·KL_t in the per-token reward")
+    gigpo: bool = arg(False, "SWITCH (GiGPO): add a step advantage over the trajectories that share a state (a "
+                             "tree's token prefix), weight ω = 1")
+    dynamic_sampling: bool = arg(False, "SWITCH (DAPO): roll out twice the questions, keep the groups whose rewards "
+                                        "differ (equal-reward groups fill the batch only when too few differ)")
+    overlong_cache: int = arg(0, "DAPO's soft overlong penalty: the last N tokens before max_response_tokens cost "
+                                 "up to −1 reward (0 = off)", valid="[0, inf)")
     # the generator-trainer mismatch correction (an extension, not in the paper: algorithm.md §4b; off by default)
     tis_cap: float = arg(0.0, "truncated importance weight min(π_old/π_gen, cap) on each token's objective (0 = off; "
                               "2 is usual)", valid="[0, inf)", group="generator–trainer correction (algorithm.md §4b)")
@@ -257,14 +275,14 @@ class Config:
 
 # flags that went (issue 35): each names what replaced it, so that an old command or YAML file gets one clear line
 RENAMED = {"sg_clip_low": "--surrogate gppo", "cispo": "--surrogate cispo", "entropy_coeff": "--entropy_coef",
-           "kl_in_reward": "--set reinforce_pp=true, which puts kl_coef·KL into the reward",
+           "kl_in_reward": "--reinforce_pp true, which puts kl_coef·KL into the reward",
            **{f"python_{old}": f"--python_limits '{{{new}: ...}}'" for old, new in
               (("timeout_s", "timeout_s"), ("max_processes", "max_processes"), ("memory_mb", "total_memory_mb"),
                ("disk_mb", "disk_mb"))},
            **{f"cold_start_{key}": f"--cold_start_kw '{{{key}: ...}}'" for key in
               ("data", "questions", "steps", "batch", "lr")},
            **{f"mismatch_{level}_mask": f"--mismatch_masks '[{level}]'" for level in ("token", "segment", "sequence")},
-           "mismatch_low": "--set 'mismatch_band=[a, b]'", "mismatch_high": "--set 'mismatch_band=[a, b]'",
+           "mismatch_low": "--mismatch_band '[a, b]'", "mismatch_high": "--mismatch_band '[a, b]'",
            "tensorboard": "--report_to '[tensorboard]'", "wandb": "--report_to '[wandb]'",
            "wandb_project": "the WANDB_PROJECT environment variable",
            "probe_every": "nothing: the probe entropy is measured every step",
@@ -276,46 +294,44 @@ RENAMED = {"sg_clip_low": "--surrogate gppo", "cispo": "--surrogate cispo", "ent
 
 
 def build_parser(cls=None, prog: str = "train.py", description: str = "AEPO training (arXiv:2510.14545)"):
-    """A parser with one flag per field of the dataclass `cls` (default Config), its help from the field's metadata,
-    in the groups the fields open (metadata "group"), in their order, then --set for the expert fields (each also a
-    flag hidden from --help, which parse_args refuses on the command line); `--config FILE.yaml` fills any of them,
+    """A parser with one flag per field of the dataclass `cls` (default Config), its help the field's meaning and
+    valid values, in --help's groups (help_groups: the fields' own groups in their order, the rarely changed last);
+    `--config FILE.yaml` fills any of them, `--set KEY=VALUE ...` is an alias of the flags (parse_args spells it out),
     and boolean flags also take their bare form (`--resume`)."""
     import argparse
     from jsonargparse import ActionConfigFile, ArgumentParser
     cls = cls or Config
     parser = ArgumentParser(prog=prog, description=description, exit_on_error=False, allow_abbrev=False,
-                            print_config=None)              # its dump would leave the hidden --set keys out
-    parser.add_argument("--config", action=ActionConfigFile, help="YAML file of settings, --set keys as plain keys "
-                                                                  "(later flags override it)")
-    types, group = typing.get_type_hints(cls), parser
-    for f in dataclasses.fields(cls):
-        if f.metadata.get("group"):
-            group = parser.add_argument_group(f.metadata["group"])
-        default = f.default_factory() if f.default_factory is not dataclasses.MISSING else f.default
-        bare = {"nargs": "?", "const": True} if types[f.name] is bool or bool in typing.get_args(types[f.name]) else {}
-        valid = f" (valid: {f.metadata['valid']})" if f.metadata.get("valid") else ""
-        shown = argparse.SUPPRESS if f.metadata.get("expert") else f.metadata["help"] + valid
-        group.add_argument(f"--{f.name}", type=types[f.name], default=default, help=shown, **bare)
-    expert = parser.add_argument_group("expert settings (docs/reference.md: their defaults and meanings)")
-    expert.add_argument("--set", metavar="KEY=VALUE", nargs="+", default=argparse.SUPPRESS,
-                        help="a setting without a flag of its own, typed and checked as a flag is (several: --set "
-                             "a=1 b=2, or --set again; in a --config file a plain key): " + ", ".join(expert_keys(cls)))
+                            print_config=None)              # no --print_config: a run saves its settings, config.yaml
+    parser.add_argument("--config", action=ActionConfigFile, help="YAML file of settings, each a plain key (later "
+                                                                  "flags override it)")
+    parser.add_argument("--set", metavar="KEY=VALUE", nargs="+", default=argparse.SUPPRESS,
+                        help="an alias of the flags below: --set a=1 b=2 is --a 1 --b 2 (typed and checked the same)")
+    types = typing.get_type_hints(cls)
+    for title, fields in help_groups(cls):
+        group = parser.add_argument_group(title)
+        for f in fields:
+            default = f.default_factory() if f.default_factory is not dataclasses.MISSING else f.default
+            is_bool = types[f.name] is bool or bool in typing.get_args(types[f.name])
+            bare = {"nargs": "?", "const": True} if is_bool else {}
+            valid = f" (valid: {f.metadata['valid']})" if f.metadata.get("valid") else ""
+            group.add_argument(f"--{f.name}", type=types[f.name], default=default, help=f.metadata["help"] + valid,
+                               **bare)
     return parser
 
 
 def parse_args(parser, argv, prog: str, cls=None) -> dict:
     """The values of `parser` (build_parser(cls), cls default Config) as a dict; a malformed command line becomes a
-    UserError naming the flag. `--set KEY=VALUE` is parsed as the hidden flag `--KEY=VALUE` in its place; an expert
-    key given as a flag, or a flag that went (RENAMED), is a UserError saying what to give instead. A --config file
-    that holds nothing (empty, or only comments) is an empty overlay; one that is not UTF-8, not valid YAML, gives a
-    key twice or is not a mapping is a UserError naming it (configfile.load_settings)."""
+    UserError naming the flag. `--set KEY=VALUE` is parsed as the flag `--KEY=VALUE` in its place; a flag that went
+    (RENAMED) is a UserError saying what to give instead. A --config file that holds nothing (empty, or only
+    comments) is an empty overlay; one that is not UTF-8, not valid YAML, gives a key twice or is not a mapping is a
+    UserError naming it (configfile.load_settings)."""
     from jsonargparse import ArgumentError
     cls = cls or Config
     argv = configfile.without_empty_configs(argv)
-    expert = expert_keys(cls)
-    configfile.check_flags(argv, RENAMED, expert)
-    flags = [f.name for f in dataclasses.fields(cls) if f.name not in expert]
-    expanded = configfile.expand_set(argv, expert, flags)
+    configfile.check_flags(argv, RENAMED)
+    settings = [f.name for f in dataclasses.fields(cls)]
+    expanded = configfile.expand_set(argv, settings, prog)
     configfile.check_values(expanded)                       # no alias bomb reaches the parser
     try:
         values = parser.parse_args(expanded).as_dict()
@@ -325,8 +341,8 @@ def parse_args(parser, argv, prog: str, cls=None) -> dict:
         where = configfile.where_given(argv, unknown.group(1)) if unknown else ""
         raise UserError(f"{where}{message} (python {prog} --help lists every flag)") from None
     if "set" in values:                                     # only a --config file can give it: --set was spelled out
-        raise UserError(f"{configfile.where_given(argv, 'set')}'set:' is not a setting: a --config file gives a --set "
-                        f"key as a plain key (e.g. {expert[0]}: ...)")
+        raise UserError(f"{configfile.where_given(argv, 'set')}'set:' is not a setting: a --config file gives every "
+                        f"setting as a plain key (e.g. {settings[0]}: ...)")
     return values
 
 
@@ -353,18 +369,21 @@ def parse_config(argv=None, defaults: dict | None = None) -> Config:
          f"--run_name {cfg.run_name!r}: a plain folder name (no '/', no '..'), created under --out_dir"),
         (len(cfg.run_name.encode()) <= NAME_MAX, f"--run_name is {len(cfg.run_name.encode())} bytes long: a folder "
                                                  f"name may have at most {NAME_MAX}"),
-        (not (cfg.reinforce_pp and cfg.gigpo), "--set reinforce_pp=true and gigpo=true are two different advantages: "
+        (not (cfg.reinforce_pp and cfg.gigpo), "--reinforce_pp true and --gigpo true are two different advantages: "
                                                "pick one"),
         (cfg.surrogate != "gppo" or cfg.sg_clip,
          "--surrogate gppo (GPPO's lower bound) needs --sg_clip (its upper one)"),
-        (0 <= cfg.overlong_cache < cfg.max_response_tokens, f"--set overlong_cache={cfg.overlong_cache} must be less "
+        (0 <= cfg.overlong_cache < cfg.max_response_tokens, f"--overlong_cache {cfg.overlong_cache} must be less "
                                                             f"than --max_response_tokens ({cfg.max_response_tokens})"),
         (set(cfg.report_to) <= {"tensorboard", "wandb"}, f"--report_to {cfg.report_to}: tensorboard and/or wandb"),
         *((name not in cfg.report_to or importlib.util.find_spec(name) is not None,
            f"--report_to {name} needs the {name} package: pip install {name}") for name in ("tensorboard", "wandb")),
         (set(cfg.mismatch_masks) <= set(MASKS), f"--mismatch_masks {cfg.mismatch_masks}: some of {', '.join(MASKS)}"),
         (len(cfg.mismatch_band) == 2 and 0 < cfg.mismatch_band[0] <= 1 <= cfg.mismatch_band[1] < math.inf,
-         f"--set mismatch_band={cfg.mismatch_band}: two numbers [a, b] with 0 < a <= 1 <= b"),
+         f"--mismatch_band {cfg.mismatch_band}: two numbers [a, b] with 0 < a <= 1 <= b"),
+        (not (cfg.backend == "vllm" and cfg.temperature > 2.0),
+         f"--temperature {cfg.temperature}: vLLM samples at temperatures up to 2 (its SamplingParams refuses more, "
+         f"at the first generation); give at most 2, or --backend transformers"),
         (not (cfg.backend == "vllm" and cfg.temperature != 1.0 and (cfg.tis_cap or cfg.mismatch_masks)),
          "the mismatch correction (--tis_cap, --mismatch_masks) needs the generator's log-probs, which vLLM gives at "
          "--temperature 1 only"),

@@ -1,9 +1,10 @@
 """The command line's settings before the parser: the YAML files that hold them (--config files, a run's config.yaml and
 config_history.yaml) read strictly (UTF-8, valid YAML, each key once, a mapping at the top, aliases that expand it to
 no more than MAX_VALUES values; anything else is one line naming the file and the line), the same bound on the YAML of
-every flag's value, flags that went or that are --set keys refused, and --set KEY=VALUE spelled out."""
+every flag's value, flags that went refused, and the alias --set KEY=VALUE spelled out as the flag --KEY=VALUE."""
 from __future__ import annotations
 
+import difflib
 from collections.abc import Hashable
 from pathlib import Path
 
@@ -183,17 +184,10 @@ def without_empty_configs(argv):
     return out
 
 
-def check_flags(argv, renamed: dict, expert) -> None:
+def check_flags(argv, renamed: dict) -> None:
     """A flag of `renamed` (an old one) on the command line or in a --config file is a UserError naming what replaced
-    it; so is a setting of `expert` given as a flag on the command line (a --config file gives it as a plain key):
-    the line says how to give it with --set."""
+    it."""
     argv = list(argv)
-    for i, item in enumerate(argv):
-        key, equals, value = item[2:].partition("=") if item.startswith("--") else ("", "", "")
-        if key in expert:
-            given = i + 1 < len(argv) and not argv[i + 1].startswith("--")
-            value = value if equals else argv[i + 1] if given else "VALUE"
-            raise UserError(f"--{key} is not a flag but a --set key: use --set {key}={value}")
     keys = [item[2:].split("=", 1)[0] for item in argv if item.startswith("--")]
     for _, _, loaded in config_files(argv):
         keys += list(loaded) if isinstance(loaded, dict) else []
@@ -202,10 +196,11 @@ def check_flags(argv, renamed: dict, expert) -> None:
             raise UserError(f"--{key} is gone: use {renamed[key]}")
 
 
-def expand_set(argv: list[str], expert: list[str], flags: list[str]) -> list[str]:
+def expand_set(argv: list[str], settings: list[str], prog: str) -> list[str]:
     """argv with each `--set KEY=VALUE [KEY=VALUE ...]` (or `--set=KEY=VALUE`) written as `--KEY=VALUE` in its place,
-    for the parser to type as it types a flag (later items still win). `expert`: the keys --set takes; another key
-    (one of `flags` says which flag to use instead) or an item without '=' is a UserError listing the keys."""
+    for the parser to type as it types the flag (later items still win): --set is an alias of the flags. `settings`:
+    the keys it takes, every setting of the command `prog`; another key (the closest names suggested) or an item
+    without '=' is a UserError."""
     out, i = [], 0
     while i < len(argv):
         item = argv[i]
@@ -218,15 +213,15 @@ def expand_set(argv: list[str], expert: list[str], flags: list[str]) -> list[str
             pairs.append(argv[i])
             i += 1
         if not pairs:
-            raise UserError(f"--set needs KEY=VALUE; the keys are {', '.join(expert)}")
+            raise UserError(f"--set needs KEY=VALUE, an alias of the flag --KEY VALUE (python {prog} --help)")
         for pair in pairs:
             key, equals, value = pair.partition("=")
             if not equals:
-                raise UserError(f"--set {pair}: not KEY=VALUE; the keys are {', '.join(expert)}")
-            if key in flags:
-                raise UserError(f"--set {pair}: {key} is a flag of its own: --{key} {value}")
-            if key not in expert:
-                raise UserError(f"--set {pair}: no such key {key!r}; the keys are {', '.join(expert)}")
+                raise UserError(f"--set {pair}: not KEY=VALUE, an alias of the flag --KEY VALUE (python {prog} --help)")
+            if key not in settings:
+                close = difflib.get_close_matches(key, settings, n=3)
+                hint = f"did you mean {', '.join(close)}? " if close else ""
+                raise UserError(f"--set {pair}: no such setting {key!r} ({hint}python {prog} --help lists them)")
             out.append(f"--{key}={value}")
     return out
 

@@ -35,8 +35,8 @@ def tree_settings(cfg) -> rollout.TreeSettings:
     return rollout.TreeSettings(k=cfg.k, beta=cfg.beta, gamma=cfg.gamma, lam=cfg.lam, tau=cfg.tau,
                                 dynamic_budget=cfg.dynamic_budget, entropy_branching=cfg.entropy_branching,
                                 max_tool_calls=cfg.max_tool_calls, max_response_tokens=cfg.max_response_tokens,
-                                tool_limit_ends=cfg.tool_limit_ends, deadline_s=cfg.trajectory_deadline_s,
-                                lockstep=cfg.lockstep_rollout)
+                                tool_limit_ends=cfg.tool_limit_ends, trajectory_deadline_s=cfg.trajectory_deadline_s,
+                                lockstep_rollout=cfg.lockstep_rollout)
 
 
 def lora_settings(cfg) -> lora.LoraSettings | None:

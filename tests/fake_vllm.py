@@ -33,13 +33,15 @@ build (tests/test_vllm_engine.py); this stand-in also plays a GPU and runs in th
   `model_executor.models.ModelRegistry.models` lists no architecture (the registry's lookup falls through), and
   `config.lora.MaxLoRARanks` is vLLM's list of ranks.
 - Requests: `generate`, or `enqueue` then `llm_engine.step()` (every queued request ends within the step here; the
-  real engine advances each by one token a step), outputs tagged with the external request id.
-- Sampling: token-id prompts, per-request `SamplingParams` (temperature 0 = greedy, top-p, `max_tokens`,
-  `logprobs=N` = the top-N log-probs of the raw logits plus the sampled token with its true rank, `flat_logprobs`,
-  stop strings kept with `include_stop_str_in_output=True`, a per-request seed that must fit an int64:
-  v1/worker/gpu/sample/states.py), `finish_reason` "stop"/"length", `stop_reason` (the matched string, or None for
-  EOS). Generation runs a transformers model token by token on the CPU; `device` records where the real engine
-  would be. `stats` counts the log-prob positions returned (vLLM detokenises each).
+  real engine advances each by one token a step), outputs tagged with the external request id; a request left in the
+  engine finishes into whichever step runs next, until `llm_engine.abort_request(external ids)` takes it out.
+- Sampling: token-id prompts, per-request `SamplingParams` (temperature 0 = greedy, above 2 refused:
+  sampling_params.py:SamplingParams._verify_args; top-p, `max_tokens`, `logprobs=N` = the top-N log-probs of the raw
+  logits plus the sampled token with its true rank, `flat_logprobs`, stop strings kept with
+  `include_stop_str_in_output=True`, a per-request seed that must fit an int64: v1/worker/gpu/sample/states.py),
+  `finish_reason` "stop"/"length", `stop_reason` (the matched string, or None for EOS). Generation runs a
+  transformers model token by token on the CPU; `device` records where the real engine would be. `stats` counts the
+  log-prob positions returned (vLLM detokenises each).
 """
 import os
 import random
@@ -115,6 +117,10 @@ class SamplingParams:
     stop: list = field(default_factory=list)
     include_stop_str_in_output: bool = False
     seed: int | None = None
+
+    def __post_init__(self):                # sampling_params.py:SamplingParams._verify_args
+        if not 0.0 <= self.temperature <= 2.0:
+            raise ValueError(f"temperature must be in [0, 2], got {self.temperature}.")
 
 
 class inputs:  # noqa: N801 -- mirrors the vllm.inputs module
@@ -224,8 +230,10 @@ class LLM:
         vocab = self.model.config.vocab_size
         self.llm_engine = SimpleNamespace(model_config=SimpleNamespace(get_vocab_size=lambda: vocab),
                                           engine_core=SimpleNamespace(shutdown=self._shutdown),
-                                          add_lora=self._add_lora, step=self._step)
+                                          add_lora=self._add_lora, step=self._step,
+                                          abort_request=self._abort_request)
         self.queued, self.request_counter = [], 0     # enqueue's requests until an engine step runs them
+        self.aborted: list[str] = []
         self.adapted, self.lora_id, self.adapters_used = None, None, []      # the adapter of each generate call
         self.shut_down = False
         if not multiprocess:
@@ -343,6 +351,13 @@ class LLM:
                              use_tqdm=False, **lora)
         return [SimpleNamespace(request_id=request_id, finished=True, prompt_token_ids=ids, outputs=out.outputs)
                 for (request_id, ids, _, _), out in zip(batch, outs)]
+
+    def _abort_request(self, request_ids, internal=False):
+        """llm_engine.abort_request: the requests of these external ids leave the engine (v1/engine/llm_engine.py)."""
+        if internal:
+            raise NotImplementedError("the stand-in aborts by external id only")
+        self.aborted += list(request_ids)
+        self.queued = [request for request in self.queued if request[0] not in set(request_ids)]
 
     def _check(self, params, lora_request):
         if self.asleep:

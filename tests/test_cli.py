@@ -3,7 +3,10 @@ traceback, before the run folder exists; --resume refuses changed settings (and 
 folder whose settings are not its checkpoint's; python limits that count are whole numbers; the defaults fit any
 number of processes; eval.py evaluates a run the way it trained; a search backend that is down is caught at start-up
 and, mid-run, named in the step line; console lines carry no bidirectional controls; bare boolean flags work."""
+import dataclasses
 import json
+import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -60,14 +63,14 @@ def mistakes(root: Path, tmp: Path) -> dict:
                                     r"^error: --python_limits: disk_mb must be a whole number \(at least 1\), "
                                     r"got 1.5$"),
         "bad cold-start key": (dict(cold_start_kw='{step: 9}'), "--cold_start_kw: unknown key step"),
-        "bad mismatch band": (dict(set="mismatch_band=[2, 3]"), "--set mismatch_band=.2.0, 3.0.: two numbers"),
-        "a --set key as a flag": (dict(packed="false"), "--packed is not a flag but a --set key: use --set "
-                                                        "packed=false"),
-        "an unknown --set key": (dict(set="pakced=false"), "--set pakced=false: no such key 'pakced'; the keys are "
-                                                           "probe_questions, gen_batch_size, "),
-        "a flag given to --set": (dict(set="lr=0.1"), "--set lr=0.1: lr is a flag of its own: --lr 0.1"),
+        "bad mismatch band": (dict(mismatch_band="[2, 3]"), "--mismatch_band .2.0, 3.0.: two numbers"),
+        "a bad value given to --set": (dict(set="mismatch_band=[2, 3]"), "^error: --mismatch_band .2.0, 3.0.: two "
+                                                                         "numbers"),
+        "an unknown --set key": (dict(set="pakced=false"), r"^error: --set pakced=false: no such setting 'pakced' "
+                                                           r"\(did you mean packed.*python train.py --help lists "
+                                                           r"them\)$"),
         "set: in a YAML file": (dict(config=_yaml(tmp, "set.yaml", "set: [packed=false]\n")),
-                                "set.yaml: line 1: 'set:' is not a setting: a --config file gives a --set key as a "
+                                "set.yaml: line 1: 'set:' is not a setting: a --config file gives every setting as a "
                                 "plain key"),
     }
 
@@ -81,8 +84,7 @@ def _yaml(tmp: Path, name: str, text: str) -> Path:
                                   "no such model", "bad sizes", "unknown flag", "unknown backend", "too few questions",
                                   "a flag that went", "a YAML key that went", "bad python limit",
                                   "fractional python limit", "bad cold-start key", "bad mismatch band",
-                                  "a --set key as a flag", "an unknown --set key", "a flag given to --set",
-                                  "set: in a YAML file"])
+                                  "a bad value given to --set", "an unknown --set key", "set: in a YAML file"])
 def test_user_mistakes_are_one_line_and_leave_nothing(kind, setup, tmp_path, capsys):  # noqa: F811
     over, expected = mistakes(setup, tmp_path)[kind]
     code, err = command(capsys, train.main, flags(setup, f"mistake_{kind.replace(' ', '_')}", **over))
@@ -111,7 +113,7 @@ def test_bare_boolean_flags():
 
 
 def test_set_keys_are_typed_like_flags_and_round_trip(tmp_path):
-    """--set KEY=VALUE (several after one --set, or --set again) sets an expert setting, typed as its flag was, in
+    """--set KEY=VALUE (several after one --set, or --set again), the alias, sets a setting typed as its flag is, in
     its place among the flags (the later wins); a --config file gives it as a plain key; a run's saved config.yaml,
     which holds every setting, comes back equal as --resume's defaults and as a --config file."""
     from harness.run import rundir
@@ -126,18 +128,16 @@ def test_set_keys_are_typed_like_flags_and_round_trip(tmp_path):
     assert config.parse_config([], defaults=saved) == cfg
     assert config.parse_config(["--config", str(_yaml(tmp_path, "config.yaml", rundir.config_yaml(cfg)))]) == cfg
     assert config.parse_config(["--set", "gen_batch_size=16"], defaults=saved).gen_batch_size == 16
-    with pytest.raises(cli.UserError, match=r"^--set gen_batch_size=0 is out of range: it must be in \[1, inf\)$"):
+    with pytest.raises(cli.UserError, match=r"^--gen_batch_size 0 is out of range: it must be in \[1, inf\)$"):
         config.parse_config(["--set", "gen_batch_size=0"])
     with pytest.raises(cli.UserError, match='Parser key "packed"'):
         config.parse_config(["--set", "packed=maybe"])
-    with pytest.raises(cli.UserError, match="^--set needs KEY=VALUE; the keys are probe_questions, "):
+    with pytest.raises(cli.UserError, match="^--set needs KEY=VALUE, an alias of the flag --KEY VALUE "):
         config.parse_config(["--set", "--k", "3"])
     evaluated = evaluation.EvalConfig(**{k: v for k, v in config.parse_args(
         config.build_parser(evaluation.EvalConfig), ["--set", "top_k=40", "dtype=float32"], "eval.py",
         evaluation.EvalConfig).items() if k != "config"})
     assert (evaluated.top_k, evaluated.dtype) == (40, "float32")
-    with pytest.raises(cli.UserError, match="^--top_k is not a flag but a --set key: use --set top_k=40$"):
-        evaluation.main(["--model", "embedded", "--top_k", "40"])
 
 
 def test_defaults_fit_any_number_of_processes():
@@ -247,19 +247,66 @@ def test_eval_takes_the_runs_settings(setup, monkeypatch, capsys, tmp_path):
     assert code == 2 and "no config.json there" in err
 
 
-def test_eval_help_explains_every_flag():
-    """eval.py --help: each flag with its meaning, and --set naming every key that has no flag of its own."""
-    proc = subprocess.run([sys.executable, "eval.py", "--help"], cwd=ROOT, capture_output=True, text=True, timeout=120)
-    assert proc.returncode == 0
-    text = " ".join(proc.stdout.split())
-    keys = config.expert_keys(evaluation.EvalConfig)
-    assert text.endswith("in a --config file a plain key): " + ", ".join(keys))
-    for field in evaluation.EvalConfig.__dataclass_fields__.values():
-        first_words = " ".join(field.metadata["help"].split()[:3])
-        if field.name in keys:
-            assert f"--{field.name} " not in proc.stdout, field.name
-        else:
-            assert f"--{field.name}" in proc.stdout and first_words in text, field.name
+@pytest.mark.parametrize("script, cls", [("train.py", config.Config), ("eval.py", evaluation.EvalConfig)],
+                         ids=["train", "eval"])
+def test_help_shows_every_setting_with_its_meaning(script, cls):
+    """`python train.py --help` and `python eval.py --help`: every field of the config dataclass is a flag, with its
+    meaning and valid values, under its group's title; the groups in help_groups' order (the paper's first for
+    train.py), the rarely changed settings (expert_keys) in the last group, titled so."""
+    proc = subprocess.run([sys.executable, script, "--help"], cwd=ROOT, capture_output=True, text=True, timeout=120,
+                          env={**os.environ, "COLUMNS": "100"})
+    assert proc.returncode == 0, proc.stderr[-500:]
+    text = proc.stdout.split("\noptions:", 1)[1]                             # past the usage block
+    groups = config.help_groups(cls)
+    assert sorted(f.name for _, fields in groups for f in fields) == sorted(f.name for f in dataclasses.fields(cls))
+    assert groups[-1] == (config.RARELY_CHANGED, [f for f in dataclasses.fields(cls) if f.metadata.get("expert")])
+    if cls is config.Config:
+        assert groups[0][0].startswith("the paper's") and groups[0][1][0].name == "k"
+    starts = [text.index(f"\n{title}:\n") for title, _ in groups]
+    assert starts == sorted(starts)
+    for (title, fields), start, end in zip(groups, starts, [*starts[1:], len(text)]):
+        chunk = text[start:end]
+        assert re.findall(r"^  --(\w+)", chunk, re.M) == [f.name for f in fields], title
+        for f in fields:
+            meaning = f.metadata["help"] + (f" (valid: {f.metadata['valid']})" if f.metadata.get("valid") else "")
+            assert "".join(meaning.split()) in "".join(chunk.split()), f.name     # wrapped anywhere, even at a hyphen
+
+
+def test_set_is_an_alias_of_the_flags():
+    """`--set name=value` gives exactly what `--name value` gives, for rarely changed settings of each type (a bool,
+    an int, a float, a string, a list) and for any other setting; the later item wins whichever syntax it uses."""
+    given = {"packed": "false", "gen_batch_size": "8", "vllm_gpu_memory_utilization": "0.7",
+             "python_isolation": "strict", "mismatch_band": "[0.4, 3]", "lr": "1e-6", "reinforce_pp": "true"}
+    by_flags = config.parse_config([item for key, value in given.items() for item in (f"--{key}", value)])
+    by_set = config.parse_config(["--set", *(f"{key}={value}" for key, value in given.items())])
+    assert by_flags == by_set
+    assert (by_set.packed, by_set.gen_batch_size, by_set.vllm_gpu_memory_utilization, by_set.python_isolation,
+            by_set.mismatch_band, by_set.lr, by_set.reinforce_pp) == (False, 8, 0.7, "strict", [0.4, 3.0], 1e-6, True)
+    for key, value in given.items():
+        assert config.parse_config([f"--{key}={value}"]) == config.parse_config([f"--set={key}={value}"]), key
+    assert config.parse_config(["--set", "packed=false", "--packed", "true"]).packed is True
+    assert config.parse_config(["--packed", "true", "--set", "packed=false"]).packed is False
+
+    def evaluated(argv):
+        parser = config.build_parser(evaluation.EvalConfig, prog="eval.py")
+        return config.parse_args(parser, argv, "eval.py", evaluation.EvalConfig)
+    assert evaluated(["--top_k", "40", "--dtype", "float32", "--judge_cache", "v.json"]) == \
+        evaluated(["--set", "top_k=40", "dtype=float32", "judge_cache=v.json"])
+
+
+@pytest.mark.parametrize("script, argv, expected", [
+    ("train.py", ["--packd", "false"], r"^error: unrecognized arguments: --packd false \(python train.py --help lists "
+                                       r"every flag\)$"),
+    ("train.py", ["--set", "packd=false"], r"^error: --set packd=false: no such setting 'packd' \(did you mean "
+                                           r"packed.*\)$"),
+    ("eval.py", ["--model", "embedded", "--topk", "40"], r"^error: unrecognized arguments: --topk 40"),
+    ("eval.py", ["--model", "embedded", "--set", "topk=40"], r"^error: --set topk=40: no such setting 'topk' "
+                                                             r"\(did you mean top_k.*python eval.py --help")])
+def test_an_unknown_flag_or_key_is_one_line(script, argv, expected, capsys):
+    main = train.main if script == "train.py" else evaluation.main
+    code, err = command(capsys, main, argv)
+    lines = [line for line in err.splitlines() if line.strip()]
+    assert code == 2 and len(lines) == 1 and re.search(expected, lines[0]), err
 
 
 def test_search_backend_down_at_start(setup, tmp_path, capsys):
@@ -438,13 +485,13 @@ def boundary_cases():
                          ids=lambda x: str(x))
 def test_every_setting_is_checked_at_its_bounds(command, flag, value, accepted, tmp_path):
     """The range check runs at parse time, before anything is loaded: a value outside is one UserError naming the
-    flag (or --set key), the value and its valid values. (Cross-setting rules, e.g. overlong_cache below
-    --max_response_tokens, are other checks; the boundary values here avoid them.)"""
+    flag, the value and its valid values (a rarely changed setting is given through the alias --set here).
+    (Cross-setting rules, e.g. overlong_cache below --max_response_tokens, are other checks; the boundary values here
+    avoid them.)"""
     cls = config.Config if command == "train" else evaluation.EvalConfig
     expert = flag in config.expert_keys(cls)
     argv = [f"--set={flag}={value}" if expert else f"--{flag}={value}"]
-    refused = rf'--set {flag}=.* is out of range: it must be|Parser key "{flag}"' if expert else \
-        rf'--{flag} .* is out of range: it must be|Parser key "{flag}"'
+    refused = rf'--{flag} .* is out of range: it must be|Parser key "{flag}"'
     if flag == "questions_per_step":                                  # the two must divide each other
         argv.append("--mini_batch_size=1")
     if flag == "mini_batch_size" and isinstance(value, int) and value > 0:

@@ -92,11 +92,11 @@ def step_gradient(policy, trajectories, rewards, cfg, world) -> tuple[dict, list
     amp = (lambda: torch.autocast("cpu", dtype=torch.bfloat16)) if cfg.bf16 else contextlib.nullcontext
     adv = train.outcome_advantages(trajectories, rewards, cfg, 0)
     batches = train.micro_batches(trajectories, adv, rewards, 1, cfg, 0, "cpu")
-    train.old_policy_pass(policy, None, batches, cfg, amp)
-    for mb in batches[0]:
-        mb.old_logp = mb.old_logp + 0.4 * torch.sin(mb.input_ids[:, 1:].float()) * mb.mask
+    olds, _, _ = train.old_policy_pass(policy, None, batches, cfg, amp)
+    for mb, old in zip(batches[0], olds[0]):
+        old.old_logp = old.old_logp + 0.4 * torch.sin(mb.input_ids[:, 1:].float()) * mb.mask
     policy_mod.unwrap(policy).lm.train()
-    train.accumulate_gradients(policy, batches[0], cfg, world, amp, "test")
+    train.accumulate_gradients(policy, batches[0], olds[0], cfg, world, amp, "test")
     grads = {}
     for name, p in policy_mod.unwrap(policy).named_parameters():
         if not p.requires_grad:                  # LoRA: the base weights are frozen
@@ -270,8 +270,8 @@ def _config_worker(rank, world, port, runs, out):
                 seen.setdefault("inputs", (trajectories, rewards, n_minibatches))
                 return real_micro_batches(trajectories, adv, rewards, n_minibatches, cfg, *args)
 
-            def accumulate_gradients(policy, mbs, cfg, *args):
-                metrics = real_accumulate(policy, mbs, cfg, *args)
+            def accumulate_gradients(policy, mbs, olds, cfg, *args):
+                metrics = real_accumulate(policy, mbs, olds, cfg, *args)
                 if "grads" not in seen:                  # step 1, epoch 0, mini-batch 0 (full tensors: a collective)
                     seen["cfg"], seen["sharded"] = dataclasses.asdict(cfg), policy_mod.is_sharded(policy)
                     seen["grads"] = {n: (p.grad.full_tensor() if hasattr(p.grad, "full_tensor") else p.grad).clone()
@@ -319,9 +319,9 @@ def one_process_gradient(saved: list[dict], model: str) -> dict:
     amp = (lambda: torch.autocast("cpu", dtype=torch.bfloat16)) if cfg.bf16 else contextlib.nullcontext
     adv = train.outcome_advantages(union, rewards, cfg, 0)
     batches = train.micro_batches(union, adv, rewards, n_mini, cfg, 0, "cpu")
-    train.old_policy_pass(policy, ref, batches, cfg, amp)
+    olds, _, _ = train.old_policy_pass(policy, ref, batches, cfg, amp)
     policy.lm.train()
-    train.accumulate_gradients(policy, batches[0], cfg, 1, amp, "one process")
+    train.accumulate_gradients(policy, batches[0], olds[0], cfg, 1, amp, "one process")
     return {n: p.grad.detach().clone() for n, p in policy.named_parameters() if p.requires_grad}
 
 

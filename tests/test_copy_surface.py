@@ -1,19 +1,17 @@
 """The surface a copier and a reader rely on, held to the documents that state it.
 
 docs/reference.md's "The copy surface" lists, once, the names a copier of the paper's files uses; this test reads that
-section: every listed name imports (a function or class is callable, a keyword is in its signature, and the keywords
-of policy_loss and LossSettings are all listed), loss.py and advantage.py have no public function or class the list
-leaves out, an unknown keyword is a TypeError, every alias of the renames gives its successor with one
-DeprecationWarning naming it (none the second time), and every name that moved into the harness is there and gone
-from the paper file. The README's sentence on the four ablation switches names where each is read: each named
-function's code reads it.
+section: every listed name imports (a function or class is callable, a keyword is in its signature, and the keywords of
+policy_loss and LossSettings are all listed), loss.py and advantage.py have no public function or class the list leaves
+out, an unknown keyword is a TypeError, and every row of the renames (the changelog) holds: its successor works, and the
+old name is gone (an AttributeError, an old keyword a TypeError, the error naming it). The README's sentence on the four
+ablation switches names where each is read: each named function's code reads it.
 """
 import ast
 import importlib
 import inspect
 import re
 import textwrap
-import warnings
 from pathlib import Path
 
 import pytest
@@ -32,10 +30,10 @@ def table_rows(text: str) -> list[list[str]]:
     return [row for row in rows if row[0] not in ("file", "old")]
 
 
-NAMES, RENAMES = SECTION.split("**Renames.**", 1)
+NAMES, RENAMES = SECTION.split("**Renames (the changelog).**", 1)
 LISTED = {row[0].strip("`").replace("` ", " "): re.findall(r"`(\w+)`", row[1]) for row in table_rows(NAMES)}
 FILES = {label: names for label, names in LISTED.items() if label.endswith(".py")}
-RENAMED = [(row[0].strip("`"), row[1].strip("`"), row[2]) for row in table_rows(RENAMES)]
+RENAMED = [(row[0].strip("`"), row[1].split("`")[1], row[2]) for row in table_rows(RENAMES)]   # (old, now, since)
 
 
 def resolve(path: str):
@@ -52,14 +50,6 @@ def resolve(path: str):
     raise ModuleNotFoundError(path)
 
 
-def deprecations(call):
-    """(call(), the messages of the DeprecationWarnings it emitted)."""
-    with warnings.catch_warnings(record=True) as caught:
-        warnings.simplefilter("always")
-        value = call()
-    return value, [str(w.message) for w in caught if issubclass(w.category, DeprecationWarning)]
-
-
 # ---------------------------------------------------------------------------------------------------------------------
 # The names
 
@@ -72,20 +62,17 @@ def test_the_section_lists_the_paper_files_and_the_loss_keywords():
 
 @pytest.mark.parametrize("label", sorted(FILES))
 def test_every_listed_name_imports(label):
-    """A listed name is a current one (no alias's warning), and a function or class is callable."""
+    """A listed name is there, and a function or class is callable."""
     module = importlib.import_module(label.removesuffix(".py"))
     for name in FILES[label]:
-        with warnings.catch_warnings():
-            warnings.simplefilter("error", DeprecationWarning)
-            value = getattr(module, name)
+        value = getattr(module, name)
         assert name.isupper() or callable(value), f"{label}: {name} is not callable"
 
 
 @pytest.mark.parametrize("label", ["loss.policy_loss keywords", "loss.LossSettings keywords"])
 def test_the_listed_keywords_are_the_signatures(label):
     parameters = inspect.signature(resolve(label.split()[0])).parameters
-    named = [name for name, p in parameters.items() if p.kind is not inspect.Parameter.VAR_KEYWORD]
-    assert sorted(LISTED[label]) == sorted(named)
+    assert sorted(LISTED[label]) == sorted(parameters)
 
 
 @pytest.mark.parametrize("module_name", ["loss", "advantage"])
@@ -99,7 +86,7 @@ def test_every_public_function_and_class_of_the_math_is_listed(module_name):
 def test_an_unknown_keyword_is_a_type_error_naming_it():
     import loss
     z = torch.zeros(1, 2)
-    with pytest.raises(TypeError, match="sg_clipp.*its keywords are ref_logp, entropy, n_seqs, weights and settings"):
+    with pytest.raises(TypeError, match="sg_clipp"):
         loss.policy_loss(z, z, z, torch.ones(1, 2), 2, sg_clipp=False)
     with pytest.raises(TypeError, match="sg_clipp"):
         loss.LossSettings(sg_clipp=False)
@@ -117,57 +104,55 @@ def call_parts(text: str):
     return resolve(ast.unparse(node.func)), {k.arg: ast.literal_eval(k.value) for k in node.keywords}
 
 
-def loss_and_gradient(**kw):
-    """policy_loss's value and gradient on fixed inputs (with a reference, an entropy and two sequences)."""
+def policy_loss_with(**kw):
+    """loss.policy_loss on fixed (2, 5) inputs, with the keywords `kw`."""
     import loss
-    torch.manual_seed(0)
-    logp = (torch.randn(2, 5) * 0.4).requires_grad_()
-    old, adv, ref, entropy = torch.randn(2, 5) * 0.4, torch.randn(2, 5), torch.randn(2, 5) * 0.4, torch.rand(2, 5)
-    value, _ = loss.policy_loss(logp, old, adv, torch.ones(2, 5), 10, ref_logp=ref, entropy=entropy, n_seqs=2, **kw)
-    return value.detach(), *torch.autograd.grad(value, logp)
+    z = torch.zeros(2, 5)
+    return loss.policy_loss(z, z, z, torch.ones(2, 5), 10, **kw)
 
 
-@pytest.mark.parametrize("old, new, how", RENAMED, ids=[old for old, _, _ in RENAMED])
-def test_every_rename_holds(old, new, how):
-    """An alias gives its successor (an old keyword: the settings it names) with one DeprecationWarning naming it, and
-    none the second time; a name that moved into the harness is there, and gone from the paper's file."""
-    if how.startswith("moved"):
+@pytest.mark.parametrize("old, new, since", RENAMED, ids=[old for old, _, _ in RENAMED])
+def test_every_rename_holds(old, new, since):
+    """What replaced a name works (a keyword: the settings it names are built), and the old name is gone: an
+    AttributeError naming it, an old keyword a TypeError naming it (`surrogate="ppo"`, a value, a ValueError)."""
+    assert re.fullmatch(r"20\d\d-\d\d-\d\d", since), since
+    replaced = call_parts(new)
+    if replaced is None:
         assert resolve(new) is not None
-        with pytest.raises(AttributeError):
-            resolve(old)
-        return
-    assert how.startswith("alias"), how
-    module = importlib.import_module(old.split(".")[0])
-    module._warned.clear()                                   # once per process: this test starts afresh
+    else:
+        settings_cls, settings_kw = replaced
+        settings_cls(**settings_kw)
     called = call_parts(old)
     if called is None:                                        # a name
-        get = lambda: resolve(old)                            # noqa: E731
-        value, said = deprecations(get)
-        assert value == resolve(new)
-        assert len(said) == 1 and new in said[0], said
-    else:                                                     # a keyword: the settings it names
-        function, keywords = called
-        settings_cls, settings_kw = call_parts(new)
-        if function is settings_cls:
-            get = lambda: function(**keywords)                # noqa: E731
-            value, said = deprecations(get)
-            assert value == settings_cls(**settings_kw)
+        with pytest.raises(AttributeError, match=f"'{old.rsplit('.', 1)[1]}'"):
+            resolve(old)
+        return
+    function, keywords = called                               # a keyword
+    import loss
+    with pytest.raises((TypeError, ValueError)) as raised:
+        if function is loss.policy_loss:
+            policy_loss_with(**keywords)
         else:
-            get = lambda: loss_and_gradient(**keywords)       # noqa: E731
-            value, said = deprecations(get)
-            want = loss_and_gradient(settings=settings_cls(**settings_kw))
-            assert all(torch.equal(a, b) for a, b in zip(value, want))
-        assert len(said) == 1 and all(key in said[0] for key in settings_kw), said
-    assert deprecations(get)[1] == []
+            function(**keywords)
+    if raised.type is ValueError:
+        assert all(repr(v) in str(raised.value) for v in keywords.values()), raised.value
+    else:
+        assert any(f"'{key}'" in str(raised.value) for key in keywords), raised.value
 
 
-def test_the_old_parse_tool_call_still_parses():
+def test_an_old_name_is_gone():
+    """The aliases went on 2026-12-07: an old name is Python's plain AttributeError, with no warning and no value."""
+    import loss
+    import reward
+    import rollout
     import tools
-    tools._warned.discard("parse_tool_call")
-    call, said = deprecations(lambda: tools.parse_tool_call("<think> x </think> <search> capital of France </search>"))
-    assert call == tools.ToolCall("search", "capital of France")
-    assert said == ["tools.parse_tool_call is now tools.TAGS.parse"]
-    assert isinstance(tools.parse_tool_call("<python> print(1) </python>"), tools.ToolCall)
+    import train
+    for module, name in [(tools, "parse_tool_call"), (rollout, "finish_reason"), (reward, "TOOL_TAGS"),
+                         (train, "split_micro_batches")]:
+        with pytest.raises(AttributeError, match=f"has no attribute '{name}'"):
+            getattr(module, name)
+    for module in (tools, rollout, reward, train, loss):
+        assert not hasattr(module, "__getattr__") and not hasattr(module, "_warned"), module.__name__
 
 
 # ---------------------------------------------------------------------------------------------------------------------

@@ -1,5 +1,5 @@
-"""The documents stay true to the code: the reference's flag and --set key tables are the Config and EvalConfig
-dataclasses (names, defaults, meanings) and --help, the flag counts the documents state are --help's, every metric
+"""The documents stay true to the code: the reference's flag tables are the Config and EvalConfig dataclasses (names,
+defaults, meanings) and --help's groups, the flag counts the documents state are --help's, every metric
 train.py logs has a row in its metrics table, every `file.py:name` the documents cite resolves to a function or class
 in that file, every § citation in the code and documents resolves to a heading of docs/algorithm.md (or names another
 paper's section), every deviation is cited by a D<n> that exists, the paper's files open with the paper and their
@@ -28,16 +28,20 @@ MODULES = sorted([*ROOT.glob("*.py"), *(p for p in ROOT.glob("harness/**/*.py") 
 PAPER_FILES = {"rollout.py", "loss.py", "advantage.py", "reward.py", "tools.py", "train.py", "eval.py"}
 
 
-def flag_rows(section: str, dashes: str = "--") -> dict[str, tuple[str, str, str]]:
-    """{flag: (default, valid values, meaning)} of the tables under the reference's heading `section`; dashes="":
-    the rows of its `--set` keys' table instead."""
+def flag_tables(section: str) -> list[tuple[str, dict[str, tuple[str, str, str]]]]:
+    """The tables under the reference's heading `section`, each as (its bold title, {flag: (default, valid values,
+    meaning)}), in order."""
     text = REFERENCE.split(section, 1)[1].split("\n## ", 1)[0]
-    rows = {}
-    for line in text.splitlines():
-        m = re.fullmatch(rf"\| `{dashes}(\w+)` \| `(.*?)` \| (.*?) \| (.*) \|", line)
-        if m:
-            rows[m.group(1)] = (m.group(2), m.group(3), m.group(4))
-    return rows
+    parts = re.split(r"^\*\*(.+?)\*\*$", text, flags=re.M)
+    tables = []
+    for title, body in zip(parts[1::2], parts[2::2]):
+        rows = {}
+        for line in body.splitlines():
+            m = re.fullmatch(r"\| `--(\w+)` \| `(.*?)` \| (.*?) \| (.*) \|", line)
+            if m:
+                rows[m.group(1)] = (m.group(2), m.group(3), m.group(4))
+        tables.append((title, rows))
+    return tables
 
 
 def help_flags(cls) -> list[str]:
@@ -48,36 +52,40 @@ def help_flags(cls) -> list[str]:
 @pytest.mark.parametrize("section, cls", [("## `train.py` flags", config.Config),
                                           ("## `eval.py` flags", evaluation.EvalConfig)], ids=["train", "eval"])
 def test_flag_tables_are_the_configs(section, cls):
-    """The flag tables name the flags --help lists, the `--set` keys' table every other setting (the expert ones,
-    which --set's help names); every row has its field's default, valid values and meaning."""
-    flags, keys = flag_rows(section), flag_rows(section, dashes="")
+    """One table per group of --help, titled as the group, its rows the group's flags in --help's order; together
+    every field of the dataclass, each row with its field's default, valid values and meaning."""
+    tables = flag_tables(section)
+    groups = config.help_groups(cls)
+    assert [title for title, _ in tables] == [title for title, _ in groups]
+    assert [list(rows) for _, rows in tables] == [[f.name for f in fields] for _, fields in groups]
+    flags = {name: row for _, rows in tables for name, row in rows.items()}
+    assert help_flags(cls) == ["config", "set", *flags]                        # the tables in --help's order
     fields = {f.name: f for f in dataclasses.fields(cls)}
-    assert help_flags(cls) == ["config", *flags, "set"]                        # the tables in --help's order
-    assert list(keys) == config.expert_keys(cls) and set(fields) == set(flags) | set(keys)
-    set_help = " ".join(config.build_parser(cls).format_help().split("--set KEY=VALUE")[-1].split())
-    assert set_help.endswith(": " + ", ".join(keys)), set_help
+    assert list(flags) == [f.name for _, group in groups for f in group] and set(flags) == set(fields)
     defaults = cls()
-    for name, (default, valid, meaning) in {**flags, **keys}.items():
+    for name, (default, valid, meaning) in flags.items():
         assert default == repr(getattr(defaults, name)), name
         assert valid == (fields[name].metadata.get("valid", "").replace("|", "/") or "—"), name
         assert meaning == fields[name].metadata["help"].replace("|", "/"), name
 
 
 def test_the_flag_counts_the_documents_state_are_the_help():
-    """Where a document says how many flags and --set keys a command has, the numbers are its --help's."""
+    """Where a document says how many flags a command has (and how many of them --help's last group, the rarely
+    changed settings, holds), the numbers are its --help's."""
     counts = {"train.py": config.Config, "eval.py": evaluation.EvalConfig}
     said = []
     for path in [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md")), ROOT / "tests" / "README.md",
                  ROOT / "bench" / "README.md"]:
         text = " ".join(path.read_text(encoding="utf-8").split())
-        for script, flags, lines, keys in re.findall(r"python (\w+\.py) --help` lists the (\d+) flags \((\d+) lines "
-                                                     r"with `--config` and `--set`\) and the (\d+)", text):
+        for script, flags, lines, rare in re.findall(r"python (\w+\.py) --help` lists the (\d+) flags \((\d+) lines "
+                                                     r"with `--config` and `--set`\), (\d+) of them in its last group",
+                                                     text):
             listed, expert = help_flags(counts[script]), config.expert_keys(counts[script])
             said.append(script)
-            assert (int(flags), int(lines), int(keys)) == (len(listed) - 2, len(listed), len(expert)), \
-                f"{path.relative_to(ROOT)} says {script} has {flags} flags ({lines} lines) and {keys} --set keys; " \
-                f"its --help has {len(listed) - 2} ({len(listed)}) and {len(expert)}"
-    assert sorted(said) == ["eval.py", "train.py"]
+            assert (int(flags), int(lines), int(rare)) == (len(listed) - 2, len(listed), len(expert)), \
+                f"{path.relative_to(ROOT)} says {script} has {flags} flags ({lines} lines), {rare} rarely changed; " \
+                f"its --help has {len(listed) - 2} ({len(listed)}), {len(expert)}"
+    assert sorted(set(said)) == ["eval.py", "train.py"]
 
 
 def test_the_readme_hyperparameter_table_is_the_first_flag_group():
@@ -89,7 +97,7 @@ def test_the_readme_hyperparameter_table_is_the_first_flag_group():
     first_group = [f.name for f in fields[:second]]
     assert fields[0].metadata["group"].startswith("the paper's") and sorted(in_table) == sorted(first_group)
     help_text = config.build_parser().format_help().split("\noptions:", 1)[1]          # past the usage block
-    later = [f for f in fields[second:] if not f.metadata.get("expert")]                  # --set keys have no line
+    later = fields[second:]
     assert help_text.index(fields[0].metadata["group"]) < min(help_text.index(f"--{f.name} ") for f in later)
 
 

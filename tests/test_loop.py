@@ -104,8 +104,8 @@ def batch_with_advantages(tokenizer, cfg):
     assert adv.tolist() == pytest.approx([2 ** -0.5, -2 ** -0.5, -2 ** -0.5, 2 ** -0.5], rel=1e-5)
     batches = train.micro_batches(trajectories, train.outcome_advantages(trajectories, rewards, cfg, 0), rewards, 1,
                                   cfg, 0, "cpu")
-    train.old_policy_pass(policy, None, batches, cfg, contextlib.nullcontext)
-    return policy, batches, adv
+    olds, _, _ = train.old_policy_pass(policy, None, batches, cfg, contextlib.nullcontext)
+    return policy, batches, olds, adv
 
 
 def sequence_logprobs(policy, mb) -> torch.Tensor:
@@ -121,10 +121,10 @@ def test_one_step_raises_positive_and_lowers_negative_trajectories(tokenizer):
     the log-probability of each positive-advantage trajectory rises, of each negative one falls (by 0.56-0.82 nats
     here), measured with the plain model's full softmax."""
     cfg = config.Config(micro_batch_size=4, entropy_advantage=False, lr=1e-3)
-    policy, batches, adv = batch_with_advantages(tokenizer, cfg)
+    policy, batches, olds, adv = batch_with_advantages(tokenizer, cfg)
     before = sequence_logprobs(policy, batches[0][0])
     optimizer = torch.optim.AdamW(policy.parameters(), lr=cfg.lr, weight_decay=cfg.weight_decay)
-    train.accumulate_gradients(policy, batches[0], cfg, 1, contextlib.nullcontext, "test")
+    train.accumulate_gradients(policy, batches[0], olds[0], cfg, 1, contextlib.nullcontext, "test")
     policy_mod.optimizer_step(policy, optimizer, cfg.grad_clip)
     change = sequence_logprobs(policy, batches[0][0]) - before
     assert (change[adv > 0] > 0).all() and (change[adv < 0] < 0).all(), change
@@ -135,17 +135,18 @@ def test_sg_clip_keeps_the_gradient_of_tokens_past_the_upper_bound(tokenizer):
     with sg_clip: exactly 1.2 × the gradient of −Σ Ã·log π / N, computed from the model's full softmax; standard
     PPO clipping (sg_clip=False) leaves them none."""
     cfg = config.Config(micro_batch_size=4, entropy_advantage=False)
-    policy, batches, adv = batch_with_advantages(tokenizer, cfg)
+    policy, batches, olds, adv = batch_with_advantages(tokenizer, cfg)
     mb = batches[0][0]
     positive = (adv > 0).float()[:, None] * mb.mask
-    mb.mask = positive                                         # keep only the positive trajectories' tokens
-    mb.adv_tok = mb.adv_tok * positive
-    mb.old_logp = mb.old_logp - 1.0 * positive               # r = e > 1 + ε_h at every kept token
+    mb = dataclasses.replace(mb, mask=positive)                # keep only the positive trajectories' tokens
+    old = olds[0][0]
+    old = dataclasses.replace(old, adv_tilde=old.adv_tilde * positive,
+                              old_logp=old.old_logp - 1.0 * positive)   # r = e > 1 + ε_h at every kept token
     n_valid = positive.sum()
     grads = {}
     for sg_clip in (True, False):
         policy.zero_grad(set_to_none=True)
-        metrics = train.accumulate_gradients(policy, [mb], config.Config(sg_clip=sg_clip), 1,
+        metrics = train.accumulate_gradients(policy, [mb], [old], config.Config(sg_clip=sg_clip), 1,
                                              contextlib.nullcontext, "test")
         assert metrics["clip_hi"] == n_valid.item()
         grads[sg_clip] = {name: (p.grad if p.grad is not None else torch.zeros_like(p)).clone()
@@ -153,7 +154,7 @@ def test_sg_clip_keeps_the_gradient_of_tokens_past_the_upper_bound(tokenizer):
     policy.zero_grad(set_to_none=True)
     logits = policy.lm(input_ids=mb.input_ids, attention_mask=mb.attention_mask).logits[:, :-1].float()
     logp = torch.log_softmax(logits, -1).gather(-1, mb.input_ids[:, 1:, None]).squeeze(-1)
-    (-(1.2 * mb.adv_tok * logp * positive).sum() / n_valid).backward()
+    (-(1.2 * old.adv_tilde * logp * positive).sum() / n_valid).backward()
     for name, p in policy.named_parameters():
         assert torch.count_nonzero(grads[False][name]) == 0, name
         torch.testing.assert_close(grads[True][name], p.grad, atol=1e-6, rtol=1e-4, msg=name)
@@ -234,10 +235,10 @@ def test_gradient_checkpointing_gives_the_same_gradient(tokenizer, tmp_path):
         calls = []
         policy.lm.model.layers[0].mlp.register_forward_pre_hook(lambda module, args, calls=calls: calls.append(1))
         batches = train.micro_batches(trajectories, adv, rewards, 1, cfg, 0, "cpu")
-        train.old_policy_pass(policy, None, batches, cfg, contextlib.nullcontext)
+        olds, _, _ = train.old_policy_pass(policy, None, batches, cfg, contextlib.nullcontext)
         calls.clear()
         policy.lm.train()
-        train.accumulate_gradients(policy, batches[0], cfg, 1, contextlib.nullcontext, "test")
+        train.accumulate_gradients(policy, batches[0], olds[0], cfg, 1, contextlib.nullcontext, "test")
         recomputed.append(len(calls))
         grads.append({name: p.grad.clone() for name, p in policy.named_parameters()})
     assert recomputed == [2, 4]                                   # 2 micro-batches; twice each when recomputing

@@ -336,54 +336,15 @@ def test_sg_clip_is_a_boolean_setting_of_both_sg_surrogates():
         L.LossSettings(sg_clipp=False)
 
 
-def _deprecations(call) -> list[str]:
-    import warnings
-    with warnings.catch_warnings(record=True) as caught:
-        warnings.simplefilter("always")
-        out = call()
-    return out, [str(w.message) for w in caught if issubclass(w.category, DeprecationWarning)]
-
-
-def test_surrogate_ppo_is_aepo_without_sg_clip_warned_once():
-    L._warned.discard("LossSettings(surrogate='ppo')")                  # once per process: start this test afresh
-    settings, said = _deprecations(lambda: L.LossSettings("ppo", eps_high=0.28))
-    assert settings == L.LossSettings(sg_clip=False, eps_high=0.28)
-    assert said == ["loss.LossSettings(surrogate='ppo') is now loss.LossSettings(sg_clip=False)"]
-    assert _deprecations(lambda: L.LossSettings("ppo"))[1] == []       # the second time says nothing
-
-
-@pytest.mark.parametrize("old, settings", [
-    (dict(sg_clip=False), L.LossSettings(sg_clip=False)),
-    (dict(eps_low=0.1, eps_high=0.28, clip_c=2.0), L.LossSettings(eps_low=0.1, eps_high=0.28, clip_c=2.0)),
-    (dict(sg_clip_low=True), L.LossSettings("gppo")),
-    (dict(cispo=True, sg_clip_low=True), L.LossSettings("cispo")),                # cispo won, as it did
-    (dict(kl_coef=0.1, entropy_coeff=0.01, loss_agg="seq-mean-token-sum-norm", max_len=8),
-     L.LossSettings(kl_coef=0.1, entropy_coef=0.01, loss_agg="seq-mean-token-sum-norm", max_len=8)),
-])
-def test_old_policy_loss_keywords_set_the_settings_warned_once(old, settings):
-    """policy_loss's keywords before LossSettings give the loss and gradient of the settings they name, each with one
-    DeprecationWarning naming LossSettings; a second call warns no more."""
-    torch.manual_seed(11)
-    logp0, old_logp, adv = torch.randn(2, 6) * 0.4, torch.randn(2, 6) * 0.4, torch.randn(2, 6)
-    mask, ref, entropy = (torch.rand(2, 6) > 0.3).float(), torch.randn(2, 6) * 0.4, torch.rand(2, 6)
-    for name in old:
-        L._warned.discard(f"policy_loss({name}=)")                     # once per process: start this test afresh
-
-    def loss_and_gradient(**kw):
-        logp = logp0.clone().requires_grad_()
-        value, _ = L.policy_loss(logp, old_logp, adv, mask, mask.sum(), ref_logp=ref, entropy=entropy, n_seqs=2, **kw)
-        return value, *torch.autograd.grad(value, logp)
-    want = loss_and_gradient(settings=settings)
-    got, said = _deprecations(lambda: loss_and_gradient(**old))
-    assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
-    assert len(said) == len(old) and all("is now loss.policy_loss(settings=LossSettings(" in m for m in said)
-    assert _deprecations(lambda: loss_and_gradient(**old))[1] == []
-
-
-def test_an_unknown_policy_loss_keyword_is_a_type_error_listing_the_valid_ones():
+def test_an_old_keyword_or_an_unknown_one_is_a_type_error_naming_it():
+    """policy_loss's keywords before LossSettings are gone (docs/reference.md: the renames), like any unknown one;
+    LossSettings(surrogate="ppo") is a ValueError (sg_clip=False is PPO's clip)."""
     z = torch.zeros(1, 2)
-    with pytest.raises(TypeError, match=r"unknown keyword\(s\) sg_clipp; its keywords are ref_logp, .*sg_clip"):
-        L.policy_loss(z, z, z, torch.ones(1, 2), 2, sg_clipp=False)
+    for keyword in ("sg_clipp", "sg_clip", "cispo", "entropy_coeff"):
+        with pytest.raises(TypeError, match=f"unexpected keyword argument '{keyword}'"):
+            L.policy_loss(z, z, z, torch.ones(1, 2), 2, **{keyword: 1})
+    with pytest.raises(ValueError, match="surrogate must be one of aepo, gppo, cispo; got 'ppo'"):
+        L.LossSettings("ppo")
 
 
 def test_one_advantage_per_sequence_is_broadcast_over_its_tokens():

@@ -1,6 +1,7 @@
 """Your own agent (D45): tools as plug-ins, the hermes tool-call format, your own reward; AEPO's rollout unchanged.
 The MCP servers' side is tests/test_mcp.py."""
 import json
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -73,17 +74,35 @@ def test_the_default_tools_keep_the_papers_prompt_stops_and_errors():
     runner.close()
 
 
+class ArithmeticCalls(ScriptedGenerator):
+    """ScriptedGenerator's script with calls the calculator can evaluate (`0 + 57` where it writes `q0 57`): no call
+    becomes an `Error:` observation, after which no branching decision is taken (D11)."""
+
+    def segment(self, context, limit, seed):
+        seg = super().segment(context, limit, seed)
+        text = re.sub(r"> q(\d+) (\d+) <", r"> \1 + \2 <", seg.text)
+        return rollout.Segment(TOK.encode(text), seg.finish_reason, seg.h_seg, text)
+
+
+class Pages:
+    """A search backend with a page for every query."""
+
+    def search(self, queries):
+        return [f"a page about {q}" for q in queries]
+
+
 def test_aepo_branches_after_any_tool_as_after_search():
     """The pre-monitor and branching read only segment entropies and tool-call boundaries: the same script calling
     a calculator instead of search gives the same tree (m, parents, forks, l) for the same seed."""
     shapes = []
     for name in ("search", "calculate"):
-        runner = tools.Tools(None, tools=[Calculator()]) if name == "calculate" else tools.Tools(None)
-        gen = ScriptedGenerator(n_tools=2, entropy=lambda step: 0.5 + step, tool=name)
+        runner = tools.Tools(None, tools=[Calculator()]) if name == "calculate" else tools.Tools(Pages())
+        gen = ArithmeticCalls(n_tools=2, entropy=lambda step: 0.5 + step, tool=name)
         trajectories, stats = rollout.tree_rollout(prompts(3), gen, runner, TOK, k=6, max_response_tokens=400,
                                                    seed=3)
         shapes.append([(t.group_id, t.parent, t.fork_offset - 0, t.l, t.kind) for t in trajectories])
         assert stats["branches"] > 0 and stats[f"tools/{name}/calls"] > 0
+        assert not any(o.startswith("Error:") for t in trajectories for o in t.observations)
         runner.close()
     assert [s[:2] + s[3:] for s in shapes[0]] == [s[:2] + s[3:] for s in shapes[1]]
 

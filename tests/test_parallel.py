@@ -50,12 +50,13 @@ def _load_worker(rank, world, model_dir, out):
         policy = policy_mod.load_policy(model_dir, world, torch.device("cpu"), "fsdp", rank=rank)
         local = {name: p.to_local().numel() for name, p in policy.named_parameters()}
         full = {name: t.clone() for name, t in policy_mod.full_named_parameters(policy)}
+        half = {name: t.clone() for name, t in policy_mod.full_named_parameters(policy, torch.bfloat16)}   # vLLM's
         buffers = {name: b.clone() for name, b in policy.lm.named_buffers()}
         plain = forward_backward(policy)
         recomputed = forward_backward(policy_mod.load_policy(model_dir, world, torch.device("cpu"), "fsdp", rank=rank,
                                                              gradient_checkpointing=True))
-        torch.save({"local": local, "full": full, "buffers": buffers, "plain": plain, "recomputed": recomputed},
-                   f"{out}.{rank}")
+        torch.save({"local": local, "full": full, "half": half, "buffers": buffers, "plain": plain,
+                    "recomputed": recomputed}, f"{out}.{rank}")
         torch.distributed.barrier()
     finally:
         torch.distributed.destroy_process_group()
@@ -63,7 +64,8 @@ def _load_worker(rank, world, model_dir, out):
 
 def test_fsdp_loading_equals_the_checkpoint(tokenizer, tmp_path):
     """A bf16 checkpoint, loaded sharded on 2 ranks: float32 parameters equal to the checkpoint's, each rank holding
-    half of each parameter, rotary buffers as a plain load computes them. Loaded with gradient_checkpointing=True
+    half of each parameter, rotary buffers as a plain load computes them; gathered in bfloat16 (a sync to vLLM: each
+    shard cast, then the bf16 all-gather over gloo), the checkpoint's values. Loaded with gradient_checkpointing=True
     the sharded model reports activation checkpointing and really recomputes both decoder layers in backward
     (4 MLP forwards instead of 2), with the same gradient."""
     from transformers import AutoModelForCausalLM
@@ -82,8 +84,9 @@ def test_fsdp_loading_equals_the_checkpoint(tokenizer, tmp_path):
             torch.testing.assert_close(recomputed["grads"][name], g, atol=1e-6, rtol=1e-5, msg=name)
         assert set(got["full"]) == set(ref_params)
         for name, p in ref_params.items():
-            assert got["full"][name].dtype == torch.float32
+            assert got["full"][name].dtype == torch.float32 and got["half"][name].dtype == torch.bfloat16
             torch.testing.assert_close(got["full"][name], p.detach(), atol=0, rtol=0, msg=name)
+            torch.testing.assert_close(got["half"][name], p.detach().to(torch.bfloat16), atol=0, rtol=0, msg=name)
             rows = -(-p.shape[0] // 2) if rank == 0 else p.shape[0] // 2           # dim 0 split, rank 0 first
             assert got["local"][f"lm.{name}"] == rows * p[0].numel(), name
         for name, b in ref.named_buffers():
@@ -316,8 +319,8 @@ def reinforce_pp_advantages(tokenizer, rank=0, world=1):
     mine, mine_rewards = trajectories[rank * per:(rank + 1) * per], rewards[rank * per:(rank + 1) * per]
     batches = train.micro_batches(mine, train.outcome_advantages(mine, mine_rewards, cfg, 0), mine_rewards, 1, cfg, 0,
                                   "cpu")
-    train.old_policy_pass(policy, None, batches, cfg, contextlib.nullcontext)
-    flat = [(mb.adv_tok[i], mb.mask[i]) for mb in batches[0] for i in range(len(mb.mask))]
+    olds, _, _ = train.old_policy_pass(policy, None, batches, cfg, contextlib.nullcontext)
+    flat = [(old.adv_tilde[i], mb.mask[i]) for mb, old in zip(batches[0], olds[0]) for i in range(len(mb.mask))]
     return [(t.group_id, t.traj_id, adv[mask.bool()].tolist()) for t, (adv, mask) in zip(mine, flat)]
 
 

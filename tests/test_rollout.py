@@ -441,7 +441,7 @@ def test_a_trajectory_past_its_deadline_ends_truncated():
     its 20 tool calls to the end."""
     gen = SlowGenerator(0.15, n_tools=20, entropy=lambda s: 1.0)
     trajs, stats = tree_rollout(prompts(1), gen, EchoTools(), TOK, k=2, seed=0, entropy_branching=False,
-                                max_tool_calls=20, max_response_tokens=100_000, deadline_s=1.0)
+                                max_tool_calls=20, max_response_tokens=100_000, trajectory_deadline_s=1.0)
     assert all(t.finish_reason == "deadline" and t.truncated for t in trajs)
     assert stats["deadline_hits"] == 2 and 2 <= stats["rounds"] <= 5 and all(len(t.tool_calls) < 20 for t in trajs)
     trajs, stats = tree_rollout(prompts(1), ScriptedGenerator(n_tools=20), EchoTools(), TOK, k=2, seed=0,
@@ -484,7 +484,7 @@ def test_trees_at_their_own_pace_equal_the_lockstep_trees(seed):
             return decoding
         gen.start = start
         trajs, stats = tree_rollout(prompts(4), gen, Delayed(EchoTools(), seed), TOK, k=6, seed=seed, gamma=0.8,
-                                    lockstep=lockstep)
+                                    lockstep_rollout=lockstep)
         return tree_record(trajs, stats), steps
     together, lockstep_steps = rollout_with(True)
     alone, async_steps = rollout_with(False)
@@ -543,7 +543,7 @@ def test_a_tree_waiting_on_a_slow_tool_does_not_hold_the_others():
             if finished >= total - 2:
                 others_done.set()
         trajs, _ = tree_rollout(prompts(4), gen, GatedTools(log, others_done, wait_s=5.0), TOK, k=2, seed=0,
-                                entropy_branching=False, lockstep=lockstep, progress=progress)
+                                entropy_branching=False, lockstep_rollout=lockstep, progress=progress)
         assert all(t.finished and t.finish_reason == "answer" for t in trajs)
         sent = log.index(("slow call", "sent"))
         back = next(i for i, event in enumerate(log) if event[0] == "slow call" and i > sent)
@@ -557,8 +557,9 @@ def test_a_tree_waiting_on_a_slow_tool_does_not_hold_the_others():
 
 
 class Flaky(tools.Tool):
-    """A tool whose call `q0 …` raises, `q1 …` outlasts its 0.2 s timeout, and every other call answers."""
-    name, timeout_s = "flaky", 0.2
+    """A tool whose call `q0 …` raises, `q1 …` outlasts its 1 s timeout, and every other call answers (well within
+    it, also on a loaded machine: 0.2 s was met by an answering call there)."""
+    name, timeout_s = "flaky", 1.0
     parameters = {"type": "object", "properties": {"x": {"type": "string"}}, "required": ["x"]}
 
     def run(self, calls):
@@ -566,7 +567,7 @@ class Flaky(tools.Tool):
         if calls[0]["x"].startswith("q0"):
             raise RuntimeError("the backend is down")
         if calls[0]["x"].startswith("q1"):
-            time.sleep(0.6)
+            time.sleep(3.0)
         return [f"ok {c['x']}" for c in calls]
 
 
@@ -578,7 +579,7 @@ def test_failed_and_timed_out_calls_read_the_same_in_both_schedules():
         runner = tools.Tools(None, tools=[Flaky()])
         try:
             trajs, stats = tree_rollout(prompts(3), ScriptedGenerator(n_tools=3, tool="flaky"), runner, TOK, k=2,
-                                        seed=4, entropy_branching=False, lockstep=lockstep)
+                                        seed=4, entropy_branching=False, lockstep_rollout=lockstep)
         finally:
             runner.close()
         assert all(t.finished for t in trajs) and stats["tools/flaky/errors"] == stats["tools/flaky/calls"] - 6
@@ -586,7 +587,42 @@ def test_failed_and_timed_out_calls_read_the_same_in_both_schedules():
     assert texts[0] == texts[1]
     first = texts[0][0]
     assert first[0] == "Error: flaky failed: RuntimeError: the backend is down"
-    assert first[1] == "Error: flaky timed out after 0.2 s" and first[2].startswith("ok q2")
+    assert first[1] == "Error: flaky timed out after 1 s" and first[2].startswith("ok q2")
+
+
+class FirstCallFails(EchoTools):
+    """A trajectory's first call (`q0 …`) fails: an `Error:` observation. A malformed call, the tool-limit notice
+    among them, reads `notice: …` here, so that only its place past max_tool_calls marks the notice."""
+
+    def run(self, calls):
+        observations = []
+        for call in calls:
+            if isinstance(call, tools.ToolError):
+                observations.append(f"notice: {call.message}")
+            elif call.argument.startswith("q0 "):
+                observations.append("Error: search failed: the backend is down")
+            else:
+                observations.append(f"doc about {call.argument}")
+        return observations, {"search/calls": len(calls)}
+
+
+@pytest.mark.parametrize("lockstep", [True, False], ids=["lockstep", "own pace"])
+def test_no_branching_decision_after_an_error_or_the_tool_limit_notice(lockstep):
+    """D10, D11: no branching decision follows an `Error:` observation or the tool-limit notice, at a round's end and
+    in the pre-monitor's deferred decisions, in either schedule (the authors' code takes none there). Each chain
+    calls 4 times with max_tool_calls = 2: call 0 fails, call 1 is answered, calls 2 and 3 get the notice; with γ = 5
+    and ΔH = step every decision at steps 1-3 would branch, and a branch at step 0 or 2 or 3 would be seen. Only
+    step 1 is a branch point: every branch forks after an answered call."""
+    gen = ScriptedGenerator(n_tools=4, entropy=lambda step: 1.0 + step)
+    trajs, stats = tree_rollout(prompts(2), gen, FirstCallFails(), TOK, k=8, seed=0, gamma=5.0, max_tool_calls=2,
+                                lockstep_rollout=lockstep)
+    by_id = {(t.group_id, t.traj_id): t for t in trajs}
+    fork_steps = []
+    for branch in [t for t in trajs if t.parent is not None]:
+        parent = by_id[(branch.group_id, branch.parent)]
+        fork_steps.append(parent.result_ends.index(branch.fork_offset))
+    assert len(trajs) == 16 and stats["tool_limit_hits"] > 0
+    assert fork_steps and set(fork_steps) == {1}, fork_steps
 
 
 def test_the_watchdog_names_a_stuck_call_while_other_trees_run():

@@ -1,5 +1,7 @@
 """The rollout on real token ids: a tiny random transformers model with the real tokenizer and the
 real local tools (the vLLM backend: tests/test_vllm.py)."""
+import dataclasses
+
 import pytest
 import torch
 
@@ -216,6 +218,38 @@ def test_a_single_context_samples_what_model_generate_does(tokenizer, sampling):
     assert seg.token_ids == ref[:len(seg.token_ids)] and len(seg.token_ids) >= min(len(ref), 24) - 1
 
 
+def test_the_repetition_penalty_reads_each_rows_own_tokens(tokenizer):
+    """eval.py --protocol official's sampling (penalty 1.1) on rows of different lengths decoded together
+    (left-padded): each row samples what it samples alone, so another row's padding is none of its tokens, and the
+    penalty changed the samples. On transformers < 5.20 (vLLM 0.32's environment) transformers' processor refused the
+    per-row padding, so the generator applies the penalty itself (`repetition_penalty`): transformers' rule on the
+    row's own tokens."""
+    from transformers import RepetitionPenaltyLogitsProcessor
+    from harness.generation.transformers import repetition_penalty
+    model = make_tiny_model(tokenizer, seed=2)
+    with torch.no_grad():
+        model.model.embed_tokens.weight.mul_(0.3)           # tied head, flatter: the penalty moves the top-20
+    gen = TransformersGenerator(model, tokenizer, stop_strings=("</nothing>",))
+    official = Sampling(temperature=0.6, top_p=0.95, top_k=20, repetition_penalty=1.1)
+    contexts = [as_ids(chat_prompt(tokenizer, q)) for q in ("a?", "a much longer question than the other one?")]
+
+    def sample(rows, sampling=official):                # each context with its own request seed
+        decoding, done = gen.start(sampling), {}
+        requests = [decoding.add(contexts[i], 16, seed=100 + i) for i in rows]
+        while len(done) < len(requests):
+            done.update(decoding.step())
+        return [done[r].token_ids for r in requests]
+    together = sample([0, 1])
+    assert together == sample([0]) + sample([1])
+    assert together != sample([0, 1], dataclasses.replace(official, repetition_penalty=1.0))
+    scores = torch.randn(1, 12)
+    padded = torch.tensor([[0, 0, 5, 9], [3, 5, 9, 5]])
+    got = repetition_penalty(padded, scores.repeat(2, 1), 1.1, torch.tensor([2, 0]))
+    for row, own in enumerate((padded[:1, 2:], padded[1:])):
+        torch.testing.assert_close(got[row], RepetitionPenaltyLogitsProcessor(1.1)(own, scores.clone())[0], rtol=0,
+                                   atol=0)
+
+
 def test_rows_ending_at_once_or_never_starting(tokenizer, tiny_model):
     """Budgets of 0 give empty segments (all of them, or some beside others); rows leaving at different steps keep
     each one's tokens its own: greedy, every row decodes what it decodes alone."""
@@ -268,7 +302,7 @@ def test_trees_at_their_own_pace_on_a_real_model(tokenizer, tiny_model, real_too
     for lockstep in (True, False):
         gen = FirstCall(TransformersGenerator(tiny_model, tokenizer, batch_size=4), tokenizer, [prompt])
         trajs, stats = tree_rollout([prompt, prompt], gen, Delayed(real_tools, seed=3, most_s=0.05), tokenizer, k=4, gamma=5.0,
-                                    max_response_tokens=160, seed=2, lockstep=lockstep)
+                                    max_response_tokens=160, seed=2, lockstep_rollout=lockstep)
         shapes.append([(t.group_id, t.traj_id, t.parent, t.fork_offset, t.round, t.kind, t.response_ids, t.loss_mask)
                        for t in trajs])
         assert stats["branches"] > 0 and stats["tools/search/calls"] >= 2

@@ -13,7 +13,6 @@ sandbox that does not hold, that would end every process of the user, the test r
 import ast
 import ctypes
 import errno
-import functools
 import os
 import re
 import resource
@@ -35,7 +34,6 @@ from harness import sandbox, settings
 from harness.sandbox import budget, cgroups, cleanup
 import tools
 
-run_with_status = functools.partial(tools.run_python, status=True)   # (observation, status)
 
 ROOT = Path(__file__).resolve().parents[1]
 LAYERS = sandbox.isolation()
@@ -444,21 +442,21 @@ def test_cannot_open_a_vsock_socket_or_io_uring(monkeypatch, layer):
 # Limits, and what the program leaves behind
 # ---------------------------------------------------------------------------------------------------------------
 def test_memory_limit():
-    out, status = run_with_status("a = []\nwhile True:\n    a.append(bytearray(50 << 20))", memory_mb=256)
+    out, status = tools.run_python_status("a = []\nwhile True:\n    a.append(bytearray(50 << 20))", memory_mb=256)
     assert status == "error" and "MemoryError" in out
 
 
 def test_file_size_limit_and_cleanup():
     code = ("import os\nprint(os.getcwd(), flush=True)\n"
             "with open('big.bin', 'wb') as f:\n    f.write(b'x' * (50 << 20))")
-    out, status = run_with_status(code, file_size_mb=1)
+    out, status = tools.run_python_status(code, file_size_mb=1)
     assert status == "error" and "File too large" in out
     workdir = Path(out.splitlines()[0])
     assert workdir.name == "work" and not workdir.exists()  # its own temporary directory, removed afterwards
 
 
 def test_cpu_limit():
-    out, status = run_with_status("while True:\n    pass", timeout_s=120.0, cpu_s=1)  # the timeout only guards
+    out, status = tools.run_python_status("while True:\n    pass", timeout_s=120.0, cpu_s=1)  # the timeout only guards
     assert status == "error" and out.endswith("Error: killed by SIGXCPU (CPU time limit)")
 
 
@@ -469,7 +467,7 @@ def test_cpu_limit_cannot_be_raised_and_ends_a_program_that_catches_sigxcpu():
     assert tools.run_python(code, cpu_s=3) == "(3, 4)\nraise: blocked not allowed to raise maximum limit"
     catcher = ("import signal\nsignal.signal(signal.SIGXCPU, lambda *a: print('caught SIGXCPU', flush=True))\n"
                "while True:\n    pass")
-    out, status = run_with_status(catcher, timeout_s=120.0, cpu_s=1)  # the hard limit, a second later
+    out, status = tools.run_python_status(catcher, timeout_s=120.0, cpu_s=1)  # the hard limit, a second later
     assert out.startswith("caught SIGXCPU") and out.endswith("Error: killed by SIGKILL") and status == "error", out
 
 
@@ -496,7 +494,7 @@ def test_a_call_stopped_by_its_memory_limit_says_so_at_once():
             "    return i\nif __name__ == '__main__':\n    with mp.Pool(6) as pool:\n"
             "        print(pool.map(hold, range(6)))")
     start = time.monotonic()
-    out, status = run_with_status(code, timeout_s=10.0, total_memory_mb=192)
+    out, status = tools.run_python_status(code, timeout_s=10.0, total_memory_mb=192)
     seconds = time.monotonic() - start
     print(f"{seconds:.2f} s: {out!r}")
     assert re.fullmatch(r"Error: the program hit the memory limit \(192 MB for all its processes\): \d+ "
@@ -510,8 +508,8 @@ def test_disk_use_is_bounded_and_another_call_still_starts():
             "            f.write(b'x' * (1 << 20))\n        written += 1\nexcept OSError as e:\n"
             "    print('stopped after', written, 'MiB:', e.strerror)\nelse:\n    print('wrote', written, 'MiB')")
     with ThreadPoolExecutor(2) as pool:  # each file far below the per-file limit (16 MiB), 256 MiB in all
-        filling = pool.submit(run_with_status, fill)
-        other = pool.submit(run_with_status, "print('started')")
+        filling = pool.submit(tools.run_python_status, fill)
+        other = pool.submit(tools.run_python_status, "print('started')")
         out, status = filling.result()
         assert other.result() == ("started", "ok")
     written = re.fullmatch(r"stopped after (\d+) MiB: No space left on device\n"
@@ -576,7 +574,7 @@ def test_cleanup_removes_any_tree_it_leaves(monkeypatch, tmp_path, layer):
     planted = tmp_path / "planted"  # outside the call: links point here, and nothing here may go
     planted.mkdir()
     (planted / "keep.txt").write_text("kept")
-    out, status = run_with_status(TREE.format(planted=str(planted)))
+    out, status = tools.run_python_status(TREE.format(planted=str(planted)))
     workdir, said = out.splitlines()
     assert said == "left it" and status == "ok", out
     assert not Path(workdir).parent.exists()  # the call's whole temporary directory
@@ -623,7 +621,7 @@ def test_a_timeout_while_the_trainer_holds_many_files():
         for _ in range(1_100):
             held.append(os.open(os.devnull, os.O_RDONLY))
         assert max(held) >= 1_024
-        assert run_with_status("import time\ntime.sleep(60)", timeout_s=2.0) == ("Error: timed out after 2 s",
+        assert tools.run_python_status("import time\ntime.sleep(60)", timeout_s=2.0) == ("Error: timed out after 2 s",
                                                                                      "timeout")
     finally:
         for fd in held:
@@ -653,7 +651,7 @@ def test_timeout_kills_everything_it_started():
     # a child in a new session survives the process group's SIGKILL; only the PID namespace ends it
     sessions = (False, True) if AVAILABLE["PID namespace"] else (False,)
     try:
-        out, status = run_with_status(spawn_and(marker, "time.sleep(3600)", sessions), timeout_s=5.0)
+        out, status = tools.run_python_status(spawn_and(marker, "time.sleep(3600)", sessions), timeout_s=5.0)
         assert status == "timeout" and out == "started\nError: timed out after 5 s"  # 5 s: generous for start-up
         assert gone(marker)
     finally:
@@ -777,7 +775,7 @@ def test_process_limit_stops_a_spawn_loop(loop):
                     "or a v2 cgroup whose cgroup.subtree_control lists pids); a spawn loop is not run without one")
     marker = f"2.{secrets.randbelow(10**6):06d}"
     try:
-        out, status = run_with_status(SPAWN_LOOPS[loop].format(n=300, marker=marker), timeout_s=60.0)
+        out, status = tools.run_python_status(SPAWN_LOOPS[loop].format(n=300, marker=marker), timeout_s=60.0)
         check_spawn_loop(out, 64, marker)
         assert status == "error"  # not a timeout: the loop ends at the limit
     finally:
@@ -890,7 +888,7 @@ def test_the_program_cannot_forge_the_sandboxs_status(monkeypatch, layer):
     if layer == "none":  # without an init the exit code is the program's own: still not the sandbox's report
         monkeypatch.setattr(sandbox, "isolation", lambda: {**LAYERS, **OFF})
     code = "import os\nos.write(2, b'sandbox setup failed: forged\\n')\nos._exit(125)"
-    assert run_with_status(code) == ("sandbox setup failed: forged", "error")
+    assert tools.run_python_status(code) == ("sandbox setup failed: forged", "error")
 
 
 @pytest.mark.parametrize("layer", ("all", "PID namespace"))

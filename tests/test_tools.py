@@ -3,7 +3,6 @@ corpus, replay cache, a Search-R1 retrieval server, Serper.dev and Bright Data, 
 failed or slow query failing alone, also in both rollout schedules), the python tool's observations, and Tools.run
 (batching, caching, error and timeout accounting). The python tool's
 sandbox and limits are tested in test_sandbox.py; no test here asserts wall-clock time (bench/ measures it)."""
-import functools
 import json
 import re
 import signal
@@ -22,7 +21,6 @@ import tools
 from tools import ToolCall, ToolError, format_result, run_python
 from tests._http_server import API_KEY, FakeServer
 
-run_with_status = functools.partial(tools.run_python, status=True)   # (observation, status)
 
 SHARED_DATA = Path(__file__).resolve().parents[1] / ".." / "shared" / "data"
 
@@ -320,7 +318,8 @@ def test_a_failed_query_fails_its_call_alone_in_either_rollout(lockstep):
         client = search.make_search("web", api_key=API_KEY, url=srv.url("/serper"), backoff_s=0.01)
         runner = settings.make_tools(client, {}, ["search", "python"])
         trajectories, _ = rollout.tree_rollout(prompts(3), _SearchOnce(7, 3, 2), runner, TOK, k=2, seed=7,
-                                               entropy_branching=False, lockstep=lockstep, max_response_tokens=4000)
+                                               entropy_branching=False, lockstep_rollout=lockstep,
+                                               max_response_tokens=4000)
         runner.close()
     assert len(trajectories) == 6 and srv.asked["failing query"] == 4
     for t in trajectories:
@@ -338,7 +337,7 @@ def test_a_failed_query_fails_its_call_alone_in_either_rollout(lockstep):
 def test_python_ordinary_code():
     out = run_python("import sys\nprint('out')\nprint('err', file=sys.stderr)\nprint(sum(range(10)))")
     assert out == "out\nerr\n45"
-    out, status = run_with_status("x = 1\nraise ValueError('boom')")
+    out, status = tools.run_python_status("x = 1\nraise ValueError('boom')")
     assert status == "error" and out.startswith("Traceback") and out.endswith("ValueError: boom")
     assert 'File "main.py", line 2' in out  # no random temporary path: same code, same observation
     assert run_python("x = 1") == "(no output; use print() to show a value)"
@@ -360,9 +359,9 @@ def test_python_memory_limit_is_an_error_observation():
     if not sandbox.isolation()["memory_limit"]:
         pytest.skip("no memory cgroup can be made here (the start-up line says so)")
     code = "blocks = []\nfor _ in range(40):\n    blocks.append(bytearray(16 << 20))\nprint('done')"
-    out, status = run_with_status(code, memory_mb=1_024, total_memory_mb=128)
+    out, status = tools.run_python_status(code, memory_mb=1_024, total_memory_mb=128)
     assert status == "error" and "Error: the program hit the memory limit (128 MB" in out and "done" not in out
-    assert run_with_status("print('small')", total_memory_mb=128) == ("small", "ok")
+    assert tools.run_python_status("print('small')", total_memory_mb=128) == ("small", "ok")
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -520,3 +519,46 @@ def test_a_rollout_and_an_evaluation_append_the_probe_as_data(tokenizer):
                                   evaluation.EvalSettings(n=1, max_response_tokens=400), progress=False)
     assert summary["tool_calls"] > 0
     runner.close()
+
+
+def test_without_observations_as_data_a_result_that_spells_eos_ends_the_response(tokenizer):
+    """--set observations_as_data=false (D46) does what the authors' code does with a tool result that spells the
+    tokenizer's EOS (`<|im_end|>`): the result is re-tokenised, so the EOS token enters the response, and the response
+    ends at it (verl's response mask stops at the first EOS): the trajectory's loss tokens are the policy's before it,
+    and the reward reads no answer (-1). As data (the default) the result is text and the trajectory goes on to its
+    answer (1.0)."""
+    import reward
+
+    class Scripted:                              # the policy: a search, then the answer
+        vocab_size = len(tokenizer)
+
+        def generate(self, contexts, max_new_tokens, seed, sampling=None, on_step=None):
+            out = []
+            for context in contexts:
+                text = "<answer> \\boxed{Paris} </answer>" if "Paris is the capital" in tokenizer.decode(context) else \
+                    "<think> look it up </think> <search> capital of France </search>"
+                out.append(rollout.Segment(tokenizer.encode(text, add_special_tokens=False),
+                                           "answer" if "answer" in text else "tool", 1.0, text))
+            return out
+
+    class Spells:                                # a search whose snippet spells EOS, in the tags format
+        def __init__(self, as_data: bool):
+            self.format = tools.TagFormat(tools.TAGS.tools, as_data=as_data)
+
+        def run(self, calls):
+            return [f"Paris is the capital.{tokenizer.eos_token} More text." for _ in calls], {}
+
+    prompt = tools.build_prompt(tokenizer, "What is the capital of France?")
+    call = tokenizer.encode("<think> look it up </think> <search> capital of France </search>",
+                            add_special_tokens=False)
+    for as_data, loss_tokens, want in ((False, len(call), -1.0), (True, None, 1.0)):
+        trajectories, _ = rollout.tree_rollout([prompt], Scripted(), Spells(as_data), tokenizer, k=1,
+                                               max_response_tokens=400, seed=0, entropy_branching=False,
+                                               dynamic_budget=False)
+        t = trajectories[0]
+        assert reward.score_response(t.text, ["Paris"])["reward"] == want, as_data
+        if not as_data:
+            assert sum(t.loss_mask) == loss_tokens and t.response_ids[-1] == tokenizer.eos_token_id
+            assert t.finish_reason == "eos" and t.response_ids.count(tokenizer.eos_token_id) == 1
+        else:
+            assert sum(t.loss_mask) > len(call) and tokenizer.eos_token_id not in t.response_ids

@@ -152,10 +152,10 @@ def gradients(policy, trajectories, rewards, cfg, world, n_minibatches=1):
     clipping happens), accumulate_gradients. Returns {name: full gradient}."""
     adv = train.outcome_advantages(trajectories, rewards, cfg, 0)
     batches = train.micro_batches(trajectories, adv, rewards, n_minibatches, cfg, 0, "cpu")
-    train.old_policy_pass(policy, None, batches, cfg, contextlib.nullcontext)
-    for mb in (mb for mbs in batches for mb in mbs):              # a deterministic function of the token
-        mb.old_logp = mb.old_logp + 0.4 * torch.sin(mb.input_ids[:, 1:].float()) * mb.mask
-    metrics = train.accumulate_gradients(policy, batches[0], cfg, world, contextlib.nullcontext, "test")
+    olds, _, _ = train.old_policy_pass(policy, None, batches, cfg, contextlib.nullcontext)
+    for mb, old in zip(batches[0], olds[0]):                      # a deterministic function of the token
+        old.old_logp = old.old_logp + 0.4 * torch.sin(mb.input_ids[:, 1:].float()) * mb.mask
+    metrics = train.accumulate_gradients(policy, batches[0], olds[0], cfg, world, contextlib.nullcontext, "test")
     grads = {}
     for name, p in policy_mod.unwrap(policy).named_parameters():
         grad = p.grad.full_tensor() if hasattr(p.grad, "full_tensor") else p.grad
@@ -270,10 +270,10 @@ def test_bf16_and_gradient_checkpointing_update(tokenizer, single_process_gradie
     batches = train.micro_batches(trajectories, train.outcome_advantages(trajectories, rewards, cfg, 0), rewards, 1,
                                   cfg, 0, "cpu")
     bf16 = lambda: torch.autocast("cpu", dtype=torch.bfloat16)        # noqa: E731
-    train.old_policy_pass(policy, None, batches, config.Config(), bf16)
-    assert all(mb.old_logp.dtype == torch.float32 for mb in batches[0])
+    olds, _, _ = train.old_policy_pass(policy, None, batches, config.Config(), bf16)
+    assert all(old.old_logp.dtype == torch.float32 for old in olds[0])
     lm.train()
-    train.accumulate_gradients(policy, batches[0], config.Config(), 1, bf16, "test")
+    train.accumulate_gradients(policy, batches[0], olds[0], config.Config(), 1, bf16, "test")
     grads = dict(policy.named_parameters())
     for name, g in single_process_gradient.items():
         assert torch.isfinite(grads[name].grad).all(), name
@@ -288,10 +288,11 @@ def test_non_finite_loss_raises(tokenizer):
     cfg = config.Config(micro_batch_size=8)
     adv = train.outcome_advantages(trajectories, rewards, cfg, 0)
     batches = train.micro_batches(trajectories, adv, rewards, 1, cfg, 0, "cpu")
-    train.old_policy_pass(policy, None, batches, cfg, contextlib.nullcontext)
-    batches[0][0].adv_tok[0, 3] = float("nan")
+    olds, _, _ = train.old_policy_pass(policy, None, batches, cfg, contextlib.nullcontext)
+    olds[0][0].adv_tilde[0, 3] = float("nan")
     with pytest.raises(ValueError, match="step 7, mini-batch 0, micro-batch 0: advantages.*non-finite"):
-        train.accumulate_gradients(policy, batches[0], cfg, 1, contextlib.nullcontext, "step 7, mini-batch 0")
+        train.accumulate_gradients(policy, batches[0], olds[0], cfg, 1, contextlib.nullcontext,
+                                   "step 7, mini-batch 0")
 
 
 # ---------------------------------------------------------------------------------------------------------------------

@@ -127,6 +127,24 @@ def test_weight_sync_cycle(tokenizer, tiny_model_dir, one_process, tmp_path):
     assert after.h_seg == pytest.approx(fresh.generate(ctx, [6], seed=4)[0].h_seg, rel=1e-6)
 
 
+def test_the_sync_is_gathered_in_the_engines_dtype(tokenizer, tiny_model_dir, one_process):
+    """The engine holds bfloat16 weights: the run gathers them in bfloat16 (Run.generator_weights passes the
+    generator's weight_dtype to policy.generator_weights; under FSDP2 each shard is cast before its all-gather, whose
+    peak tests/test_bench.py counts), the values a float32 gather cast afterwards gives. The transformers
+    generator's weight dtype is its model's: the policy's own LM goes by reference, nothing copied or cast."""
+    from harness.run.watchdog import WatchedGenerator
+    vgen = WatchedGenerator(VLLMGenerator(str(tiny_model_dir), vllm_module=fake_vllm))
+    lm = make_tiny_model(tokenizer, seed=4)
+    params = dict(lm.named_parameters())
+    sent = list(policy_mod.generator_weights(policy_mod.Policy(lm), dtype=vgen.weight_dtype))
+    assert vgen.weight_dtype == torch.bfloat16 and {t.dtype for _, t in sent} == {torch.bfloat16}
+    assert all(torch.equal(t, params[name].detach().to(torch.bfloat16)) for name, t in sent)
+    vgen.update_weights(sent)
+    tgen = WatchedGenerator(TransformersGenerator(lm, tokenizer))
+    own = list(policy_mod.generator_weights(policy_mod.Policy(lm), dtype=tgen.weight_dtype))
+    assert tgen.weight_dtype == torch.float32 and all(t.data_ptr() == params[name].data_ptr() for name, t in own)
+
+
 def test_each_request_samples_with_its_own_seed(tokenizer, tiny_model_dir, one_process):
     """A branch and its parent share their context: with one seed for every request of a call they would sample the
     same tokens. Two identical contexts in one call sample differently, and the same call again samples the same."""
@@ -315,3 +333,43 @@ def test_engine_shuts_down_before_the_process_group(tiny_model_dir, tmp_path):
     for rank in (0, 1):
         got = json.loads((tmp_path / f"close{rank}.json").read_text())
         assert got == {"events": ["shutdown"], "initialized": False}
+
+
+def test_a_temperature_vllm_refuses_is_refused_before_any_work(tokenizer, tiny_model_dir, one_process):
+    """vLLM 0.32's SamplingParams refuses a temperature above 2 (the stand-in too), which would end a run at its
+    first generation, after the model and the engine were built: the config refuses it at parse time, naming the
+    flag; 2 is accepted, and the transformers backend samples at any positive temperature."""
+    from harness import config
+    from harness.cli import UserError
+    with pytest.raises(UserError, match=r"^--temperature 2.5: vLLM samples at temperatures up to 2"):
+        config.parse_config(["--backend", "vllm", "--temperature", "2.5"])
+    assert config.parse_config(["--backend", "vllm", "--temperature", "2"]).temperature == 2.0
+    assert config.parse_config(["--temperature", "2.5"]).temperature == 2.5
+    vgen = VLLMGenerator(str(tiny_model_dir), vllm_module=fake_vllm)
+    ctx = as_ids(chat_prompt(tokenizer, "q?"))
+    with pytest.raises(ValueError, match=r"temperature must be in \[0, 2\]"):
+        vgen.generate([ctx], [4], seed=0, sampling=Sampling(temperature=2.5))
+    assert len(vgen.generate([ctx], [4], seed=0, sampling=Sampling(temperature=2.0))[0].token_ids) == 4
+
+
+def test_a_failed_rollouts_requests_are_aborted(tokenizer, tiny_model_dir, one_process):
+    """A rollout that raises mid-way (a tool failing) leaves its decoding's requests in the engine: a segment's tail
+    and a head not yet run. The next decoding (and a sleep, a sync, close) aborts them first (LLMEngine.abort_request),
+    so the engine holds none and the next call gets its own segments; without it they finished into the next
+    decoding's step, which knew no such request."""
+    vgen = VLLMGenerator(str(tiny_model_dir), vllm_module=fake_vllm)
+    llm = fake_vllm.LLM.instances[-1]
+    ctx = as_ids(chat_prompt(tokenizer, "q?"))
+    want = [s.token_ids for s in vgen.generate([ctx, ctx], [6, 30], seed=1)]
+    failed = vgen.start(Sampling())
+    failed.add(ctx, 6, seed=5)
+    failed.add(ctx, 30, seed=6)
+    assert len(failed.step()) == 1                    # the first ends; the second's tail is now in the engine
+    failed.add(ctx, 8, seed=7)                        # and a head that never ran
+    assert len(llm.queued) == 2
+    assert [s.token_ids for s in vgen.generate([ctx, ctx], [6, 30], seed=1)] == want
+    assert len(llm.aborted) == 2 and not llm.queued
+    failed = vgen.start(Sampling())
+    failed.add(ctx, 8, seed=7)
+    vgen.sleep()                                      # the engine sleeps with no request of a failed rollout
+    assert len(llm.aborted) == 3 and not llm.queued and llm.events[-1] == "sleep2"

@@ -3,7 +3,8 @@ in a virtual environment of its own, made and run by `bash tests/vllm_stage.sh` 
 In the project's own environment vllm is not importable and every test here is skipped.
 
 - Generation: VLLMGenerator and TransformersGenerator on the embedded model in float32 sample the same greedy tokens,
-  stop at the same tool tags and give the same H_seg (within 1e-4), also when a segment's two requests split a tag.
+  stop at the same tool tags and give the same H_seg (within 1e-4), also when a segment's two requests split a tag,
+  and the same tokens under eval.py --protocol official's repetition penalty (1.1).
 - Weight sync: after an optimiser step and a hand-zeroed layer, the engine's greedy tokens, first-position top-10
   log-probs and H_seg equal transformers' on the new weights, with a tied and an untied LM head; a sync that leaves a
   parameter out is an error.
@@ -52,7 +53,9 @@ def cache(tmp_path_factory):
 
 
 def test_greedy_generation_equals_transformers(cache):
-    """Same prompts, float32, greedy: identical tokens and stops, H_seg within 1e-4; with n_entropy small enough
+    """Same prompts, float32, greedy: identical tokens and stops, H_seg within 1e-4; also with eval.py --protocol
+    official's repetition penalty 1.1 (transformers' generator left-pads the rows of different lengths, on this
+    environment's transformers < 5.20, and penalises each row's own tokens as vLLM does); with n_entropy small enough
     that `</search>` falls across a segment's two requests, still the same tokens and stops."""
     from harness import generation
     import tools
@@ -74,6 +77,11 @@ def test_greedy_generation_equals_transformers(cache):
         for a, b in zip(got, want):
             assert (a.token_ids, a.finish_reason, a.text) == (b.token_ids, b.finish_reason, b.text)
             assert a.h_seg == pytest.approx(b.h_seg, abs=1e-4)
+        penalised = Sampling(temperature=0.0, repetition_penalty=1.1)
+        want_penalised = tgen.generate(contexts, budgets, seed=0, sampling=penalised)
+        got_penalised = vgen.generate(contexts, budgets, seed=0, sampling=penalised)
+        assert [a.token_ids for a in got_penalised] == [b.token_ids for b in want_penalised]
+        assert [a.token_ids for a in got_penalised] != [b.token_ids for b in want]     # the penalty changed some
         cuts = []
         VLLMDecoding._cut_after_stop = lambda self, ids, n: cuts.append(n) or cut(self, ids, n)
         for n_entropy in range(1, 7):
@@ -89,7 +97,9 @@ def test_greedy_generation_equals_transformers(cache):
 def test_a_sampled_batch_larger_than_one_prefill_step(cache):
     """Seeded sampling of more prompt tokens than one engine step prefills (24 different prompts): on the CPU
     build a prompt split over steps crashed vLLM ("CPU Generator does not use offset") in the first real evaluation;
-    the same seed must give the same segments, another seed others."""
+    the same seed must give the same segments, another seed others. A decoding abandoned with requests in the engine
+    (a rollout that raised) is aborted by the next call: the engine then holds none, and the call's segments are
+    the same again."""
     import tools
     _, model_dir = cache
     vgen = VLLMGenerator(str(model_dir), dtype="float32", max_model_len=1024)
@@ -100,9 +110,16 @@ def test_a_sampled_batch_larger_than_one_prefill_step(cache):
                     for i, r in enumerate(rows)]
         assert sum(map(len, contexts)) > 2 * 2048                     # vLLM's default step budget, twice
         first, again, other = (vgen.generate(contexts, [8] * len(contexts), seed=s) for s in (1, 1, 2))
+        abandoned = vgen.start(Sampling())
+        for i, context in enumerate(contexts[:3]):
+            abandoned.add(context, 40, seed=i)
+        abandoned.step()
+        held = vgen.llm.llm_engine.get_num_unfinished_requests()
+        after_abort = vgen.generate(contexts, [8] * len(contexts), seed=1)
+        assert held > 0 and vgen.llm.llm_engine.get_num_unfinished_requests() == 0
     finally:
         vgen.close()
-    assert [x.token_ids for x in first] == [x.token_ids for x in again]
+    assert [x.token_ids for x in first] == [x.token_ids for x in again] == [x.token_ids for x in after_abort]
     assert [x.token_ids for x in first] != [x.token_ids for x in other]
 
 
@@ -125,7 +142,7 @@ def test_trees_at_their_own_pace_on_the_engine(cache):
     for lockstep in (True, False):
         gen = FirstCall(vgen, vgen.tokenizer, prompts)
         trajs, stats = tree_rollout(prompts, gen, Delayed(EchoTools(), seed=5, most_s=0.3), vgen.tokenizer, k=4,
-                                    gamma=5.0, max_response_tokens=96, seed=3, lockstep=lockstep)
+                                    gamma=5.0, max_response_tokens=96, seed=3, lockstep_rollout=lockstep)
         assert stats["branches"] > 0
         shapes.append([(t.group_id, t.traj_id, t.parent, t.fork_offset, t.round, t.kind, t.response_ids)
                        for t in trajs])

@@ -23,12 +23,13 @@ class TransformersGenerator:
     as trees move at their own pace). `model.generate` would run a padded batch until its longest row ends;
     transformers' continuous batching returns the sampled tokens' log-probs but not the top-10 that H_seg reads.
     It samples the model's own distribution shaped only by the call's `Sampling` (a checkpoint's generation_config is
-    not applied), with transformers' own processors in generate's order (repetition penalty, temperature, top-k,
-    top-p), each row drawing from a torch.Generator seeded with its request's seed, so its tokens do not depend on the
-    other rows; each segment carries the log-prob of its tokens at the sampling temperature. H_seg uses the top-10
-    log-probs of the raw logits (T=1, before any repetition penalty), the same quantity vLLM returns, so trees do not
-    depend on the backend. It samples from `model`, which is the policy's own LM with one process or DDP
-    (update_weights then has nothing to copy) and an unsharded copy under FSDP2 (D41)."""
+    not applied), with generate's processors in its order (repetition penalty, by `repetition_penalty`, then
+    transformers' temperature, top-k and top-p), each row drawing from a torch.Generator seeded with its request's
+    seed, so its tokens do not depend on the other rows (in float32; in bfloat16 a row's logits can change with the
+    rows beside it, see algorithm.md §2e); each segment carries the log-prob of its tokens at the sampling
+    temperature. H_seg uses the top-10 log-probs of the raw logits (T=1, before any repetition penalty), the same
+    quantity vLLM returns, so trees do not depend on the backend. It samples from `model`, which is the policy's own
+    LM with one process or DDP (update_weights then has nothing to copy) and an unsharded copy under FSDP2 (D41)."""
 
     def __init__(self, model, tokenizer, batch_size: int = 64, topk: int = 10, n_entropy: int = 20,
                  stop_strings: tuple[str, ...] = tools.STOP_STRINGS):
@@ -40,6 +41,7 @@ class TransformersGenerator:
         self.eos_ids = set(eos if isinstance(eos, (list, tuple)) else [eos])
         self.pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else min(self.eos_ids)
         self.takes_adapter = any(".lora_A." in name for name, _ in model.named_parameters())   # LoRA layers in it
+        self.weight_dtype = next(model.parameters()).dtype     # the policy's own LM: no copy, nothing cast
         self.cache_kw = cache_keyword(model)
         self.joins = mergeable(model)
 
@@ -155,12 +157,12 @@ class Decoding:
 
 def _processors(sampling: Sampling, pads):
     """generate's logits processors for `sampling`, in its order: repetition penalty (after the raw logits that
-    H_seg and the log-probs read), then temperature, top-k and top-p when sampling."""
-    from transformers import (LogitsProcessorList, RepetitionPenaltyLogitsProcessor, TemperatureLogitsWarper,
-                              TopKLogitsWarper, TopPLogitsWarper)
+    H_seg and the log-probs read; `repetition_penalty`, not transformers' processor, which takes per-row padding
+    only from transformers 5.2x on), then temperature, top-k and top-p when sampling."""
+    from transformers import LogitsProcessorList, TemperatureLogitsWarper, TopKLogitsWarper, TopPLogitsWarper
     out = LogitsProcessorList()
     if sampling.repetition_penalty != 1.0:
-        out.append(RepetitionPenaltyLogitsProcessor(sampling.repetition_penalty, prompt_ignore_length=pads))
+        out.append(lambda seqs, scores: repetition_penalty(seqs, scores, sampling.repetition_penalty, pads))
     if sampling.temperature > 0:
         if sampling.temperature != 1.0:
             out.append(TemperatureLogitsWarper(sampling.temperature))
@@ -169,6 +171,20 @@ def _processors(sampling: Sampling, pads):
         if sampling.top_p < 1.0:
             out.append(TopPLogitsWarper(sampling.top_p))
     return out
+
+
+def repetition_penalty(seqs: torch.Tensor, scores: torch.Tensor, penalty: float, pads: torch.Tensor) -> torch.Tensor:
+    """The repetition penalty of CTRL as transformers and vLLM apply it: the logit of every token id that occurs in a
+    row's context and output is divided by `penalty` where positive, multiplied by it where negative.
+    seqs (B, T): each row's ids so far, left-padded; scores (B, V): the next position's logits; pads (B,): each row's
+    left-pad count (those positions are not the row's tokens). Returns new scores (B, V)."""
+    vocab = scores.shape[-1]
+    positions = torch.arange(seqs.shape[1], device=seqs.device)
+    ids = seqs.masked_fill(positions[None, :] < pads.to(seqs.device)[:, None], vocab)     # padding -> column V
+    seen = torch.zeros(scores.shape[0], vocab + 1, dtype=torch.bool, device=scores.device)
+    seen = seen.scatter_(1, ids.to(scores.device), True)[:, :vocab]
+    penalised = torch.where(scores > 0, scores / penalty, scores * penalty)
+    return torch.where(seen, penalised, scores)
 
 
 class _Batch:

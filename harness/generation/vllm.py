@@ -50,7 +50,10 @@ class VLLMGenerator:
     - Building an engine re-seeds the global RNGs with `seed` (utils/torch_utils.py:set_random_seed): the
       constructor puts the process's python, numpy and torch RNG states back afterwards. Per-request seeds must fit
       an int64 (the GPU V2 runner stores them in one: v1/worker/gpu/sample/states.py); `sampler.request_seed` keeps
-      them in [0, 2^63). Requests join and leave the engine one by one, and a segment is two of them
+      them in [0, 2^63). The V2 runner samples by Gumbel-max with noise from (seed, position, token)
+      (v1/worker/gpu/sample/gumbel.py:gumbel_sample), so a request's draws do not depend on its batch; its bf16
+      logits do, so on a GPU a tree is batch-independent only up to bf16 rounding unless vLLM's batch-invariant mode
+      is on (VLLM_BATCH_INVARIANT=1). Requests join and leave the engine one by one, and a segment is two of them
       (harness/generation/vllm_segments.py).
     - Weight sync: `LLM.collective_rpc` runs `_reload_in_place` in the worker, which calls the worker's
       `reload_weights(weights_iterator=...)` (v1/worker/gpu_worker.py:Worker.reload_weights, inherited by
@@ -143,19 +146,32 @@ class VLLMGenerator:
         torch.set_rng_state(rngs[2])
         self.topk, self.n_entropy = topk, n_entropy
         self.can_sleep, self.dtype = enable_sleep_mode, getattr(torch, dtype)
+        self.weight_dtype = self.dtype               # a sync is gathered in the engine's dtype (bf16: half of fp32)
         self.vocab_size = self.llm.llm_engine.model_config.get_vocab_size()
         self.tokenizer = self.llm.get_tokenizer()
         self.asleep = False
+        self.decoding: VLLMDecoding | None = None    # the last decoding started (`start`)
 
     def generate(self, contexts, max_new_tokens, seed, sampling: Sampling = Sampling(), on_step=None):
         """Each context's segment, context i with the seed sampler.request_seed(seed, i) (`start`'s decoding run to
         the end). vLLM reports no decoding steps: on_step is not called."""
-        return sampler.generate_all(VLLMDecoding(self, sampling), contexts, max_new_tokens, seed)
+        return sampler.generate_all(self.start(sampling), contexts, max_new_tokens, seed)
 
     def start(self, sampling: Sampling = Sampling(), on_step=None) -> VLLMDecoding:
         """Requests join the engine's running batch as they are added and leave it as they end (sampler.Decoding;
-        harness/generation/vllm_segments.py)."""
-        return VLLMDecoding(self, sampling)
+        harness/generation/vllm_segments.py). One decoding at a time: the previous one's requests still in the
+        engine (its rollout failed) are aborted first."""
+        self.abort_left()
+        self.decoding = VLLMDecoding(self, sampling)
+        return self.decoding
+
+    def abort_left(self) -> None:
+        """Abort the requests the last decoding left in the engine (none after a rollout that finished): a rollout
+        that raised leaves its requests running, which would hold KV blocks, keep the prefix cache from being reset
+        at the next sync and finish into the next decoding. Called before a new decoding, a sleep, a sync, close."""
+        if self.decoding is not None:
+            self.decoding.abort()
+            self.decoding = None
 
     def model(self):
         """The engine's torch model, in this process."""
@@ -166,6 +182,7 @@ class VLLMGenerator:
         update_weights brings new weights), or with an adapter level 1 (the base weights, which no sync resends, are
         offloaded and come back on waking; level 2 would leave them garbage: ms-swift#7017). Where the platform has
         no sleep mode (CPU) the engine stays awake."""
+        self.abort_left()
         if self.can_sleep:
             self.llm.sleep(level=1 if self.takes_adapter else 2)
             self.asleep = True
@@ -176,6 +193,7 @@ class VLLMGenerator:
         files and loaded in place under one adapter id. A sleeping engine first takes its weights' memory back (the
         adapter too: level-1 sleep unmaps the LoRA buffers, verl#7434) and then its KV cache, in the order vLLM
         documents for weight updates. Cached prefixes computed with the old weights are dropped."""
+        self.abort_left()
         if torch.cuda.is_available():
             torch.cuda.empty_cache()             # return the trainer's cached blocks before the engine allocates
         if self.asleep:
@@ -193,6 +211,7 @@ class VLLMGenerator:
         """Shut the engine down (it destroys vLLM's process groups and the default one: call it before leaving the
         process group, see parallel.on_close) and remove the adapter's files. Idempotent."""
         if self.llm is not None:
+            self.abort_left()
             self.llm.llm_engine.engine_core.shutdown()
             self.llm = None
         if self.adapter_dir is not None:

@@ -4,8 +4,13 @@
 Read in the source of vllm 0.32.0: `LLM.enqueue` adds a request without running the engine and `LLMEngine.step` runs
 one scheduling step of every request in it (what LLM.generate's own loop does, entrypoints/common/offline.py:
 _run_engine), the finished outputs carrying the external request id (RequestOutputKind.FINAL_ONLY, set by enqueue).
-A seeded request samples with a generator of its own (v1/sample/ops/topk_topp_sampler.py:random_sample), so its
-tokens do not depend on the other requests of a step. vLLM detokenises every log-prob it returns (v1/engine/
+A seeded request draws randomness of its own: a torch.Generator per request on the CPU build and the GPU's V1 runner
+(v1/sample/ops/topk_topp_sampler.py:random_sample), Gumbel-max noise computed from (seed, position, token) on the
+GPU's V2 model runner, the GPU default (v1/worker/gpu/sample/gumbel.py:gumbel_sample). So its draws do not depend on
+the other requests of a step; its logits do, up to rounding: in float32 a tree is the same in any batch
+(tests/test_vllm_engine.py), in bfloat16 another batch composition can change a token, and on a GPU a tree is
+batch-independent only up to bf16 rounding unless vLLM's batch-invariant mode is on (VLLM_BATCH_INVARIANT=1,
+envs.py; algorithm.md §2e). vLLM detokenises every log-prob it returns (v1/engine/
 logprobs.py:LogprobsProcessor._update_sample_logprobs, ~0.1 ms per position for the top 10): a segment asks for the
 top 10 on its first n_entropy positions only and samples the rest in a second request that continues from them (a
 prefix-cache hit), asking there for the sampled token's log-prob alone (`logprobs=0`) at temperature 1, where vLLM's
@@ -62,6 +67,15 @@ class VLLMDecoding:
                 self.ended.append((request, self.segment(head, None)))
         ended, self.ended = self.ended, []
         return ended
+
+    def abort(self) -> None:
+        """Take this decoding's requests that are still in the engine out of it (LLMEngine.abort_request with their
+        external ids: v1/engine/llm_engine.py, output_processor.py:OutputProcessor.abort_requests), so that a rollout
+        that failed mid-way leaves none behind, holding KV blocks or finishing into the next decoding's steps."""
+        running = [*self.heads, *self.tails]
+        if running:
+            self.gen.llm.llm_engine.abort_request(running)
+        self.heads, self.tails, self.ended = {}, {}, []
 
     def enqueue(self, context, max_tokens: int, seed: int, logprobs) -> str:
         """One request in the engine (the next engine step schedules it): its own max_tokens and seed; top-`logprobs`

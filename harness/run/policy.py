@@ -170,19 +170,15 @@ class MicroBatch:
     """The trajectories of one forward/backward, right-padded to the longest. `tensorize` builds it (input_ids,
     attention_mask: (b, L); mask: (b, L-1), 1 where the *next* token was sampled by the policy, i.e. is scored; adv:
     (b, L-1) the per-token outcome advantage A; reward: (b,) R_j; gen_logp: (b, L-1) the generator's log-probs,
-    nan where it has none); the old-policy pass (train.old_policy_pass) adds old_logp, entropy, ref_logp: (b, L-1)
-    the old policy's log-probs and token entropies and the reference's log-probs, and adv_tok: (b, L-1) Ã per token.
-    misfit: rows whose generator log-probs had another length than the response (left nan, counted)."""
+    nan where it has none). What the old-policy pass computes of it is its own (train.old_policy_pass returns a
+    train.OldPolicy per micro-batch). misfit: rows whose generator log-probs had another length than the response
+    (left nan, counted)."""
     input_ids: torch.Tensor
     attention_mask: torch.Tensor
     mask: torch.Tensor
     adv: torch.Tensor | None = None
     reward: torch.Tensor | None = None
     gen_logp: torch.Tensor | None = None
-    old_logp: torch.Tensor | None = None
-    entropy: torch.Tensor | None = None
-    ref_logp: torch.Tensor | None = None
-    adv_tok: torch.Tensor | None = None
     misfit: int = 0
 
 
@@ -346,22 +342,24 @@ def no_grad_sync(policy, last: bool):
 
 def full_named_parameters(policy, dtype=None, trainable: bool = False):
     """(name, full tensor) of the LM's parameters (trainable: only those the optimiser updates) one at a time,
-    gathering FSDP2 shards (a collective: every rank iterates to the end), cast to `dtype` if given. Peak extra
-    memory: one full parameter."""
+    gathering FSDP2 shards (a collective: every rank iterates to the end), in `dtype` if given: each shard is cast
+    before the gather, so a bfloat16 sync moves and holds half the bytes of the float32 master weights. Peak extra
+    memory: one full parameter in `dtype` (and its shard)."""
     for name, p in unwrap(policy).lm.named_parameters():
         if trainable and not p.requires_grad:
             continue
-        full = (p.full_tensor() if hasattr(p, "full_tensor") else p).detach()
-        yield name, full if dtype is None else full.to(dtype)
+        local = p.detach() if dtype is None else p.detach().to(dtype)      # a DTensor stays sharded
+        yield name, local.full_tensor() if hasattr(local, "full_tensor") else local
 
 
-def generator_weights(policy, merged: bool = False):
+def generator_weights(policy, merged: bool = False, dtype=None):
     """What a generator takes after an optimiser step, one full tensor at a time (a collective under FSDP2): every
-    parameter (full fine-tuning); with LoRA the adapters' tensors, or (merged) W + (α/r)·B·A in the base model's
-    names, for a generator that cannot take an adapter (harness/lora.py)."""
+    parameter (full fine-tuning), gathered in `dtype` (the generator's `weight_dtype`; None: the trainer's); with
+    LoRA the adapters' tensors, or (merged) W + (α/r)·B·A in the base model's names, for a generator that cannot
+    take an adapter (harness/lora.py)."""
     lm = unwrap(policy).lm
     if not is_lora(lm):
-        return full_named_parameters(policy)
+        return full_named_parameters(policy, dtype)
     if merged:
         config = lm.peft_config[ADAPTER]
         return merged_weights(full_named_parameters(policy), config.lora_alpha / config.r)

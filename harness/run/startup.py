@@ -81,9 +81,11 @@ class Run:
         return (self.cfg.seed * 100_003 + step) * self.world + self.rank
 
     def generator_weights(self):
-        """The policy's weights as the generator takes them after a step (policy.generator_weights): all, or with
-        LoRA the adapter's tensors (the merged weights for a generator that cannot take an adapter)."""
-        return generator_weights(self.policy, merged=not self.generator.takes_adapter)
+        """The policy's weights as the generator takes them after a step (policy.generator_weights): all, gathered
+        in the generator's weight dtype (vLLM's bfloat16), or with LoRA the adapter's tensors (the merged weights for
+        a generator that cannot take an adapter)."""
+        return generator_weights(self.policy, merged=not self.generator.takes_adapter,
+                                 dtype=self.generator.weight_dtype)
 
     def amp(self):
         """bfloat16 autocast when --bf16 resolved to on (parallel.resolve_bf16), else nothing."""

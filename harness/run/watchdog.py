@@ -84,6 +84,7 @@ class WatchedGenerator:
     def __init__(self, inner):
         self.inner, self.vocab_size = inner, inner.vocab_size
         self.takes_adapter = getattr(inner, "takes_adapter", False)     # a generator without LoRA layers: no
+        self.weight_dtype = getattr(inner, "weight_dtype", None)        # a test's generator: the trainer's dtype
         if callable(getattr(inner, "start", None)):
             self.start = self._start
 
