@@ -146,7 +146,8 @@ def report(args, seeds: list[int]) -> dict:
                                               "gain": interval(after[:, cols] - before[:, cols])}
     for s, r in zip(seeds, runs):
         log = work / "logs" / f"learn-s{s}.log"
-        metrics = [json.loads(line) for line in jsonl.lines((r / "metrics.jsonl").read_text(encoding="utf-8")) if line.strip()]
+        metrics = [json.loads(line) for line in jsonl.lines((r / "metrics.jsonl").read_text(encoding="utf-8"))
+                   if line.strip()]
         gb, phase = peak(log.with_suffix(".rss.tsv")) if log.with_suffix(".rss.tsv").exists() else (0.0, "")
         wall = log.with_suffix(".wall_s")
         res["runs"][s] = {"wall_min": round(int(wall.read_text()) / 60, 1) if wall.exists() else None,
@@ -156,7 +157,9 @@ def report(args, seeds: list[int]) -> dict:
                           "searches": {name: searches(r, name) for name in ("before", "after")},
                           "frac_reward_zero_std": [m["frac_reward_zero_std"] for m in metrics],
                           "two_hop_acc": [m.get("type/two_hop/acc") for m in metrics],
-                          "two_hop_searches": [m.get("type/two_hop/searches") for m in metrics]}
+                          "two_hop_searches": [m.get("type/two_hop/searches") for m in metrics],
+                          "peak_gb_by_phase": {k.split("/")[1]: max(m[k] for m in metrics if k in m) for k in
+                                               sorted({k for m in metrics for k in m if k.startswith("memory/")})}}
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     (out / "results.json").write_text(json.dumps(res, indent=1))
@@ -186,6 +189,9 @@ def markdown(res: dict) -> str:
                      f"{r['peak_during'][:60]} | {np.mean(z[:4]):.2f} → {np.mean(z[-4:]):.2f} | "
                      f"{np.mean(acc[:4]) if acc else float('nan'):.2f} → "
                      f"{np.mean(acc[-4:]) if acc else float('nan'):.2f} |")
+    lines += [f"- seed {s}: the training process's peak resident GB per phase, the largest over its steps "
+              "(metrics.jsonl memory/*): " + ", ".join(f"{k} {v:.1f}" for k, v in r["peak_gb_by_phase"].items())
+              for s, r in res["runs"].items() if r.get("peak_gb_by_phase")]
     lines += ["", "Held-out samples by their searches against what the type needs (lookup 1, two-hop 2): fewer / as "
               "many / more, and truncated (512 tokens), before → after:"]
     for s, r in res["runs"].items():
@@ -193,8 +199,8 @@ def markdown(res: dict) -> str:
             b, a = r["searches"]["before"][kind], r["searches"]["after"][kind]
             lines.append(f"- seed {s}, {kind}: " + "; ".join(f"{key.replace('_', ' ')} {b[key]:.2f} → {a[key]:.2f}"
                                                               for key in ("fewer", "as_needed", "more", "truncated")))
-    lines += ["", "Two-hop training success per step (exact match of the step's two-hop trajectories; – where the step drew "
-              "no two-hop question):"]
+    lines += ["", "Two-hop training success per step (exact match of the step's two-hop trajectories; – where "
+              "the step drew no two-hop question):"]
     lines += [f"- seed {s}: " + ", ".join("–" if x is None else f"{x:.2f}" for x in r["two_hop_acc"])
               for s, r in res["runs"].items()]
     return "\n".join(lines) + "\n"

@@ -196,7 +196,10 @@ def test_two_nodes_on_one_host_resume_as_one_two_process_run(tmp_path):
                                                  if line.startswith("        --rdzv_endpoint="))
     assert line == MULTI_NODE[0], line
     repo, shared = link_copy(tmp_path), tmp_path / "nodes_shared"      # (tmp_path/shared links to ../shared)
-    trial = ["--steps", "1", "--eval_limit", "2", "--eval_n", "1"]
+    # lockstep: in bf16 a row's logits depend on the rows decoded with it, which the asynchronous rollout sets by
+    # tool timing (algorithm.md §2e): the runs agreed bit for bit only while the machine was otherwise idle
+    lockstep = ["--lockstep_rollout", "true"]
+    trial = ["--steps", "1", "--eval_limit", "2", "--eval_n", "1", *lockstep]
 
     def two_nodes(extra):
         with socket.socket() as s:                        # a free port for the rendezvous
@@ -220,13 +223,13 @@ def test_two_nodes_on_one_host_resume_as_one_two_process_run(tmp_path):
     run_dir = next((shared / "runs").iterdir())
     assert sorted(p.name for p in (shared / "runs").iterdir()) == [run_dir.name]           # one run folder
     assert sorted(p.name for p in (run_dir / "checkpoints").iterdir()) == ["step_000001"]   # written once
-    two_nodes(["--resume", "true", "--steps", "2", "--eval_limit", "2", "--eval_n", "1"])
+    two_nodes(["--resume", "true", "--steps", "2", "--eval_limit", "2", "--eval_n", "1", *lockstep])
     rows = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in rows] == [1, 2] and rows[0]["trajectories"] == 4 * 4      # 2 questions a rank, k = 4
     (tmp_path / "one").mkdir()
     one = link_copy(tmp_path / "one")
-    proc = run("torchrun --nproc_per_node=2 train.py", one, ["--steps", "2", "--eval_limit", "2", "--eval_n", "1"],
-               timeout=1800)
+    proc = run("torchrun --nproc_per_node=2 train.py", one, ["--steps", "2", "--eval_limit", "2", "--eval_n", "1",
+                                                              *lockstep], timeout=1800)
     assert proc.returncode == 0, proc.stderr[-3000:]
     single = next((one / "runs").iterdir())
     a = load_file(run_dir / "checkpoints" / "step_000002" / "model.safetensors")
