@@ -198,13 +198,17 @@ def like(key: str, default=dataclasses.MISSING, help: str = ""):
 
 
 @dataclass
-class EvalConfig:
+class _Common:
+    """The settings both protocols read (EvalConfig: these, then the official protocol's own)."""
     run: str = arg("", "a training run folder (runs/<name>): evaluate its latest checkpoint (or --step) with the data, "
                        "tools, search, token budget and sampling it trained with; the flags below override them",
                    group="what to evaluate, and how (both protocols)")
     step: int = arg(0, "with --run: the checkpoint of this step (0 = the latest)", valid="[0, inf)")
     model: str = arg("", "a model directory (e.g. runs/<name>/checkpoints/step_000016) or hub id, evaluated with "
                          "the defaults below unless flags change them")
+    protocol: str = arg("training", "training: n rollouts per question with the training rollout and search; "
+                                    "official: the authors' evaluation (algorithm.md §6), with the settings of its "
+                                    "own group below", valid="training | official")
     data: Union[str, list[str]] = arg("data/qa_test.jsonl", "dataset file(s), .jsonl or verl .parquet; several: "
                                                             "--data '[a.jsonl, b.jsonl]'", train_key="eval_data")
     limit: int = like("eval_limit", 0, "evaluate only the first N questions of each file (0 = all)")
@@ -240,44 +244,16 @@ class EvalConfig:
                              "protocol: on, with its rule)", group="the LLM judge")
     judge_url: str = arg("", "the judge's base URL (default $AEPO_JUDGE_URL)")
     judge_model: str = expert("", "the judge's model name (default $AEPO_JUDGE_MODEL)")
-    judge_api_key: str = expert("", "the judge's API key (default $AEPO_JUDGE_API_KEY)")
     judge_cache: str = expert("", "JSON file of cached verdicts (default <out_dir>/judge_cache.json)")
-    judge_prompt: str = expert("", "official protocol: a text file, the judge's exact prompt with placeholders "
-                                   "{question}, {gold}, {prediction} (default: correctness.OFFICIAL_JUDGE_PROMPT, "
-                                   "ours, D38)")
-    protocol: str = arg("training", "training: n rollouts per question with the training rollout and search; "
-                                    "official: the authors' evaluation (algorithm.md §6), the settings below its own",
-                        valid="training | official", group="the official protocol (algorithm.md §6)")
     top_k: int = expert(0, "top-k sampling, 0 = off (official protocol: 20)", valid="[0, inf)")
     repetition_penalty: float = expert(1.0, "repetition penalty on sampling only, never on H_seg or log-probs; 1 = off "
                                             "(official protocol: 1.1)", valid="(0, inf)")
-    runs: int = arg(5, "official protocol: runs over every question, one output file each; Pass@k over them "
-                       "(official 5)", valid="[1, 1024]")
-    calls_per_step: int = expert(4, "official protocol: generate calls per step; a call whose text has no closing tag "
-                                    "is continued (official 4: the first and 3 more)", valid="[1, 100]")
-    python_limit: int = expert(5, "official protocol: python calls per question (official 5)", valid="[0, 1000]")
-    search_limit: int = expert(10, "official protocol: search calls per question (official 10)", valid="[0, 1000]")
-    tool_timeout_s: float = expert(120.0, "official protocol: seconds per tool call; for a search, its SERP request "
-                                          "and page fetches, not its summary (official 120)", valid="(0, inf)")
-    summary_timeout_s: float = expert(600.0, "official protocol: seconds per search summary, apart from tool_timeout_s "
-                                             "(official: the OpenAI client's default 600, D36)", valid="(0, inf)")
-    sample_timeout_s: float = expert(1500.0, "official protocol: seconds per question (official 1500)",
-                                     valid="(0, inf)")
-    max_model_len: int = expert(32768, "official protocol: the policy's context; a call that would pass it ends the "
-                                       "question (official: vllm serve --max-model-len 32768)", valid="[1, inf)")
-    policy_url: str = arg("", "official protocol: an OpenAI-compatible endpoint serving the policy (vllm serve "
-                              "CHECKPOINT) instead of sampling --model here, which then names the tokenizer")
-    system_prompt: str = expert("", "official protocol: a text file, the policy's system prompt (default: "
-                                    "tools.SYSTEM_PROMPT; the authors' checkpoints: their code_search prompt, D34)")
-    summarizer_url: str = arg("", "official protocol: the summariser's base URL (default $AEPO_SUMMARIZER_URL; API "
-                                  "key $AEPO_SUMMARIZER_API_KEY)")
-    summarizer_model: str = expert("", "the summariser's model name (default $AEPO_SUMMARIZER_MODEL, else the first "
-                                       "model its endpoint lists)")
-    page_cache: str = arg("", "official protocol: SQLite file of SERP replies and pages, kept across runs (default "
-                              "<cache_dir>/browse/pages.sqlite)")
-    fetch_timeout_s: float = expert(20.0, "official protocol: seconds per page fetch (official 20)", valid="(0, inf)")
-    allow_failures: float = expert(0.05, "official protocol: share of requests an endpoint may fail", valid="[0, 1]")
-    check_timeout_s: float = expert(60.0, "official protocol: seconds per endpoint check at start-up", valid="(0, inf)")
+
+
+
+@dataclass
+class EvalConfig(protocol.OfficialConfig, _Common):
+    """eval.py's settings: _Common's, then protocol.OfficialConfig's (fields follow the reversed method order)."""
 
 
 # eval.py flag <- the run's config.yaml key
@@ -339,10 +315,10 @@ def _settings(argv) -> tuple[EvalConfig, str]:
         source = f"the settings of {args['run']} and the flags"
     cfg = EvalConfig(**{k: v for k, v in args.items() if k != "config"})
     config.check_valid(cfg)                      # before anything is read or written
-    for flag in ("system_prompt", "judge_prompt"):
-        if getattr(cfg, flag) and not official:
-            raise UserError(f"--set {flag} is read by --protocol official only (the training protocol's prompts "
-                            f"are tools.SYSTEM_PROMPT and correctness.JUDGE_PROMPT)")
+    given = [f"--{f.name}" for f in fields(protocol.OfficialConfig) if getattr(cfg, f.name) != f.default]
+    if given and not official:
+        raise UserError(f"{', '.join(given)}: read by --protocol official only (python eval.py --help: the group "
+                        f"'{protocol.GROUP}')")
     if not cfg.model:
         raise UserError("give --run runs/<name> (a training run) or --model PATH (python eval.py --help)")
     return cfg, source
@@ -363,7 +339,7 @@ def main(argv=None) -> list[dict]:
     rundir.check_writable(str(out), "out_dir")
     if official:
         return protocol.main(cfg, datasets, out)
-    judge = Judge.from_env(cfg.judge_url, cfg.judge_model, cfg.judge_api_key,
+    judge = Judge.from_env(cfg.judge_url, cfg.judge_model, None,
                            cfg.judge_cache or out / "judge_cache.json") if cfg.judge else None
     search = search_mod.make_search(cfg.search, **cfg.search_kw)
     search_mod.check_reachable(search)

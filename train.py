@@ -175,7 +175,7 @@ def evaluate(run: Run, name: str) -> dict | None:
 
 
 def rewards_of(scores: list[dict], trajectories, cfg) -> torch.Tensor:
-    """(N,) rewards: each score's reward (algorithm.md §5), plus the soft overlong penalty (--set overlong_cache)."""
+    """(N,) rewards: each score's reward (algorithm.md §5), plus the soft overlong penalty (--overlong_cache)."""
     rewards = torch.tensor([s["reward"] for s in scores], dtype=torch.float32)
     if cfg.overlong_cache:
         lengths = torch.tensor([len(t.response_ids) for t in trajectories])
@@ -231,7 +231,7 @@ class OldPolicy:
 def old_policy_pass(policy, ref, batches: list[list], cfg, amp, correction: mismatch.Correction | None = None
                     ) -> tuple[list[list[OldPolicy]], torch.Tensor, mismatch.MismatchSums]:
     """π_old's log-probs and entropies (at the rollout temperature) and the reference's for every micro-batch, and
-    Ã = A·(1 + α·sg(z(H))) (§3b) z-scored with entropy statistics over all ranks; with --set reinforce_pp A is
+    Ã = A·(1 + α·sg(z(H))) (§3b) z-scored with entropy statistics over all ranks; with --reinforce_pp A is
     first the batch-normalised per-token return (§7). Returns an OldPolicy per micro-batch (nested as `batches`)
     and, summed over all ranks, the old policy's entropy statistics [count, ΣH, ΣH²] and the generator–trainer
     mismatch (harness/mismatch.py) under `correction` (the run's, Run.correction; None: cfg's, for a call outside a
@@ -314,7 +314,7 @@ def main(argv=None, *, score=reward.score_response, make_generator=generation.ma
     cfg = config.parse_config(argv)
     if cfg.resume:                               # the run's own settings, unless a flag changes them
         cfg = config.parse_config(argv, defaults=rundir.saved_config(rundir.resumed_run(cfg)))
-    rank, world, device = parallel.init(cfg.device, cfg.dist_timeout_min)
+    rank, world, device = parallel.init(cfg.device)
     state = rundir.RunState()
     try:
         out = train(cfg, rank, world, device, state, score=score, make_generator=make_generator)

@@ -10,7 +10,7 @@ Wikipedia BM25 index, the same pages as the default `bm25` search, after a laten
 queries, else log-normal with median 2 s (sigma 0.5), like a SERP request and a summariser. The draw is a function of
 the query text, so both schedules meet the same latency for the same query; a request of several queries (one tool
 run) takes its slowest query's time. Then `train.main` runs the embedded default (its cold start, model, seed) for
-`--steps` steps twice from the same start, `--set lockstep_rollout=true` and false, `--questions_per_step` questions
+`--steps` steps twice from the same start, `--lockstep_rollout true` and false, `--questions_per_step` questions
 of k = 4 (more trees at once than the default 2, as the paper's 64), no evaluation. Reported per schedule: the
 rollout's wall time (time/rollout), the generator's idle seconds (time/gen_idle: nothing to decode while calls ran)
 as a share of the rollout and of the step, and whether the two schedules' trees are the same.
@@ -76,7 +76,7 @@ def run(lockstep: bool, url: str, out_dir: str, args) -> tuple[list[dict], list[
             "--mini_batch_size", str(args.questions_per_step), "--eval_data", "", "--out_dir", out_dir,
             "--run_name", name, "--search", "http", "--search_kw",
             json.dumps({"url": url, "topk": 1, "timeout_s": args.slow_s * 3}),
-            "--set", f"lockstep_rollout={str(lockstep).lower()}", "--seed", str(args.seed), "--bf16", args.bf16,
+            "--lockstep_rollout", str(lockstep).lower(), "--seed", str(args.seed), "--bf16", args.bf16,
             "--backend", args.backend]
     train.main(argv)
     run_dir = Path(out_dir) / name

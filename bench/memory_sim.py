@@ -384,7 +384,7 @@ def lora_settings(config_path: str, micro_batches: int):
 def lora_report(cfg, arch, results: list[tuple[Setting, dict]]) -> list[list[str]]:
     """Rows of the LoRA table: per GPU of LORA_GPUS and micro-batch, the trainer's phases, whether it fits without
     vLLM (the transformers backend: its generation's KV cache is not simulated) and the
-    --set vllm_gpu_memory_utilization range that fits with vLLM colocated (its bf16 base weights and KV cache in its
+    --vllm_gpu_memory_utilization range that fits with vLLM colocated (its bf16 base weights and KV cache in its
     share while it generates; asleep at level 1, weights offloaded to the CPU, while the trainer updates; its weights
     back for the adapter's sync)."""
     name = cfg.model.split("/")[-1]
@@ -471,7 +471,7 @@ def lora_table(args, t0) -> None:
           f" on one GPU at the official token budgets; totals add {NON_TORCH_GIB} GiB; 24 GB = "
           f"{SMALL_GPUS['24 GB'] / GIB:.1f} GiB, 48 GB = {SMALL_GPUS['48 GB'] / GIB:.1f} GiB:\n")
     print(markdown(["model", "GPU", "micro-batch", "trainer GiB: rollout / old-policy pass / update / sync",
-                    "without vLLM: peak GiB", "with vLLM: --set vllm_gpu_memory_utilization that fits"], rows))
+                    "without vLLM: peak GiB", "with vLLM: --vllm_gpu_memory_utilization that fits"], rows))
 
 
 def paper_tables(args, tables, t0) -> None:
@@ -485,7 +485,7 @@ def paper_tables(args, tables, t0) -> None:
     print(f"\nTotals add {NON_TORCH_GIB} GiB not in PyTorch's tracker (CUDA context, NCCL, fragmentation); 80 GB = "
           f"{GPUS['80 GB'] / GIB:.1f} GiB, 141 GB = {GPUS['141 GB'] / GIB:.1f} GiB.\n")
     print(markdown(["model", "GPU", "largest simulated micro-batch that fits",
-                    "--set vllm_gpu_memory_utilization that fits", "vLLM's KV cache at the config's (at most)"],
+                    "--vllm_gpu_memory_utilization that fits", "vLLM's KV cache at the config's (at most)"],
                    tables[1]))
     print("\n" + "\n".join(tables[2]))
 

@@ -7,7 +7,7 @@ synthetic batch shaped like the official 14B setting.
 
 Both use harness.run.policy.split_micro_batches exactly as the trainer does, per mini-batch of whole questions. The
 pad share is 1 − real positions / computed positions (rows × the longest row, summed over micro-batches), what
-`pad_share` logs with --set packed=false (the default packed forward computes the real positions only: 0).
+`pad_share` logs with --packed false (the default packed forward computes the real positions only: 0).
 The synthetic batch (an assumption, not a measurement): one rank's share of the official 14B step (64 questions on 8
 ranks, mini-batches of 8 questions: one question of k = 12 per rank per mini-batch), prompts uniform on [400, 2000]
 tokens, responses log-normal with a median of 1,500 tokens (σ = 0.9), cut at the 6,192-token budget; fixed micro-batches

@@ -64,7 +64,7 @@ class Judge:
 
     def __init__(self, url: str, model: str, api_key: str = "", cache_path=None, timeout_s: float = 60.0):
         if not url or not model:
-            raise UserError("the LLM judge needs a URL and a model (--judge_url and --set judge_model=M, or "
+            raise UserError("the LLM judge needs a URL and a model (--judge_url and --judge_model M, or "
                              "AEPO_JUDGE_URL/AEPO_JUDGE_MODEL)")
         self.url = url if url.rstrip("/").endswith("/chat/completions") else url.rstrip("/") + "/chat/completions"
         self.model, self.api_key, self.timeout_s = model, api_key, timeout_s

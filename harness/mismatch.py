@@ -172,7 +172,7 @@ def rollout_correction(old_logp, gen_logp, mask, tis_cap=0.0, token_band=None, s
 @dataclass(frozen=True)
 class Correction:
     """The correction's settings, one object: --tis_cap (0 = off), --mismatch_masks (some of MASKS) and
-    --set mismatch_band=[a, b]. `on` is the one test of whether any part is asked for."""
+    --mismatch_band '[a, b]'. `on` is the one test of whether any part is asked for."""
     tis_cap: float = 0.0
     masks: tuple[str, ...] = ()
     band: tuple[float, float] = (0.5, 2.0)

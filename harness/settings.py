@@ -26,7 +26,7 @@ def loss_settings(cfg) -> loss.LossSettings:
 
 
 def correction(cfg) -> mismatch.Correction:
-    """The generator–trainer correction of a training Config (--tis_cap, --mismatch_masks, --set mismatch_band)."""
+    """The generator–trainer correction of a training Config (--tis_cap, --mismatch_masks, --mismatch_band)."""
     return mismatch.Correction(cfg.tis_cap, tuple(cfg.mismatch_masks), tuple(cfg.mismatch_band))
 
 
@@ -71,7 +71,7 @@ def make_tools(search, limits: dict, names=("search", "python"), mcp_servers=(),
                tokenizer=None, model: str = "the model", as_data: bool = True) -> tools.Tools:
     """The tool runner of a run or an evaluation: --tools (search; python with --python_limits; yours from
     package.module:factory), the tools of each --mcp_server, in --tool_format, its results as data unless
-    --set observations_as_data=false (D46; the tags format's). Each problem is one UserError before any work: an unknown
+    --observations_as_data false (D46; the tags format's). Each problem is one UserError before any work: an unknown
     tool, a factory that fails or returns no Tool, a server that does not start or lists no tools, two tools of one
     name, a chat template that cannot carry the hermes format."""
     kw = python_limits(limits)
@@ -106,7 +106,7 @@ def make_tools(search, limits: dict, names=("search", "python"), mcp_servers=(),
             first[tool.name] = source
         tool_list = [tool for _, tool in built]
         if tool_format == "hermes" and not as_data:
-            raise UserError("--set observations_as_data=false reproduces the authors' tags format; the hermes format's "
+            raise UserError("--observations_as_data false reproduces the authors' tags format; the hermes format's "
                             "results are always data (the chat template's tool turn)")
         if tool_format == "hermes":
             from harness.hermes import HermesFormat
@@ -131,7 +131,7 @@ def python_isolation(mode: str, limits: dict | None = None) -> str:
     try:
         line = sandbox.describe(sandbox.require(mode))
     except (sandbox.IsolationError, ValueError) as err:
-        raise UserError(f"--set python_isolation={mode}: {err}") from None
+        raise UserError(f"--python_isolation {mode}: {err}") from None
     if limits is None:
         return line
     return line + "\n" + budget.process_budget().line(python_limits(limits)["total_memory_mb"])

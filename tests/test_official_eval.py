@@ -577,15 +577,15 @@ def test_a_bad_judge_prompt_file_is_one_line_at_start_up(text, message, setup, t
     bad = tmp_path / "judge.txt"
     bad.write_text(text)
     argv = ["--protocol", "official", "--model", str(setup / "tiny"), "--data", str(setup / "qa.jsonl"),
-            "--judge_url", "http://127.0.0.1:9/v1", "--out_dir", str(tmp_path / "out"), "--set", f"judge_prompt={bad}"]
+            "--judge_url", "http://127.0.0.1:9/v1", "--out_dir", str(tmp_path / "out"), "--judge_prompt", str(bad)]
     with pytest.raises(UserError) as err:                    # before any server is asked or any model loaded
         E.main(argv)
-    assert str(err.value).startswith(f"--set judge_prompt={bad}: ") and message in str(err.value)
+    assert str(err.value).startswith(f"--judge_prompt {bad}: ") and message in str(err.value)
     assert "\n" not in str(err.value)
     with pytest.raises(UserError, match="cannot be read"):
         O.prompt_file("system_prompt", str(tmp_path / "absent.txt"))
-    with pytest.raises(UserError, match="--set system_prompt is read by --protocol official only"):
-        E.main(argv[2:-2] + ["--set", f"system_prompt={bad}"])
+    with pytest.raises(UserError, match="^--runs, --system_prompt: read by --protocol official only"):
+        E.main(argv[2:-2] + ["--system_prompt", str(bad), "--runs", "3"])     # every one given, in --help's order
 
 
 def slow_summaries(seconds: float):
@@ -653,7 +653,7 @@ def command(argv, capsys) -> tuple[int, list[str], list[str]]:
 
 BAD = {"malformed": (2, "not a valid URL"), "closed": (1, r"nothing listens on 127\.0\.0\.1:\d+ \(connection refused\)"),
        "500": (1, "HTTP 500"), "not_json": (1, "no JSON|invalid JSON"),
-       "slow": (1, r"within 0\.5 s.*--set check_timeout_s=0\.5: raise it")}
+       "slow": (1, r"within 0\.5 s.*--check_timeout_s 0\.5: raise it")}
 
 
 @pytest.mark.parametrize("case", list(BAD))
@@ -745,11 +745,11 @@ def test_a_serp_api_that_fails_every_request_fails_the_evaluation(setup, tmp_pat
         code, out, err = command(served(stand, setup, tmp_path, search=serp.url("/request")), capsys)
     failed = [line for line in out if line.startswith("FAILED: ")]
     assert failed == [f"FAILED: the search backend (--search / --search_kw url) failed 1 of 1 requests (100%, more "
-                      f"than --set allow_failures=0.05; browse/serp_errors in the summaries); the first error: "
+                      f"than --allow_failures 0.05; browse/serp_errors in the summaries); the first error: "
                       f"SearchError: {serp.url('/request')} failed after 1 attempts (HTTP 500)"]
     assert out.index(failed[0]) > out.index(next(line for line in out if line.startswith("| qa |")))
     assert failed[0] in (tmp_path / "out" / "summary.md").read_text() and code == 1
-    assert err[-1] == (f"error: the search backend failed more than --set allow_failures=0.05 of its requests "
+    assert err[-1] == (f"error: the search backend failed more than --allow_failures 0.05 of its requests "
                        f"(FAILED above): these scores do not measure the policy alone; results in {tmp_path / 'out'}")
     assert (tmp_path / "out" / "qa_output_1.jsonl").exists() and len(serp.posted("/request")) == 2
 
@@ -762,7 +762,7 @@ def test_a_judge_that_fails_every_request_fails_the_evaluation(setup, tmp_path, 
     failed = [line for line in out if line.startswith("FAILED: ")]
     assert len(failed) == 1 and failed[0].startswith("FAILED: the judge (--judge_url) failed 1 of 1 requests (100%")
     assert f"the first error: EndpointError: {judge.url('/v1/chat/completions')} answered HTTP 500" in failed[0]
-    assert code == 1 and err[-1].startswith("error: the judge failed more than --set allow_failures=0.05")
+    assert code == 1 and err[-1].startswith("error: the judge failed more than --allow_failures 0.05")
     assert len(judge.posted("/v1/chat/completions")) == 1 + 3                   # the check, then 3 attempts
 
 
@@ -789,7 +789,7 @@ def test_failures_within_the_share_are_a_warning(allow, code, setup, tmp_path, m
     lines = [line for line in out if line.startswith(("warning: ", "FAILED: "))]
     assert len(lines) == 1 and lines[0].startswith(f"{word}: the summariser (--summarizer_url) failed 1 of 2 "
                                                    f"requests (50%, {'within' if code == 0 else 'more than'} "
-                                                   f"--set allow_failures={allow}; browse/summary_errors")
+                                                   f"--allow_failures {allow}; browse/summary_errors")
     assert "the first error: EndpointError: " in lines[0] and "within 0.3 s" in lines[0]
     assert got == code and (not err or not err[-1].startswith("error:")) == (code == 0)
 
@@ -803,7 +803,7 @@ def test_with_allow_failures_1_an_unreachable_serp_api_is_a_warning(setup, tmp_p
         code, out, err = command(served(stand, setup, tmp_path, "--set", "allow_failures=1", search=closed), capsys)
     assert out[1].startswith(f"warning: --search_kw url {closed}: nothing listens on ") and code == 0
     assert any(line.startswith("warning: the search backend (--search / --search_kw url) failed 1 of 1 requests "
-                               "(100%, within --set allow_failures=1") for line in out)
+                               "(100%, within --allow_failures 1") for line in out)
 
 
 def test_failures_are_counted_over_every_data_set_and_run():
@@ -814,10 +814,10 @@ def test_failures_are_counted_over_every_data_set_and_run():
     lines, failed = endpoints.failures([{"per_run": runs[:1]}, {"per_run": runs[1:]}],
                                        {"browse/serp_errors": "SearchError: \u202edown", "judge_errors": ""}, 0.05)
     assert lines == ["warning: the search backend (--search / --search_kw url) failed 1 of 20 requests (5%, within "
-                     "--set allow_failures=0.05; browse/serp_errors in the summaries); the first error: "
+                     "--allow_failures 0.05; browse/serp_errors in the summaries); the first error: "
                      "SearchError: down",
                      "FAILED: the judge (--judge_url) failed 1 of 4 requests (25%, more than "
-                     "--set allow_failures=0.05; judge_errors in the summaries); the first error: not kept"]
+                     "--allow_failures 0.05; judge_errors in the summaries); the first error: not kept"]
     assert failed == ["the judge"] and endpoints.failures([{"per_run": runs[1:]}], {}, 0.5) == ([
-        "warning: the judge (--judge_url) failed 1 of 2 requests (50%, within --set allow_failures=0.5; "
+        "warning: the judge (--judge_url) failed 1 of 2 requests (50%, within --allow_failures 0.5; "
         "judge_errors in the summaries); the first error: not kept"], [])

@@ -86,7 +86,7 @@ def check_connect(source: str, url: str, role: str, timeout_s: float) -> None:
     except socket.gaierror as err:
         why = f"the host name {host} does not resolve ({err.strerror})"
     except TimeoutError:
-        why = f"no connection to {host}:{port} within {timeout_s:g} s (--set check_timeout_s={timeout_s:g})"
+        why = f"no connection to {host}:{port} within {timeout_s:g} s (--check_timeout_s {timeout_s:g})"
     except OSError as err:
         why = f"{host}:{port} cannot be reached ({err.strerror or err})"
     raise RunFailure(f"{source} {url}: {why}; start {role} there or fix {source}")
@@ -100,7 +100,7 @@ def _asked(endpoint: Endpoint, request, timeout_s: float):
         return request()
     except (openai_client.EndpointError, search_mod.SearchError) as err:
         slow = time.monotonic() - started >= timeout_s
-        hint = f" (--set check_timeout_s={timeout_s:g}: raise it if the server is only slow)" if slow else ""
+        hint = f" (--check_timeout_s {timeout_s:g}: raise it if the server is only slow)" if slow else ""
         raise RunFailure(f"{endpoint.source} {endpoint.url}: {endpoint.role} failed a start-up check: "
                          f"{' '.join(str(err).split())}{hint}") from None
 
@@ -166,10 +166,9 @@ def check(cfg, cache_path) -> Checked:
     and the page cache writable (UserError), then the SERP API, the summariser, the judge (with --judge) and the
     policy (with --policy_url) each answering a request within --check_timeout_s (RunFailure). With --allow_failures
     1 a SERP API that does not answer is a warning line: a run may replay its searches from the page cache."""
-    summarizer = openai_endpoint("summarizer_url", "the summariser", "AEPO_SUMMARIZER", cfg.summarizer_url,
-                                 cfg.summarizer_model)
-    judge = openai_endpoint("judge_url", "the judge", "AEPO_JUDGE", cfg.judge_url, cfg.judge_model,
-                            cfg.judge_api_key) if cfg.judge else None
+    summarizer = openai_endpoint("summarizer_url", "the summariser", "AEPO_SUMMARIZER", cfg.summarizer_url)
+    judge = openai_endpoint("judge_url", "the judge", "AEPO_JUDGE", cfg.judge_url,
+                            cfg.judge_model) if cfg.judge else None
     policy = Endpoint("--policy_url", "the policy", cfg.policy_url, "", os.environ.get("AEPO_POLICY_API_KEY", "")) \
         if cfg.policy_url else None
     search, serp = search_probe(cfg.search, cfg.search_kw, cfg.check_timeout_s)
@@ -182,7 +181,7 @@ def check(cfg, cache_path) -> Checked:
     except RunFailure as err:
         if cfg.allow_failures < 1:
             raise
-        print(f"warning: {err} (going on with --set allow_failures=1: searches the page cache lacks will fail)",
+        print(f"warning: {err} (going on with --allow_failures 1: searches the page cache lacks will fail)",
               flush=True)
     summarizer = check_openai(summarizer, "/chat/completions", cfg.check_timeout_s)
     judge = check_openai(judge, "/chat/completions", cfg.check_timeout_s) if judge else None
@@ -212,7 +211,7 @@ def failures(summaries: list[dict], first_errors: dict, allow: float) -> tuple[l
         first = " ".join(for_console(str(first_errors.get(errors) or "not kept")).split())[:300]
         lines.append(f"{'FAILED' if over else 'warning'}: {role} ({source}) failed {totals[errors]} of "
                      f"{totals[asked]} requests ({share:.0%}, "
-                     f"{'more than' if over else 'within'} --set allow_failures={allow:g}; {errors} in the summaries); "
+                     f"{'more than' if over else 'within'} --allow_failures {allow:g}; {errors} in the summaries); "
                      f"the first error: {first}")
         failed += [role] if over else []
     return lines, failed

@@ -23,6 +23,7 @@ from concurrent.futures import ThreadPoolExecutor, TimeoutError as FutureTimeout
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
+from harness.config import arg
 from harness.official.rules import TAGS, aggregate, cut_call, print_last_expression, run_summary, score, tag_content
 from rollout import Sampling
 
@@ -32,6 +33,40 @@ REPEATED = "You have already searched this query. Use the results you got for it
 # eval.py's flags that both protocols read, at their official values under this one (its own flags default to theirs)
 OFFICIAL = {"temperature": 0.6, "top_p": 0.95, "top_k": 20, "repetition_penalty": 1.1, "max_response_tokens": 4096,
             "search": "brightdata", "search_kw": {}, "judge": True, "batch_size": 50}
+
+
+GROUP = "the official protocol (algorithm.md §6): read only with --protocol official"
+
+
+@dataclass
+class OfficialConfig:
+    """eval.py's settings that only this protocol reads (EvalConfig has them; given under --protocol training they
+    are an error): --help's group GROUP. Their defaults are the authors' values (OfficialSettings)."""
+    runs: int = arg(5, "runs over every question, one output file each; Pass@k over them (official 5)",
+                    valid="[1, 1024]", group=GROUP)
+    policy_url: str = arg("", "an OpenAI-compatible endpoint serving the policy (vllm serve CHECKPOINT) instead of "
+                              "sampling --model here, which then names the tokenizer")
+    summarizer_url: str = arg("", "the summariser's base URL (default $AEPO_SUMMARIZER_URL; API key "
+                                  "$AEPO_SUMMARIZER_API_KEY)")
+    page_cache: str = arg("", "SQLite file of SERP replies and pages, kept across runs (default "
+                              "<cache_dir>/browse/pages.sqlite)")
+    system_prompt: str = arg("", "a text file, the policy's system prompt (default: tools.SYSTEM_PROMPT; the "
+                                 "authors' checkpoints: their code_search prompt, D34)")
+    judge_prompt: str = arg("", "a text file, the judge's exact prompt with placeholders {question}, {gold}, "
+                                "{prediction} (default: correctness.OFFICIAL_JUDGE_PROMPT, ours, D38)")
+    calls_per_step: int = arg(4, "generate calls per step; a call whose text has no closing tag is continued "
+                                 "(official 4: the first and 3 more)", valid="[1, 100]")
+    python_limit: int = arg(5, "python calls per question (official 5)", valid="[0, 1000]")
+    search_limit: int = arg(10, "search calls per question (official 10)", valid="[0, 1000]")
+    tool_timeout_s: float = arg(120.0, "seconds per tool call; for a search, its SERP request and page fetches, not "
+                                       "its summary (official 120)", valid="(0, inf)")
+    summary_timeout_s: float = arg(600.0, "seconds per search summary, apart from tool_timeout_s (official: the "
+                                          "OpenAI client's default 600, D36)", valid="(0, inf)")
+    max_model_len: int = arg(32768, "the policy's context; a call that would pass it ends the question (official: "
+                                    "vllm serve --max-model-len 32768)", valid="[1, inf)")
+    fetch_timeout_s: float = arg(20.0, "seconds per page fetch (official 20)", valid="(0, inf)")
+    allow_failures: float = arg(0.05, "share of requests an endpoint may fail", valid="[0, 1]")
+    check_timeout_s: float = arg(60.0, "seconds per endpoint check at start-up", valid="(0, inf)")
 
 
 @dataclass(frozen=True)
@@ -263,30 +298,30 @@ def markdown_table(summaries: list[dict]) -> str:
 
 
 def prompt_file(key: str, path: str, placeholders: tuple = ()) -> str:
-    """The text of the prompt file given as --set key=FILE, checked at start-up: a readable UTF-8 file, not empty,
+    """The text of the prompt file given as --KEY FILE, checked at start-up: a readable UTF-8 file, not empty,
     and, where `placeholders` are named (a prompt filled by str.format), holding each as {name} and no other field (a
     literal brace is written {{ or }}). Anything else is a one-line UserError naming the file."""
     from harness.cli import UserError
     try:
         text = Path(path).read_text(encoding="utf-8")
     except (OSError, UnicodeDecodeError) as err:
-        raise UserError(f"--set {key}={path}: cannot be read as UTF-8 text ({type(err).__name__}: {err})") from None
+        raise UserError(f"--{key} {path}: cannot be read as UTF-8 text ({type(err).__name__}: {err})") from None
     if not text.strip():
-        raise UserError(f"--set {key}={path}: the file is empty")
+        raise UserError(f"--{key} {path}: the file is empty")
     if not placeholders:
         return text
     names = ", ".join("{" + name + "}" for name in placeholders)
     try:
         fields = [name for _, name, _, _ in string.Formatter().parse(text) if name is not None]
     except ValueError as err:
-        raise UserError(f"--set {key}={path}: not a str.format template ({err}; write a literal brace as {{{{ or "
+        raise UserError(f"--{key} {path}: not a str.format template ({err}; write a literal brace as {{{{ or "
                         f"}}}})") from None
     for name in placeholders:
         if name not in fields:
-            raise UserError(f"--set {key}={path}: the placeholder {{{name}}} is missing (the prompt needs {names})")
+            raise UserError(f"--{key} {path}: the placeholder {{{name}}} is missing (the prompt needs {names})")
     for name in fields:
         if name not in placeholders:
-            raise UserError(f"--set {key}={path}: {{{name}}} is not a placeholder it fills (only {names}; write a "
+            raise UserError(f"--{key} {path}: {{{name}}} is not a placeholder it fills (only {names}; write a "
                             f"literal brace as {{{{ or }}}})")
     return text
 
@@ -341,7 +376,7 @@ def main(cfg, datasets: list, out: Path) -> list[dict]:
                                 call_tokens=cfg.max_response_tokens, calls_per_step=cfg.calls_per_step,
                                 python_limit=cfg.python_limit, search_limit=cfg.search_limit,
                                 tool_timeout_s=cfg.tool_timeout_s, summary_timeout_s=cfg.summary_timeout_s,
-                                sample_timeout_s=cfg.sample_timeout_s, max_model_len=cfg.max_model_len,
+                                max_model_len=cfg.max_model_len,
                                 batch_size=cfg.batch_size, seed=cfg.seed, allow_failures=cfg.allow_failures)
     out.mkdir(parents=True, exist_ok=True)
     (out / "config.json").write_text(json.dumps(asdict(cfg), indent=2))
@@ -360,7 +395,7 @@ def main(cfg, datasets: list, out: Path) -> list[dict]:
     print(table + f"results in {out}", flush=True)
     checked.cache.close()
     if failed:
-        raise RunFailure(f"{' and '.join(failed)} failed more than --set allow_failures={settings.allow_failures:g} of "
+        raise RunFailure(f"{' and '.join(failed)} failed more than --allow_failures {settings.allow_failures:g} of "
                          f"{'its' if len(failed) == 1 else 'their'} requests (FAILED above): these scores do not "
                          f"measure the policy alone; results in {out}")
     return summaries

@@ -14,18 +14,20 @@ import rollout
 import sampler
 from harness.run.policy import tensorize, unwrap
 
+QUESTIONS = 4                    # held-out questions the probe samples one trajectory each from
+
 
 def record(run) -> list:
-    """The probe: one trajectory from each of the first --set probe_questions held-out questions, sampled once by the
+    """The probe: one trajectory from each of the first QUESTIONS held-out questions, sampled once by the
     starting policy at the rollout temperature and kept in <run>/probe.json (a resumed run reads it back), so that
     the policy's entropy is measured on the same tokens at every step (the sampled tokens' entropy moves with the
     questions each step draws and with what the tree samples)."""
     cfg, path = run.cfg, run.dir / "probe.json"
-    if not cfg.probe_questions or not run.eval_rows:
+    if not run.eval_rows:
         return []
     if path.exists():
         return [tuple(item) for item in json.loads(path.read_text())]
-    rows = run.eval_rows[:cfg.probe_questions]
+    rows = run.eval_rows[:QUESTIONS]
     with torch.no_grad(), run.amp():
         trajectories, _ = rollout.tree_rollout(
             [run.tools.format.build_prompt(run.tokenizer, r["question"]) for r in rows], run.generator, run.tools,

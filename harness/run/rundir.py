@@ -298,7 +298,7 @@ class RunState:
 # settings a resumed run may change: length, evaluation, logging, output, and how (not what) it computes
 RESUMABLE = {"steps", "epochs", "eval_data", "eval_limit", "eval_n", "eval_every", "eval_before", "log_samples",
              "report_to", "out_dir", "run_name", "resume", "save_every", "keep_checkpoints", "save_trainer_state",
-             "device", "dist_timeout_min", "cache_dir", "micro_batch_size", "gen_batch_size", "gradient_checkpointing",
+             "device", "cache_dir", "micro_batch_size", "gen_batch_size", "gradient_checkpointing",
              "parallel", "backend", "vllm_gpu_memory_utilization", "allow_config_change"}
 
 

@@ -49,7 +49,7 @@ class Run:
     sampling: rollout.Sampling               # the rollout's sampling (temperature, top-p)
     objective: loss.LossSettings             # the update's objective (algorithm.md §4, §7)
     correction: mismatch.Correction          # the generator–trainer correction (algorithm.md §4b)
-    score: Callable[[str, list], dict]       # reward.score_response (with --set strict_format), or a test's stand-in
+    score: Callable[[str, list], dict]       # reward.score_response (with --strict_format), or a test's stand-in
     log: Callable[[str], None]               # a line on rank 0
 
     @property
@@ -68,7 +68,7 @@ class Run:
 
     def step_questions(self, step: int) -> list[dict]:
         """This rank's questions of step `step` (0-based): its share of the step's questions, and with
-        --set dynamic_sampling (DAPO) as many again, of which the step keeps the groups whose rewards differ."""
+        --dynamic_sampling (DAPO) as many again, of which the step keeps the groups whose rewards differ."""
         cfg, n = self.cfg, self.questions_here
         rows = dataset.step_questions(self.train_rows, step, cfg.questions_per_step, cfg.seed)[
             self.rank * n:(self.rank + 1) * n]
@@ -180,7 +180,7 @@ def set_up(cfg: config.Config, rank: int, world: int, device: torch.device, stat
 
 
 def run_score(cfg, score, fmt):
-    """score(text, golds) -> reward.score_response's dict for this run: --set strict_format, the format's tool tags, and
+    """score(text, golds) -> reward.score_response's dict for this run: --strict_format, the format's tool tags, and
     --reward's function in place of the deep-research reward."""
     tags = {} if fmt.format_tags == tools.TAGS.format_tags else {"tool_names": fmt.format_tags}
     scored = functools.partial(score, strict_format=cfg.strict_format, **tags)
@@ -209,7 +209,7 @@ def _policy(cfg, base_path: str, demos: list[dict], tokenizer, ckpts: list[Path]
     load = functools.partial(load_policy, world=world, device=device, parallel=cfg.parallel, bf16=cfg.bf16, rank=rank,
                              gradient_checkpointing=cfg.gradient_checkpointing, seed=cfg.seed, packed=cfg.packed)
     policy = load(init_path, lora=None if need_cold_start else lora, packed=cfg.packed and not need_cold_start)
-    if need_cold_start:                          # (its forward padded, as --set packed leaves the cold start)
+    if need_cold_start:                          # (its forward padded, as --packed leaves the cold start)
         amp = (lambda: torch.autocast(device.type, dtype=torch.bfloat16)) if cfg.bf16 else contextlib.nullcontext
         steps = settings.cold_start_settings(cfg).steps
         log(f"cold start: {len(demos)} demonstrations, {steps} steps (cached in {cs_dir})")

@@ -1,5 +1,5 @@
 """What each rank is doing, said aloud when it takes too long: a rank stuck in a generation, a tool call or a
-collective is named with what it waits on, well before the collective timeout (--set dist_timeout_min) ends the run.
+collective is named with what it waits on, well before the collective timeout (120 minutes: harness/run/parallel.py) ends the run.
 
 Multi-turn rollouts are uneven: one rank's tool call can hang while the others wait for it in the next all-reduce,
 and without a word until the process group times out. Each rank keeps one `Watchdog`; the code says what it is about
