@@ -250,10 +250,10 @@ class _Common:
                                             "(official protocol: 1.1)", valid="(0, inf)")
 
 
-
 @dataclass
 class EvalConfig(protocol.OfficialConfig, _Common):
-    """eval.py's settings: _Common's, then protocol.OfficialConfig's (fields follow the reversed method order)."""
+    """eval.py's settings: _Common's fields, then protocol.OfficialConfig's (a dataclass takes its bases' fields from
+    the last base to the first), so --help lists the official protocol's group after the settings of both."""
 
 
 # eval.py flag <- the run's config.yaml key

@@ -376,9 +376,10 @@ def test_a_web_search_without_its_api_key_is_one_line(kind, setup, tmp_path, cap
         assert not (setup / "runs" / "serp").exists()
     else:
         closed = "http://127.0.0.1:9/v1"                  # never asked: the key is missing before any request
+        endpoints = ["--summarizer_url", closed, "--judge_url", closed] if "official" in given else []
         line = one_line(capsys, evaluation.main, ["--model", str(setup / "tiny"), "--data", str(setup / "qa.jsonl"),
-                                                  "--device", "cpu", "--summarizer_url", closed, "--judge_url", closed,
-                                                  "--out_dir", str(tmp_path / "ev"), *given])
+                                                  "--device", "cpu", *endpoints, "--out_dir", str(tmp_path / "ev"),
+                                                  *given])
         assert not (tmp_path / "ev").exists()
     assert re.search(says, line), line
 
