@@ -33,7 +33,7 @@ import rollout
 import tools
 from harness import cli, config, generation, search as search_mod, settings as settings_mod, trees
 from harness.run import checkpoint, parallel, rundir, runlog
-from harness.official import protocol
+from harness.official import flags as official_flags, protocol
 from harness.cli import UserError
 from harness.config import Config, arg, expert
 from harness.correctness import Judge, math_equal
@@ -251,9 +251,9 @@ class _Common:
 
 
 @dataclass
-class EvalConfig(protocol.OfficialConfig, _Common):
-    """eval.py's settings: _Common's fields, then protocol.OfficialConfig's (a dataclass takes its bases' fields from
-    the last base to the first), so --help lists the official protocol's group after the settings of both."""
+class EvalConfig(official_flags.OfficialConfig, _Common):
+    """eval.py's settings: _Common's fields, then harness/official/flags.py's OfficialConfig (a dataclass takes its
+    bases' fields from the last base to the first), so --help lists the official protocol's group after both's."""
 
 
 # eval.py flag <- the run's config.yaml key
@@ -315,10 +315,10 @@ def _settings(argv) -> tuple[EvalConfig, str]:
         source = f"the settings of {args['run']} and the flags"
     cfg = EvalConfig(**{k: v for k, v in args.items() if k != "config"})
     config.check_valid(cfg)                      # before anything is read or written
-    given = [f"--{f.name}" for f in fields(protocol.OfficialConfig) if getattr(cfg, f.name) != f.default]
+    given = [f"--{f.name}" for f in fields(official_flags.OfficialConfig) if getattr(cfg, f.name) != f.default]
     if given and not official:
         raise UserError(f"{', '.join(given)}: read by --protocol official only (python eval.py --help: the group "
-                        f"'{protocol.GROUP}')")
+                        f"'{official_flags.GROUP}')")
     if not cfg.model:
         raise UserError("give --run runs/<name> (a training run) or --model PATH (python eval.py --help)")
     return cfg, source

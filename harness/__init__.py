@@ -16,7 +16,7 @@ process group), `run/policy` (the model on 1..N processes, micro-batches), `pack
 `generation/vllm_segments` (a segment as engine requests). `sandbox/` (the python tool's isolation) with
 `sandbox/observation` (a run as the policy reads it), `sandbox/launcher` (the process that sets up a call inside it),
 `sandbox/budget` (how many calls at once), `sandbox/cgroups`, `sandbox/seccomp`, `sandbox/cleanup`, `sandbox/landlock`,
-`sandbox/rootfs`. `official/` (the authors' evaluation protocol) with `official/protocol` (its loop), `official/rules`
-(its scoring), `official/browse` (its browsing search), `official/endpoints` (its servers checked at start-up, their
-failures counted).
+`sandbox/rootfs`. `official/` (the authors' evaluation protocol) with `official/protocol` (its loop), `official/flags`
+(eval.py's flags it alone reads), `official/rules` (its scoring), `official/browse` (its browsing search),
+`official/endpoints` (its servers checked at start-up, their failures counted).
 Nothing is imported here: the sandbox's launcher starts from a bare interpreter. """
