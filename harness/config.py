@@ -200,8 +200,9 @@ class Config:
                                              "--micro_batch_size trajectories each)",
                                           valid="[0, inf)")
     packed: bool = expert(True, "padding-free forward for the old-policy pass, the update and the probe: a "
-                                "micro-batch's trajectories in one row, each attending only to itself (verl's "
-                                "use_remove_padding); Llama, Qwen2 and Qwen3 models, others run padded")
+                                "micro-batch's trajectories in one row, each attending only to itself, a prefix "
+                                "they share computed once (verl's use_remove_padding); Llama, Qwen2 and Qwen3 "
+                                "models, others run padded")
     kl_coef: float = arg(LossSettings.kl_coef, "KL(π_θ‖π_ref) penalty to a frozen copy of the initial policy "
                                                "(official 0; in the reward with reinforce_pp)", valid="[0, inf)")
     entropy_coef: float = arg(LossSettings.entropy_coef, "entropy bonus: loss − entropy_coef·H of the current policy "

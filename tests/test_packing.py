@@ -1,6 +1,7 @@
 """harness/packing.py and Policy(lm, packed=True): the padding-free forward gives the padded forward's log-probs,
 entropies and gradients (float32 to rounding, bfloat16 as close to float32 as the padded one) on tiny random Llama,
-Qwen2 and Qwen3 models and the embedded SmolLM2-135M; the decoder sees the real tokens only; models it does not support
+Qwen2 and Qwen3 models and the embedded SmolLM2-135M, also where trajectories share prefixes (computed once); the
+decoder sees the real tokens only, each shared prefix once; models it does not support
 run padded; the decision and the attention's registration happen once, when the Policy is built; generation on the
 same model object is unchanged; and a train.py step is the same either way."""
 import json
@@ -43,11 +44,25 @@ def micro_batch(vocab: int, shapes=SHAPES):
     return mb, torch.randn(mb.mask.shape, generator=gen)
 
 
-def forward_backward(lm, mb, adv, packed: bool, bf16: bool = False):
+def shared_micro_batch(vocab: int):
+    """Trajectories that share prefixes the ways a rollout's do: a prompt (P) shared by most, a tree's branch (P + A)
+    shared by three that then part, one that is a prefix of another (P + A[:4]), one the same as another, one sharing
+    only P's first 5 tokens (a system prompt), one sharing nothing; every response token scored, a random advantage."""
+    gen = torch.Generator().manual_seed(1)
+    draw = lambda n: torch.randint(0, vocab, (n,), generator=gen).tolist()       # noqa: E731
+    P, A = draw(12), draw(9)
+    tail = draw(5)
+    shapes = [(P, A + tail), (P, A + draw(8)), (P[:5], draw(4)), (P, draw(6)), (P, A[:4]), (draw(3), draw(6)),
+              (P, A + tail)]
+    mb = tensorize([(p, r, [1] * len(r)) for p, r in shapes], 0, "cpu")
+    return mb, torch.randn(mb.mask.shape, generator=gen)
+
+
+def forward_backward(lm, mb, adv, packed: bool, bf16: bool = False, share: bool = True):
     """logp, entropy (B, L-1) and every parameter's gradient of Σ logp·mask·adv + 0.1·Σ H·mask."""
     lm.zero_grad()
     with torch.autocast("cpu", dtype=torch.bfloat16, enabled=bf16):
-        logp, entropy = Policy(lm, packed)(mb.input_ids, mb.attention_mask, mb.mask, 0.7)
+        logp, entropy = Policy(lm, packed, share)(mb.input_ids, mb.attention_mask, mb.mask, 0.7)
     ((logp * mb.mask * adv).sum() + 0.1 * (entropy * mb.mask).sum()).backward()
     return logp.detach(), entropy.detach(), {n: p.grad.clone() for n, p in lm.named_parameters() if p.grad is not None}
 
@@ -78,6 +93,29 @@ def test_pack_and_unpack_layout():
         packing.pack(ids, attn.flip(1))
 
 
+def test_pack_shared_layout():
+    """Each trajectory's longest common prefix with an earlier one is computed once: the row holds the rest."""
+    ids = torch.tensor([[5, 6, 7, 8, 0], [5, 6, 9, 0, 0], [5, 6, 7, 8, 1], [3, 0, 0, 0, 0], [5, 6, 9, 0, 0]])
+    attn = (ids != 0).long()
+    attn[2] = 1
+    packed, positions, layout = packing.pack_shared(ids, attn)
+    assert packed.tolist() == [[5, 6, 7, 8, 9, 1, 3]] and positions.tolist() == [[0, 1, 2, 3, 2, 4, 0]]
+    assert layout.first == [0, 2, 4, 0, 3] and layout.starts == [0, 4, 5, 6, 7] and layout.lengths == [4, 3, 5, 1, 3]
+    assert layout.path.tolist() == [[0, 1, 2, 3, 0], [0, 1, 4, 0, 0], [0, 1, 2, 3, 5], [6, 0, 0, 0, 0],
+                                    [0, 1, 4, 0, 0]]
+    assert layout.shares and "shared_prefixes" in layout.kwargs()
+    mask = torch.tensor([[0, 1, 1, 0], [0, 1, 0, 0], [0, 0, 1, 1], [0, 0, 0, 0], [1, 1, 0, 0]])
+    hidden = torch.arange(7.0)[None, :, None]                           # (1, N, 1): a position's own row index
+    assert layout.unpack(hidden, mask)[:, 0].tolist() == [1, 2, 1, 2, 3, 0, 1]
+    with pytest.raises(ValueError, match="next token is not in its trajectory"):
+        layout.unpack(hidden, torch.tensor([[0, 0, 0, 1], [0] * 4, [0] * 4, [0] * 4, [0] * 4]))
+    plain, plain_positions, unshared = packing.pack_shared(ids, attn, share=False)   # pack's row and boundaries
+    row, row_positions, cu_seqlens, lengths = packing.pack(ids, attn)
+    assert torch.equal(plain, row) and torch.equal(plain_positions, row_positions) and not any(unshared.first)
+    got, want = unshared.kwargs(), packing.boundaries(cu_seqlens, lengths)
+    assert got.keys() == want.keys() and all(torch.equal(torch.as_tensor(got[k]), torch.as_tensor(want[k])) for k in want)
+
+
 # ---------------------------------------------------------------------------------------------------------------------
 # Values and gradients against the padded forward
 
@@ -100,6 +138,35 @@ def test_packed_equals_padded_float32(arch, variant):
     assert worst_relative(packed[2], padded[2]) < 1e-5
 
 
+@pytest.mark.parametrize("arch, variant", [("llama", ""), ("qwen2", ""), ("qwen3", ""),
+                                           ("llama", "gradient checkpointing"), ("llama", "lora")])
+def test_shared_prefixes_equal_padded_float32(arch, variant):
+    """Prefixes computed once (a prompt, a branch, a duplicate, a prefix of another): the padded forward's log-probs,
+    entropies and gradients (summed over the trajectories through a shared token) to rounding."""
+    lm = tiny(arch)
+    if variant == "gradient checkpointing":
+        enable_gradient_checkpointing(lm)
+        lm.train()
+    if variant == "lora":
+        lm = with_adapters(lm, b_scale=0.05)
+    mb, adv = shared_micro_batch(VOCAB)
+    padded, shared = forward_backward(lm, mb, adv, packed=False), forward_backward(lm, mb, adv, packed=True)
+    for want, got in zip(padded[:2], shared[:2]):
+        assert torch.allclose(got, want, rtol=1e-5, atol=1e-5)
+        assert bool((got[mb.mask == 0] == 0).all())
+    assert worst_relative(shared[2], padded[2]) < 1e-5
+
+
+def test_shared_prefixes_bf16_as_close_to_float32_as_unshared():
+    lm = tiny("llama")
+    mb, adv = shared_micro_batch(VOCAB)
+    exact = forward_backward(lm, mb, adv, packed=False)
+    unshared, shared = (forward_backward(lm, mb, adv, packed=True, bf16=True, share=s) for s in (False, True))
+    for want, got in zip(unshared[:2], shared[:2]):
+        assert torch.allclose(got, want, atol=1e-2)
+    assert worst_relative(shared[2], exact[2]) <= 1.25 * worst_relative(unshared[2], exact[2]) + 1e-3
+
+
 @pytest.mark.parametrize("arch", ["llama", "qwen3"])
 def test_packed_bf16_is_as_close_to_float32_as_padded(arch):
     lm = tiny(arch)
@@ -118,11 +185,12 @@ def test_packed_equals_padded_on_the_embedded_model():
     from harness import config, models
     embedded_gguf_dir()                                                 # skips where the wheel is not installed
     lm = models.load_lm(str(models.embedded_model_dir(config.cache_dir())), "cpu")
-    mb, adv = micro_batch(lm.config.vocab_size, [(20, 30), (1, 1), (15, 20)])
-    padded, packed = forward_backward(lm, mb, adv, packed=False), forward_backward(lm, mb, adv, packed=True)
-    for want, got in zip(padded[:2], packed[:2]):
-        assert torch.allclose(got, want, rtol=1e-4, atol=1e-4)
-    assert worst_relative(packed[2], padded[2]) < 1e-4
+    for mb, adv in (micro_batch(lm.config.vocab_size, [(20, 30), (1, 1), (15, 20)]),
+                    shared_micro_batch(lm.config.vocab_size)):
+        padded, packed = forward_backward(lm, mb, adv, packed=False), forward_backward(lm, mb, adv, packed=True)
+        for want, got in zip(padded[:2], packed[:2]):
+            assert torch.allclose(got, want, rtol=1e-4, atol=1e-4)
+        assert worst_relative(packed[2], padded[2]) < 1e-4
 
 
 # ---------------------------------------------------------------------------------------------------------------------
@@ -147,6 +215,8 @@ def test_the_packed_decoder_computes_the_real_tokens_only():
     assert n_real < mb.attention_mask.numel()                          # the padded rows do hold padding
     assert decoder_inputs(lm, mb, packed=True) == [(1, n_real)]
     assert decoder_inputs(lm, mb, packed=False) == [tuple(mb.input_ids.shape)]
+    shared, _ = shared_micro_batch(VOCAB)                              # 53 tokens: the rest is shared
+    assert decoder_inputs(lm, shared, packed=True) == [(1, 12 + 9 + 5 + 8 + 4 + 6 + 9)]
     assert pad_share([[mb]], packed=True) == 0.0
     assert pad_share([[mb]]) == pytest.approx(1 - n_real / mb.attention_mask.numel())
 

@@ -43,9 +43,9 @@ class Policy(torch.nn.Module):
     real tokens in one row, each trajectory attending to itself only (harness/packing.py), the same values up to
     rounding with no padding computed; else on the padded rows. `self.packed` says which."""
 
-    def __init__(self, lm, packed: bool = False):
+    def __init__(self, lm, packed: bool = False, share_prefixes: bool = True):
         super().__init__()
-        self.lm = lm
+        self.lm, self.share_prefixes = lm, share_prefixes
         self.packed = packed and packing.supported(lm.get_decoder().config)
         if self.packed:
             packing.use_packed_attention(lm.get_decoder())
@@ -53,10 +53,11 @@ class Policy(torch.nn.Module):
     def forward(self, input_ids, attention_mask, mask, temperature: float = 1.0, chunk_size: int = 1024):
         decoder, sel = self.lm.get_decoder(), mask.bool()
         if self.packed:
-            ids, position_ids, cu_seqlens, lengths = packing.pack(input_ids, attention_mask)
+            ids, position_ids, layout = packing.pack_shared(input_ids, attention_mask) if self.share_prefixes \
+                else packing.pack_shared(input_ids, attention_mask, share=False)
             hidden = decoder(input_ids=ids, position_ids=position_ids, attention_mask=torch.ones_like(ids),
-                             **packing.boundaries(cu_seqlens, lengths)).last_hidden_state
-            hidden_sel = packing.unpack(hidden, sel, cu_seqlens)
+                             **layout.kwargs()).last_hidden_state
+            hidden_sel = layout.unpack(hidden, sel)
         else:
             hidden = decoder(input_ids=input_ids, attention_mask=attention_mask).last_hidden_state
             hidden_sel = hidden[:, :-1][sel]
