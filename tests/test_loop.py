@@ -555,24 +555,27 @@ def test_the_correction_without_generator_logprobs_is_one_error_line(setup, caps
 
 def test_groups_with_equal_rewards_and_the_split_by_question_type():
     """frac_reward_zero_std counts the questions whose rewards are all equal; type/<type>/… splits success, searches,
-    truncation and that share by the data's `type` field (a row without one counts in the overall share only)."""
+    truncation, branches, m and that share by the data's `type` field (a row without one counts in the overall share only)."""
     from harness.run import runlog
 
-    def traj(group, calls, truncated=False):
-        return rollout.Trajectory(group_id=group, traj_id=0, prompt_ids=[1], tool_calls=calls, truncated=truncated)
+    def traj(group, calls, truncated=False, parent=None):
+        return rollout.Trajectory(group_id=group, traj_id=0, prompt_ids=[1], tool_calls=calls, truncated=truncated,
+                                  parent=parent)
     search = [("search", "q")]
     rows = [{"meta": {"type": "lookup"}}, {"meta": {"type": "two_hop"}}, {"meta": {"type": "two_hop"}}, {"meta": {}}]
-    trajectories = [traj(0, search), traj(0, search), traj(1, search * 2), traj(1, search, True),
+    trajectories = [traj(0, search), traj(0, search), traj(1, search * 2), traj(1, search, True, parent=0),
                     traj(2, []), traj(2, search), traj(3, []), traj(3, [])]
     em = [1, 1, 1, 0, 0, 0, 0, 0]
     rewards = torch.tensor([1.0, 1.0, 1.0, -1.0, 0.0, 0.0, 0.5, 0.5])
-    batch = runlog.StepBatch(rows, trajectories, [{"em": e} for e in em], rewards, [2, 2, 2, 2])
+    batch = runlog.StepBatch(rows, trajectories, [{"em": e} for e in em], rewards, [2, 1, 2, 2])
     m = runlog.group_means(runlog.group_sums(batch))
     assert m["frac_reward_zero_std"] == 0.75                 # questions 0, 2, 3 teach nothing
     assert m["type/lookup/frac_reward_zero_std"] == 1.0 and m["type/two_hop/frac_reward_zero_std"] == 0.5
     assert m["type/two_hop/questions"] == 2 and m["type/lookup/questions"] == 1
     assert m["type/two_hop/acc"] == 0.25 and m["type/lookup/acc"] == 1.0
     assert m["type/two_hop/searches"] == 1.0 and m["type/two_hop/truncated"] == 0.25
+    assert m["type/two_hop/branches"] == 0.5 and m["type/lookup/branches"] == 0.0     # per question of the type
+    assert m["type/two_hop/m"] == 1.5 and m["type/lookup/m"] == 2.0
     assert not any(key.startswith("type/None") for key in m)
     line = runlog.format_line(3, 8, {**m, "time/rollout": 1.0, "time/old_logp": 1.0, "time/update": 1.0})
     assert "zero_std 0.75" in line and "acc lookup 1.00" in line and "acc two_hop 0.25" in line

@@ -89,7 +89,8 @@ def step_metrics(step: int, batch: StepBatch, tree_stats: dict, adv, entropy, lo
 def group_sums(batch: StepBatch) -> dict[str, float]:
     """This rank's sums behind `frac_reward_zero_std` (the share of questions whose rewards are all equal, so that
     their advantages are 0 and they teach nothing) and, per question type (a dataset's `type` field), the same
-    with the trajectories' success, searches and truncation: docs/reference.md, the metrics."""
+    with the trajectories' success, searches and truncation, and the branches and the pre-monitor's m per question:
+    docs/reference.md, the metrics."""
     members: dict[int, list] = {}
     for t, s, r in zip(batch.trajectories, batch.scores, batch.rewards.tolist()):
         members.setdefault(t.group_id, []).append((t, s, r))
@@ -106,7 +107,8 @@ def group_sums(batch: StepBatch) -> dict[str, float]:
         per = {"groups": 1.0, "groups_zero_std": zero_std, "trajectories": len(group),
                "acc": sum(s["em"] for _, s, _ in group),
                "searches": sum(name == "search" for t, _, _ in group for name, _ in t.tool_calls),
-               "truncated": sum(bool(t.truncated) for t, _, _ in group)}
+               "truncated": sum(bool(t.truncated) for t, _, _ in group),
+               "branches": sum(t.parent is not None for t, _, _ in group), "m": float(batch.m_per_question[g])}
         for key, value in per.items():
             sums[f"type/{kind}/{key}"] = sums.get(f"type/{kind}/{key}", 0.0) + float(value)
     return sums
@@ -120,6 +122,7 @@ def group_means(g: dict[str, float]) -> dict[str, float]:
         out[at + "questions"] = g[at + "groups"]
         out[at + "frac_reward_zero_std"] = g[at + "groups_zero_std"] / g[at + "groups"]
         out.update({at + key: g[at + key] / g[at + "trajectories"] for key in ("acc", "searches", "truncated")})
+        out.update({at + key: g[at + key] / g[at + "groups"] for key in ("branches", "m")})
     return out
 
 
