@@ -1,38 +1,40 @@
-"""AEPO against the paper's RL baselines at small scale: same model, data, budget and seeds; only the switches differ.
+"""AEPO against GRPO and ARPO where RL learns (configs/learn.yaml's setting): the same model, cold start, questions and
+budget per seed; only the algorithm's switches differ (configs/<name>.yaml, algorithm.md §7).
 
-    python bench/compare_algorithms.py                      # 8 algorithms x 3 seeds, then the entropy-fall experiments
-    python bench/compare_algorithms.py --only algorithms    # the 24 runs of results.md: 3 h 25 min on 2 cores
-    python bench/compare_algorithms.py --only algorithms --seeds 0 --steps 4 --eval_limit 20   # a smaller look: 13 min
-    python bench/compare_algorithms.py --only experiments --seeds 0,1   # bench/results/compare/experiments: 1 h 43 min
-    python bench/compare_algorithms.py --only algorithms --seeds 0,1,2,3,4 --jobs 1 --threads 2
-    python bench/compare_algorithms.py --only experiments --methods grpo,aepo,aepo-norollout   # some of them
-    python bench/compare_algorithms.py --report_only        # re-aggregate the finished runs
+    .venv-vllm/bin/python bench/compare_algorithms.py                 # GRPO, ARPO, AEPO x seeds 0-4 -> bench/results/compare/
+    .venv-vllm/bin/python bench/compare_algorithms.py --seeds 0 --steps 12 --eval_limit 60    # the smaller look (~1 h)
+    .venv-vllm/bin/python bench/compare_algorithms.py --methods grpo,reinforce_pp,dapo,gppo,cispo,gigpo,arpo,aepo --seeds 0,1
+    .venv-vllm/bin/python bench/compare_algorithms.py --only experiments --seeds 0,1   # AEPO, one mechanism changed each
+    python bench/compare_algorithms.py --report_only                  # re-aggregate the finished runs
 
-Task: data/build_lookup.py (fictional people and firms behind the BM25 search tool; one- and two-search questions;
-since 2026-12-06 12 of its 24 cold-start demonstrations search twice: the runs of results.md (2026-12-05) had none).
-Model: the embedded SmolLM2-135M-Instruct, cold-started once per seed on the same 24 demonstrations, so every run of
-a seed starts from the same weights. Algorithms: configs/<name>.yaml (algorithm.md §7): GRPO, REINFORCE++, DAPO, GPPO,
-CISPO, GiGPO, ARPO, AEPO. The entropy-fall experiments are AEPO with one mechanism changed each (--only
-experiments): `aepo-noentadv` (entropy-aware advantage off), `aepo-nosg` (PPO clip instead of the sg clip),
-`aepo-norollout` (k independent samples instead of the tree), `aepo-halflr` (half the learning rate),
-`aepo-shortcold` (2 cold-start steps instead of 8: a less sharpened start).
+Task: data/build_lookup.py with a third of the questions three-hop (`--three_hop_every 3`; the cold start's 24
+demonstrations hold `--three_hop_demos` three-hop and 3 two-hop ones: bench/results/gate/), built under --work: fictional
+people and firms behind BM25 top-1, so each question needs one, two or three searches, and every multi-hop success
+hinges on the decision right after a tool result (answer now, or search what it named), where AEPO and ARPO branch.
+Model: the embedded SmolLM2-135M-Instruct, cold-started once per seed (the cold start is cached by its data and
+seed), so every run of a seed starts from the same weights; GRPO's run evaluates that start (--eval_before), the others
+only after. Held-out: the first --eval_limit test questions x --eval_n samples at temperature 0.6, after − start and
+the paired AEPO − method (the same seeds and questions) with 95% intervals, overall and per question type. The
+mechanism table: informative groups (unequal rewards) per step, branches and the pre-monitor's m per question, by type;
+branches on a tree's top chain; gradient kept and dropped by the clip; the probe's entropy change; held-out searches
+per correct answer. The other five algorithms (REINFORCE++, DAPO, GPPO, CISPO, GiGPO) run with --methods, and the
+entropy-fall experiments with --only experiments: AEPO with one mechanism changed each (`aepo-noentadv`: entropy-aware
+advantage off, `aepo-nosg`: PPO clip, `aepo-norollout`: k independent samples, `aepo-halflr`: half the learning rate,
+`aepo-shortcold`: 2 cold-start steps).
 
-Generation uses vLLM's CPU build when this interpreter has it (run the script with .venv-vllm/bin/python, made by
-`bash tests/vllm_stage.sh`), else the transformers backend (--backend forces one). Runs go to --work, `--jobs` at a
-time with `--threads` torch threads each; a finished run is reused (only if it ran with the same command), an
-unfinished one starts again. The report (results.md, results.json, one PNG per mechanism) goes to --out. Every seed
-that ran is reported; none is dropped.
+Generation uses vLLM's CPU build when this interpreter has it (.venv-vllm/bin/python, made by
+`bash tests/vllm_stage.sh`), else transformers (--backend forces one). Runs go to --work, `--jobs` at a time with
+`--threads` torch threads each (bench/run_train.py): a finished run is reused when it ran the same command, a stopped one
+resumes from its last checkpoint (every 8 steps), and a finished run's checkpoints are deleted. The report
+(results.md, results.json, one PNG per mechanism) goes to --out. Every seed that ran is reported; none is dropped.
 """
 import argparse
 import concurrent.futures
-import dataclasses
 import importlib.util
 import json
-import os
 import shlex
 import shutil
 import statistics
-import subprocess
 import sys
 import time
 import warnings
@@ -43,11 +45,15 @@ import numpy as np
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "data"))
 sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "bench"))
+import run_train  # noqa: E402
 from harness import jsonl  # noqa: E402
-from harness.config import Config  # noqa: E402
-from build_lookup import make_task  # noqa: E402
+from harness.config import parse_config  # noqa: E402
+from build_lookup import SEARCHES, make_task  # noqa: E402
 
 ALGOS = ("grpo", "reinforce_pp", "dapo", "gppo", "cispo", "gigpo", "arpo", "aepo")
+MAIN = ("grpo", "arpo", "aepo")                 # the issue's comparison; the other five with --methods
+TUNABLE = ("steps", "k", "questions_per_step", "max_response_tokens", "lr")    # --config's unless given
 EXPERIMENTS = {"aepo-noentadv": ["--entropy_advantage=false"], "aepo-nosg": ["--sg_clip=false"],
                "aepo-norollout": ["--entropy_branching=false"], "aepo-halflr": ["--lr={half_lr}"],
                "aepo-shortcold": ["--cold_start_kw={{questions: 24, steps: 2, batch: 3, lr: 5.0e-5}}"]}
@@ -68,41 +74,21 @@ MECHANISMS = [("entropy", "policy token entropy"), ("diversity", "rollout divers
 def train_argv(name: str, seed: int, task: dict, args) -> list[str]:
     """The exact train.py command line of one run (printed in the report)."""
     algo, extra = name.split("-")[0], EXPERIMENTS.get(name, [])
-    return ["train.py", "--config", f"configs/{algo}.yaml", f"--seed={seed}", f"--run_name={name}-s{seed}",
-            f"--out_dir={args.work}/runs", f"--train_data={task['train']}", f"--eval_data={task['test']}",
-            "--search_kw", json.dumps({"corpus_path": task["corpus"], "topk": 1}), f"--backend={args.backend}",
-            f"--steps={args.steps}", f"--k={args.k}", f"--questions_per_step={args.questions_per_step}",
-            f"--max_response_tokens={args.max_response_tokens}", f"--lr={args.lr}",
+    half_lr = (args.lr if args.lr is not None else parse_config(["--config", args.config]).lr) / 2
+    return ["train.py", "--config", args.config, "--config", f"configs/{algo}.yaml", f"--seed={seed}",
+            f"--run_name={name}-s{seed}", f"--out_dir={args.work}/runs", f"--train_data={task['train']}",
+            f"--eval_data={task['test']}", "--search_kw", json.dumps({"corpus_path": task["corpus"], "topk": 1}),
+            f"--backend={args.backend}", *[f"--{key}={getattr(args, key)}" for key in TUNABLE
+                                           if getattr(args, key) is not None],
             f"--eval_limit={args.eval_limit}", f"--eval_n={args.eval_n}", f"--eval_every={args.eval_every}",
-            f"--eval_before={str(name == 'grpo').lower()}", "--save_every=0", "--keep_checkpoints=1",
-            "--save_trainer_state=false", "--device=cpu",
-            *[flag.format(half_lr=args.lr / 2) for flag in extra]]
+            f"--eval_before={str(name == 'grpo').lower()}", "--save_every=8", "--keep_checkpoints=1", "--device=cpu",
+            *[flag.format(half_lr=half_lr) for flag in extra]]
 
 
 def run_one(name: str, seed: int, task: dict, args) -> str:
-    run_dir = Path(args.work) / "runs" / f"{name}-s{seed}"
-    argv = train_argv(name, seed, task, args)
-    log = Path(args.work) / "logs" / f"{name}-s{seed}.log"
-    argv_file = log.with_suffix(".argv.json")
-    if (run_dir / "eval" / "after_summary.json").exists():
-        if not argv_file.exists() or json.loads(argv_file.read_text()) != argv:
-            raise RuntimeError(f"{run_dir} finished with other settings than these; pass another --work or "
-                               "delete it")
-        return f"{name}-s{seed}: done before, reused"
-    shutil.rmtree(run_dir, ignore_errors=True)                 # an unfinished run starts again
-    log.parent.mkdir(parents=True, exist_ok=True)
-    argv_file.write_text(json.dumps(argv))
-    env = {**os.environ, "OMP_NUM_THREADS": str(args.threads), "MKL_NUM_THREADS": str(args.threads),
-           "TOKENIZERS_PARALLELISM": "false", "VLLM_CPU_KVCACHE_SPACE": "1"}
-    t0 = time.time()
-    with open(log, "w") as f:
-        proc = subprocess.run([sys.executable, *argv], cwd=ROOT, env=env, stdout=f, stderr=subprocess.STDOUT)
-    if proc.returncode != 0:
-        how = f"exited {proc.returncode}" if proc.returncode > 0 else f"was killed by signal {-proc.returncode}"
-        if proc.returncode == -9:
-            how += " (out of memory? each run needs about 6 GB)"
-        raise RuntimeError(f"{name}-s{seed}: train.py {how}; see {log}")
-    return f"{name}-s{seed}: {time.time() - t0:.0f} s"
+    said = run_train.run(f"{name}-s{seed}", train_argv(name, seed, task, args), Path(args.work), args.threads)
+    shutil.rmtree(Path(args.work) / "runs" / f"{name}-s{seed}" / "checkpoints", ignore_errors=True)   # finished
+    return said
 
 
 def load_run(run_dir: Path) -> dict:
@@ -153,9 +139,54 @@ def mean_sd(xs: list[float]) -> tuple[float, float]:
     return statistics.fmean(xs), (statistics.stdev(xs) if len(xs) > 1 else 0.0)
 
 
-def per_seed_numbers(run: dict, k: int) -> dict:
+def question_types(run_dir: Path, name: str = "after") -> list[str | None]:
+    """The held-out questions' types (their data's `type`), in the order of per_question."""
+    rows = [json.loads(line) for line in jsonl.lines((run_dir / "eval" / f"{name}_results.jsonl").read_text(
+        encoding="utf-8")) if line.strip()]
+    return [r.get("meta", {}).get("type") for r in sorted(rows, key=lambda r: r["index"])]
+
+
+def searches_per_correct(run_dir: Path, name: str = "after") -> dict[str, float]:
+    """Held-out search calls per correct answer (all samples' searches over the correct samples), overall and per
+    question type: what a correct answer costs in tool calls."""
+    rows = [json.loads(line) for line in jsonl.lines((run_dir / "eval" / f"{name}_results.jsonl").read_text(
+        encoding="utf-8")) if line.strip()]
+    out = {}
+    for kind in [None, *sorted({r.get("meta", {}).get("type") for r in rows} - {None})]:
+        mine = [x for r in rows if kind is None or r.get("meta", {}).get("type") == kind for x in r.get("samples", [])]
+        correct = sum(bool(x.get("correct")) for x in mine)
+        calls = sum(c[0] == "search" for x in mine for c in x.get("tool_calls", []))
+        if correct:                              # (none correct: no such number)
+            out[kind or "all"] = calls / correct
+    return out
+
+
+def by_type(ms: list[dict]) -> dict:
+    """Per question type, over a run's steps: informative groups (rewards not all equal: the only ones with an
+    advantage) per step and as a share of that type's groups; branches and the pre-monitor's m per question."""
+    out = {}
+    for kind in sorted({key.split("/")[1] for m in ms for key in m if key.startswith("type/")}):
+        at = f"type/{kind}/"
+        rows = [m for m in ms if m.get(at + "questions")]
+        n = sum(m[at + "questions"] for m in rows)
+        informative = sum(m[at + "questions"] * (1 - m[at + "frac_reward_zero_std"]) for m in rows)
+        out[f"informative/{kind}"] = informative / len(ms)
+        if not n:
+            continue
+        out[f"informative_share/{kind}"] = informative / n
+        for key in ("branches", "m"):
+            if all(at + key in m for m in rows):                  # runs from before these metrics lack them
+                out[f"{key}/{kind}"] = sum(m[at + "questions"] * m[at + key] for m in rows) / n
+    return out
+
+
+def per_seed_numbers(run: dict, k: int, run_dir: Path | None = None) -> dict:
     ms, after = run["metrics"], run["eval"]["after"]
     half = ms[len(ms) // 2:]
+    branched = [m["branch_top_chain"] for m in ms if m.get("branches") and "branch_top_chain" in m]
+    extra = {**by_type(ms), **({"top_chain": statistics.fmean(branched)} if branched else {})}
+    if run_dir is not None and (run_dir / "eval" / "after_results.jsonl").exists():
+        extra.update({f"searches_per_correct/{kind}": v for kind, v in searches_per_correct(run_dir).items()})
 
     def avg(key, rows=ms):
         return statistics.fmean(m[key] for m in rows)
@@ -168,15 +199,16 @@ def per_seed_numbers(run: dict, k: int) -> dict:
             "searches_executed": sum(m.get("tools/search/calls", 0) for m in ms), "step_s": avg("time/step"),
             **({"branch_top_chain": avg("branch_top_chain")} if "branch_top_chain" in ms[0] else {}),
             **({"probe_first": ms[0]["probe_entropy"], "probe_last": ms[-1]["probe_entropy"],
-                "probe_change": ms[-1]["probe_entropy"] - ms[0]["probe_entropy"]} if "probe_entropy" in ms[0] else {})}
+                "probe_change": ms[-1]["probe_entropy"] - ms[0]["probe_entropy"]} if "probe_entropy" in ms[0] else {}),
+            **extra}
 
 
 def report(args, names: list[str], seeds: list[int], out: Path) -> dict:
     runs = {(a, s): load_run(Path(args.work) / "runs" / f"{a}-s{s}") for a in names for s in seeds}
     k = args.eval_n
     res = {"seeds": seeds, "settings": {key: getattr(args, key) for key in (
-               "steps", "k", "questions_per_step", "max_response_tokens", "lr", "eval_limit", "eval_n", "eval_every",
-               "backend")},
+               "config", *TUNABLE, "eval_limit", "eval_n", "eval_every", "backend", "three_hop_every",
+               "three_hop_demos")},
            "train_commands": {a: "python " + shlex.join(json.loads((Path(args.work) / "logs" / f"{a}-s{seeds[0]}"
                                                                   ".argv.json").read_text())).replace(f"{ROOT}/", "")
                               for a in names},
@@ -189,19 +221,33 @@ def report(args, names: list[str], seeds: list[int], out: Path) -> dict:
     if len(res["before"]) == len(seeds):                                 # the start every run of a seed shares
         start = np.stack([per_question(work / f"{names[0]}-s{s}", "before") for s in seeds])
         res["start_pass@1"] = interval(start)
+        types = question_types(work / f"{names[0]}-s{seeds[0]}")
+        res["start_by_type"] = {t: interval(start[:, [i for i, x in enumerate(types) if x == t]])
+                                for t in SEARCHES if t in types}
     fmt = {a: [per_question(work / f"{a}-s{s}", "after", "format_valid") for s in seeds] for a in names}
     fmt_start = ([per_question(work / f"{names[0]}-s{s}", "before", "format_valid") for s in seeds]
                  if start is not None else [None])
     has_fmt = all(x is not None for xs in [*fmt.values(), fmt_start] for x in xs)
     if has_fmt:                                  # what the reward teaches beside the answer: the format
         res["start_format_valid"] = interval(np.stack(fmt_start))
+    types = question_types(work / f"{names[0]}-s{seeds[0]}")
+    kinds = [t for t in SEARCHES if t in types]
+    res["types"] = {t: types.count(t) for t in kinds}
+    cols = {t: [i for i, x in enumerate(types) if x == t] for t in kinds}
     for a in names:
-        per_seed = {s: per_seed_numbers(runs[a, s], k) for s in seeds}
+        per_seed = {s: per_seed_numbers(runs[a, s], k, work / f"{a}-s{s}") for s in seeds}
+        common = [key for key in per_seed[seeds[0]] if all(key in per_seed[s] for s in seeds)]
         res["algos"][a] = {"per_seed": per_seed,
-                           "mean_sd": {key: mean_sd([per_seed[s][key] for s in seeds]) for key in per_seed[seeds[0]]},
-                           "pass@1": interval(after[a]), "questions": after[a].shape[1]}
+                           "mean_sd": {key: mean_sd([per_seed[s][key] for s in seeds]) for key in common},
+                           "pass@1": interval(after[a]), "questions": after[a].shape[1],
+                           "by_type": {t: {"pass@1": interval(after[a][:, c])} for t, c in cols.items()}}
         if start is not None and a not in OWN_START:
             res["algos"][a]["gain"] = interval(after[a] - start)
+            for t, c in cols.items():
+                res["algos"][a]["by_type"][t]["gain"] = interval(after[a][:, c] - start[:, c])
+        if "aepo" in names and a != "aepo":
+            for t, c in cols.items():
+                res["algos"][a]["by_type"][t]["aepo_minus"] = interval(after["aepo"][:, c] - after[a][:, c])
         if has_fmt:
             res["algos"][a]["format_valid"] = interval(np.stack(fmt[a]))
             if a not in OWN_START:
@@ -247,7 +293,9 @@ def markdown(res: dict, names: list[str], k: int) -> str:
         return f"{triple[0]:.3f} [{triple[1]:.3f}, {triple[2]:.3f}]"
     start = res.get("start_pass@1")
     q = res["algos"][names[0]]["questions"]
-    intervals = [f"Held-out Pass@1 over {q} questions x {k} samples and seeds {', '.join(map(str, seeds))}: mean and "
+    intervals = [f"# {', '.join(NAMES[a] for a in names)} ({time.strftime('%Y-%m-%d')})", "",
+                 f"Settings: {json.dumps(res['settings'])}.", "",
+                 f"Held-out Pass@1 over {q} questions x {k} samples and seeds {', '.join(map(str, seeds))}: mean and "
                  "95% interval (bootstrap over seeds and questions); the paired difference compares the same "
                  "questions of the same seeds, each seed's methods from the same start.", "",
                  "| | start | after training | after − start | AEPO − this method | format valid after "
@@ -261,6 +309,16 @@ def markdown(res: dict, names: list[str], k: int) -> str:
                          f"{ci(row['aepo_minus']) if 'aepo_minus' in row else '–'} | "
                          f"{ci(row['format_valid']) if 'format_valid' in row else '–'} | "
                          f"{ci(row['format_gain']) if 'format_gain' in row else '–'} |")
+    if res.get("types"):
+        intervals += ["", "By question type (" + ", ".join(f"{n} {t}" for t, n in res["types"].items()) + "):", "",
+                      "| | type | start | after training | after − start | AEPO − this method |", "|---|---|---|---|---|---|"]
+        for a in names:
+            for t, row in res["algos"][a].get("by_type", {}).items():
+                own = ci(res["start_by_type"][t]) if "start_by_type" in res and a not in OWN_START else "–"
+                intervals.append(f"| {NAMES[a]} | {t} | {own} | {ci(row['pass@1'])} | "
+                                 f"{ci(row['gain']) if 'gain' in row else '–'} | "
+                                 f"{ci(row['aepo_minus']) if 'aepo_minus' in row else '–'} |")
+        intervals += ["", *mechanism_table(res, names)]
     if "start_format_valid" in res:
         intervals += ["", f"Format valid (the share of held-out samples in the agent's format, which the reward scores "
                       f"beside the answer) at the start: {ci(res['start_format_valid'])}."]
@@ -287,6 +345,35 @@ def markdown(res: dict, names: list[str], k: int) -> str:
     return "\n".join(lines) + "\n"
 
 
+def mechanism_table(res: dict, names: list[str]) -> list[str]:
+    """The paper's mechanisms, per method (mean ± sd over seeds), by question type where they act."""
+    kinds = list(res["types"])
+
+    def cell(a, key, fmt="{:.2f}"):
+        stats = res["algos"][a]["mean_sd"].get(key)
+        return "–" if stats is None else f"{fmt.format(stats[0])} ± {fmt.format(stats[1])}"
+
+    def per_kind(a, key, fmt="{:.2f}"):
+        return " / ".join(cell(a, f"{key}/{t}", fmt) for t in kinds)
+    head = " / ".join(kinds)
+    lines = ["Mechanisms (mean ± sd over seeds; by type in the order " + head + "): informative groups are a step's "
+             "questions whose rewards are not all equal (the only ones with an advantage); branches per question are "
+             "the trajectories a tree forked off; m is the pre-monitor's global samples per question (k without the "
+             "dynamic budget); the top chain's share is of a branched tree's branches; kept / dropped are the shares "
+             "of tokens the clip kept a gradient for and dropped; the probe's change is its entropy at the last step "
+             "less the first's; searches per correct answer are held-out search calls over correct samples.", "",
+             f"| | informative groups / step ({head}) | share of groups informative | branches / question | m / question "
+             "| branches on the top chain | grad kept / dropped | probe entropy change | searches per correct answer "
+             f"(all; {head}) |", "|---|---|---|---|---|---|---|---|---|"]
+    for a in names:
+        lines.append(f"| {NAMES[a]} | {per_kind(a, 'informative')} | {per_kind(a, 'informative_share')} | "
+                     f"{per_kind(a, 'branches')} | {per_kind(a, 'm', '{:.1f}')} | {cell(a, 'top_chain')} | "
+                     f"{cell(a, 'grad_kept', '{:.4f}')} / {cell(a, 'grad_dropped', '{:.4f}')} | "
+                     f"{cell(a, 'probe_change', '{:.3f}')} | {cell(a, 'searches_per_correct/all')} "
+                     f"({per_kind(a, 'searches_per_correct')}) |")
+    return lines
+
+
 def plot(runs: dict, names: list[str], seeds: list[int], key: str, title: str, args, path: Path) -> None:
     """One mechanism over the steps, one line per algorithm (mean over seeds, 3-step running mean; band: min-max)."""
     import matplotlib
@@ -308,7 +395,8 @@ def plot(runs: dict, names: list[str], seeds: list[int], key: str, title: str, a
             if key == "pass1":
                 if any(metric not in runs[a, s]["eval"]["after"] for s in seeds):
                     continue                                             # summaries from before the key
-                curves = [pass1_curve(runs[a, s], args.steps, args.eval_every, metric) for s in seeds]
+                curves = [pass1_curve(runs[a, s], len(runs[a, s]["metrics"]), args.eval_every, metric)
+                          for s in seeds]
                 curves = [[(0, start), *c] if c[0][0] and start is not None and a not in OWN_START else c
                           for c, start in zip(curves, starts)]
                 steps = np.array([step for step, _ in curves[0]])
@@ -342,32 +430,37 @@ def running_mean(xs: np.ndarray, window: int) -> np.ndarray:
 
 def main_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--seeds", default="0,1,2", help="comma-separated seeds (each seed: one run per algorithm)")
-    parser.add_argument("--only", default="all", choices=["all", "algorithms", "experiments"],
-                        help="the algorithms, the entropy-fall experiments, or both")
+    parser.add_argument("--seeds", default="0,1,2,3,4", help="comma-separated seeds (each seed: one run per method)")
+    parser.add_argument("--only", default="algorithms", choices=["all", "algorithms", "experiments"],
+                        help="the algorithms (GRPO, ARPO, AEPO unless --methods names others), the entropy-fall "
+                        "experiments, or both")
     parser.add_argument("--work", default=str(ROOT / "runs" / "compare"), help="task files, run directories, logs")
     parser.add_argument("--out", default=str(ROOT / "bench" / "results" / "compare"), help="report directory")
-    parser.add_argument("--methods", default="", help="comma-separated: only these of --only's methods (e.g. "
-                        "grpo,aepo,aepo-norollout; default all)")
-    parser.add_argument("--jobs", type=int, default=2, help="runs at once")
-    parser.add_argument("--threads", type=int, default=1, help="torch threads per run")
+    parser.add_argument("--methods", default="", help="comma-separated: these of --only's methods (e.g. "
+                        "grpo,dapo,aepo or aepo-norollout; default GRPO, ARPO, AEPO and every experiment)")
+    parser.add_argument("--jobs", type=int, default=1, help="runs at once")
+    parser.add_argument("--threads", type=int, default=2, help="torch threads per run")
     parser.add_argument("--backend", default="vllm" if importlib.util.find_spec("vllm") else "transformers",
                         choices=["vllm", "transformers"], help="generation backend (default: vLLM when installed)")
-    default = {f.name: f.default for f in dataclasses.fields(Config)}     # the default run's settings
-    for key in ("steps", "k", "questions_per_step", "max_response_tokens", "lr"):
-        parser.add_argument(f"--{key}", type=type(default[key]), default=default[key],
-                            help=f"train.py's (default {default[key]}, the default run's)")
-    parser.add_argument("--eval_limit", type=int, default=100, help="held-out questions (half lookups, half two-hop)")
-    parser.add_argument("--eval_n", type=int, default=default["eval_n"],
-                        help="samples per held-out question (Pass@1 and Pass@n)")
-    parser.add_argument("--eval_every", type=int, default=4, help="held-out evaluation every N steps (the Pass@1 curve)")
+    parser.add_argument("--config", default="configs/learn.yaml", help="the setting every run starts from")
+    for key in TUNABLE:
+        parser.add_argument(f"--{key}", type=float if key == "lr" else int, default=None,
+                            help="train.py's (default: --config's)")
+    parser.add_argument("--three_hop_every", type=int, default=3, help="every n-th RL and held-out question is "
+                        "three-hop (data/build_lookup.py; 0: none)")
+    parser.add_argument("--three_hop_demos", type=int, default=3, help="three-hop demonstrations among the cold "
+                        "start's 24 (bench/results/gate/)")
+    parser.add_argument("--eval_limit", type=int, default=150, help="held-out questions (the types in turn)")
+    parser.add_argument("--eval_n", type=int, default=2, help="samples per held-out question (Pass@1 and Pass@n)")
+    parser.add_argument("--eval_every", type=int, default=0, help="held-out evaluation every N steps too (a Pass@1 "
+                        "curve; 0: before and after only)")
     parser.add_argument("--report_only", action="store_true", help="only aggregate the finished runs in --work")
     return parser
 
 
 def chosen_reports(args: argparse.Namespace) -> dict[str, tuple[list[str], Path]]:
     """{report: (its methods, its folder)} for --only and --methods; ValueError names a method --only does not have."""
-    reports = {"algorithms": (list(ALGOS), Path(args.out)),
+    reports = {"algorithms": (list(ALGOS) if args.methods else list(MAIN), Path(args.out)),
                "experiments": (["grpo", "aepo", *EXPERIMENTS], Path(args.out) / "experiments")}
     reports = {key: value for key, value in reports.items() if args.only in ("all", key)}
     if not args.methods:
@@ -389,7 +482,8 @@ def main() -> None:
         reports = chosen_reports(args)
     except ValueError as e:
         main_parser().error(str(e))
-    task = make_task(Path(args.work) / "task", n_test=args.eval_limit)
+    task = make_task(Path(args.work) / "task", n_test=max(200, args.eval_limit), three_hop_every=args.three_hop_every,
+                     three_hop_demos=args.three_hop_demos if args.three_hop_every else 0)
     if not args.report_only:
         started = time.time()
         # seed-major order: a comparison stopped early holds whole seeds (a rerun reuses every finished run)

@@ -3,9 +3,11 @@
 RL sharpens what sampling already reaches; it does not invent from zero. So before training, each cold start (d
 two-hop demonstrations among its 24, and its steps / batch / learning rate) is sampled the way RL samples: k = 8
 independent trajectories per question at temperature 1 and the learning setting's token budget, on RL-pool questions
-of each type (lookup, two_hop; data/build_lookup.py). Per type: Pass@1, Pass@8, the share in format, with >= 2
-searches, truncated, and (two-hop) answering the director's name instead of the passphrase. The cold start to train
-from is one where two-hop Pass@1 is about 0.05-0.20 and Pass@8 >= 0.4: something for RL to amplify.
+of each type (lookup, two_hop, and three_hop where the variant's task has them; data/build_lookup.py). Per type:
+Pass@1, Pass@8, the share in format, with >= 2 and >= 3 searches, truncated, and (two- and three-hop) answering the
+director's name instead of the passphrase. The cold start to train from is one where two-hop Pass@1 is about 0.05-0.20
+and Pass@8 >= 0.4: something for RL to amplify. The t variants ask the same of three-hop questions (a third of the RL
+pool, bench/compare_algorithms.py's task) with t three-hop demonstrations among the 24.
 
     .venv-vllm/bin/python bench/gate.py                           # every variant below -> bench/results/gate/
     .venv-vllm/bin/python bench/gate.py --variants d12-s8,d12-s24 # some of them
@@ -33,14 +35,25 @@ from build_lookup import DEFAULT, make_task  # noqa: E402
 from reward import pass_at_k  # noqa: E402
 
 LEARN_D = DEFAULT["two_hop_demos"]
-# name -> (two-hop demonstrations d, cold-start steps, batch, learning rate)
+# name -> (two-hop demonstrations d, cold-start steps, batch, learning rate[, three-hop demonstrations t: the task then
+# has every third RL-pool question three-hop])
 VARIANTS = {"d12-s8": (12, 8, 3, 5e-5), "d12-s24": (12, 24, 3, 5e-5), "d6-s24": (6, 24, 3, 5e-5),
             "d3-s24": (3, 24, 3, 5e-5), "d2-s24": (2, 24, 3, 5e-5), "d1-s24": (1, 24, 3, 5e-5),
-            "d0-s24": (0, 24, 3, 5e-5)}
+            "d0-s24": (0, 24, 3, 5e-5), "d3-t0-s24": (3, 24, 3, 5e-5, 0), "d3-t3-s24": (3, 24, 3, 5e-5, 3),
+            "d3-t6-s24": (3, 24, 3, 5e-5, 6)}
+KINDS = ("lookup", "two_hop", "three_hop")
+
+
+def task_of(name: str, work: Path) -> dict:
+    """The variant's lookup task (built under work/tasks/)."""
+    d, *_, t = VARIANTS[name] if len(VARIANTS[name]) == 5 else (*VARIANTS[name], None)
+    if t is None:
+        return make_task(work / "tasks" / f"d{d}", two_hop_demos=d)
+    return make_task(work / "tasks" / f"d{d}-t{t}", two_hop_demos=d, three_hop_demos=t, three_hop_every=3)
 
 
 def variant_argv(name: str, task: dict, args) -> list[str]:
-    d, steps, batch, lr = VARIANTS[name]
+    d, steps, batch, lr = VARIANTS[name][:4]
     return ["--train_data", task["train"], "--eval_data", "", "--search", "bm25",
             "--search_kw", json.dumps({"corpus_path": task["corpus"], "topk": 1}),
             "--cold_start_kw", json.dumps({"questions": 24, "steps": steps, "batch": batch, "lr": lr}),
@@ -62,7 +75,7 @@ def sample_one(argv: list[str], per_type: int, k: int) -> dict:
     run = set_up(cfg, 0, 1, torch.device("cpu"), rundir.RunState(), reward.score_response,
                  generation.make_generator)
     rows = []
-    for kind in ("lookup", "two_hop"):
+    for kind in KINDS:
         rows += [r for r in run.train_rows if r["meta"]["type"] == kind][:per_type]
     tree = rollout.TreeSettings(k=k, dynamic_budget=False, entropy_branching=False,
                                 max_tool_calls=cfg.max_tool_calls, max_response_tokens=cfg.max_response_tokens)
@@ -81,6 +94,7 @@ def sample_one(argv: list[str], per_type: int, k: int) -> dict:
                         "correct": int(sum(s["em"] for s in scores)),
                         "format_ok": sum(s["format_valid"] for s in scores),
                         "two_searches": sum(sum(c[0] == "search" for c in t.tool_calls) >= 2 for t in mine),
+                        "three_searches": sum(sum(c[0] == "search" for c in t.tool_calls) >= 3 for t in mine),
                         "searches": sum(sum(c[0] == "search" for c in t.tool_calls) for t in mine),
                         "truncated": sum(bool(t.truncated) for t in mine),
                         "bridge": sum(bridge is not None and reward.normalize_answer(s["prediction"] or "") == bridge
@@ -93,13 +107,14 @@ def sample_one(argv: list[str], per_type: int, k: int) -> dict:
 def summary(result: dict, k: int) -> dict:
     """Per type: Pass@1, Pass@k and the shares, as means over questions (each question's k samples)."""
     out = {}
-    for kind in ("lookup", "two_hop"):
+    for kind in [k for k in KINDS if any(q["type"] == k for q in result["questions"])]:
         qs = [q for q in result["questions"] if q["type"] == kind]
         n = sum(q["k"] for q in qs)
         out[kind] = {"questions": len(qs), "pass@1": sum(q["correct"] for q in qs) / n,
                      f"pass@{k}": sum(pass_at_k(q["k"], int(q["correct"]), k) for q in qs) / len(qs),
                      **{key: sum(q[key] for q in qs) / n
-                        for key in ("format_ok", "two_searches", "truncated", "bridge", "searches")}}
+                        for key in ("format_ok", "two_searches", "three_searches", "truncated", "bridge", "searches")
+                        if all(key in q for q in qs)}}
     return out
 
 
@@ -110,21 +125,28 @@ def report(done: dict, args) -> str:
              f"{args.per_type} RL-pool questions per type x k = {k} at temperature 1, {args.max_response_tokens} "
              f"response tokens, BM25 top-1, seed {args.seed}; backend "
              f"{', '.join(sorted({r['backend'] for r in done.values()}))}. d = two-hop demonstrations among "
-             "the cold start's 24; s = cold-start steps of 3 demonstrations. Shares are of samples.", "",
-             f"| variant | d | steps | lr | type | Pass@1 | Pass@{k} | in format | >= 2 searches | searches | truncated "
-             "| answers the director | cold start + sampling |", "|" + "---|" * 13]
+             "the cold start's 24; t = three-hop ones (t variants: every third RL-pool question is three-hop); s = "
+             "cold-start steps of 3 demonstrations. Shares are of samples.", "",
+             f"| variant | d | t | steps | lr | type | Pass@1 | Pass@{k} | in format | >= 2 searches | >= 3 searches "
+             "| searches | truncated | answers the director | cold start + sampling |", "|" + "---|" * 15]
     for name, result in done.items():
-        d, steps, batch, lr = VARIANTS[name]
+        d, steps, batch, lr = VARIANTS[name][:4]
+        t = VARIANTS[name][4] if len(VARIANTS[name]) == 5 else "–"
         for kind, s in summary(result, k).items():
-            lines.append(f"| {name} | {d} | {steps} | {lr:g} | {kind} | {s['pass@1']:.3f} | {s[f'pass@{k}']:.2f} | "
-                         f"{s['format_ok']:.2f} | {s['two_searches']:.2f} | {s['searches']:.2f} | "
-                         f"{s['truncated']:.2f} | {s['bridge'] if kind == 'two_hop' else float('nan'):.2f} | "
-                         f"{result['wall_s']:.0f} s |")
+            three = f"{s['three_searches']:.2f}" if "three_searches" in s else "–"      # (the first variants: none)
+            lines.append(f"| {name} | {d} | {t} | {steps} | {lr:g} | {kind} | {s['pass@1']:.3f} | "
+                         f"{s[f'pass@{k}']:.2f} | {s['format_ok']:.2f} | {s['two_searches']:.2f} | {three} | "
+                         f"{s['searches']:.2f} | {s['truncated']:.2f} | "
+                         f"{s['bridge'] if kind != 'lookup' else float('nan'):.2f} | {result['wall_s']:.0f} s |")
     two_hop = {name: summary(result, k)["two_hop"] for name, result in done.items()}
+    three_hop = {name: s["three_hop"] for name, s in ((n, summary(r, k)) for n, r in done.items()) if "three_hop" in s}
     fit = [name for name, s in two_hop.items() if 0.05 <= s["pass@1"] <= 0.25 and s[f"pass@{k}"] >= 0.4]
     lines += ["", f"Something for RL to amplify (two-hop Pass@1 about 0.05-0.20, here 0.05-0.25, and Pass@{k} >= 0.4): "
               f"{', '.join(fit) or 'none'}. configs/learn.yaml trains from d = {LEARN_D} (data/lookup/train.jsonl: "
               f"data/build_lookup.py's two_hop_demos) with 24 cold-start steps."]
+    if three_hop:
+        reach = [name for name, s in three_hop.items() if s["pass@1"] >= 0.05 and s[f"pass@{k}"] >= 0.4]
+        lines += ["", f"Three-hop reachable by the same rule (Pass@1 >= 0.05, Pass@{k} >= 0.4): {', '.join(reach) or 'none'}."]
     return "\n".join(lines) + "\n"
 
 
@@ -146,7 +168,7 @@ def main() -> None:
         parser.error(f"--variants: unknown {', '.join(unknown)}; the variants are {', '.join(VARIANTS)}")
     work = Path(args.work)
     if args.one:
-        task = make_task(work / "tasks" / f"d{VARIANTS[args.one][0]}", two_hop_demos=VARIANTS[args.one][0])
+        task = task_of(args.one, work)
         shutil.rmtree(work / "runs" / args.one, ignore_errors=True)        # a failed try's folder
         started = time.time()
         result = sample_one(variant_argv(args.one, task, args), args.per_type, args.k)

@@ -18,12 +18,8 @@ import argparse
 import importlib.util
 import concurrent.futures
 import json
-import os
-import re
 import shlex
-import subprocess
 import sys
-import threading
 import time
 from pathlib import Path
 
@@ -32,6 +28,7 @@ import numpy as np
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "bench"))
 sys.path.insert(0, str(ROOT))
+import run_train  # noqa: E402
 from compare_algorithms import interval, per_question  # noqa: E402
 from harness import jsonl  # noqa: E402
 
@@ -43,63 +40,8 @@ def train_argv(seed: int, args) -> list[str]:
             f"--out_dir={args.work}/runs", f"--backend={args.backend}", "--device=cpu", *args.extra]
 
 
-def tree_rss_gb(pid: int) -> float:
-    """Resident memory of a process and all its descendants (Linux /proc), in GB."""
-    total, todo = 0, [pid]
-    while todo:
-        p = todo.pop()
-        try:
-            status = Path(f"/proc/{p}/status").read_text()
-            total += int(next(line.split()[1] for line in status.splitlines() if line.startswith("VmRSS")))
-            for task in Path(f"/proc/{p}/task").iterdir():
-                todo += [int(c) for c in (task / "children").read_text().split()]
-        except (OSError, StopIteration, ValueError):
-            continue
-    return total / 1e6
-
-
-def last_line(log: Path) -> str:
-    try:
-        tail = log.read_bytes()[-2000:].decode("utf-8", "replace").replace("\r", "\n")
-    except OSError:
-        return ""
-    lines = [x.strip() for x in tail.splitlines() if x.strip()]
-    return lines[-1][:120] if lines else ""
-
-
 def run_one(seed: int, args) -> str:
-    name, work = f"learn-s{seed}", Path(args.work)
-    run_dir, log = work / "runs" / name, work / "logs" / f"learn-s{seed}.log"
-    argv, argv_file = train_argv(seed, args), log.with_suffix(".argv.json")
-    if (run_dir / "eval" / "after_summary.json").exists():
-        if json.loads(argv_file.read_text()) != argv:
-            raise RuntimeError(f"{run_dir} finished with other settings; pass another --work or delete it")
-        return f"{name}: done before, reused"
-    resume = (run_dir / "checkpoints").exists() and argv_file.exists() and json.loads(argv_file.read_text()) == argv
-    log.parent.mkdir(parents=True, exist_ok=True)
-    argv_file.write_text(json.dumps(argv))
-    env = {**os.environ, "OMP_NUM_THREADS": str(args.threads), "MKL_NUM_THREADS": str(args.threads),
-           "TOKENIZERS_PARALLELISM": "false", "VLLM_CPU_KVCACHE_SPACE": "1"}
-    started = time.time()
-    with open(log, "a") as f, open(log.with_suffix(".rss.tsv"), "a") as rss:
-        proc = subprocess.Popen([sys.executable, *argv, *(["--resume", "true"] if resume else [])], cwd=ROOT,
-                                env=env, stdout=f, stderr=subprocess.STDOUT)
-        done = threading.Event()
-
-        def sample():
-            while not done.wait(5):
-                rss.write(f"{time.time() - started:.0f}\t{tree_rss_gb(proc.pid):.2f}\t{last_line(log)}\n")
-                rss.flush()
-        thread = threading.Thread(target=sample, daemon=True)
-        thread.start()
-        code = proc.wait()
-        done.set()
-        thread.join()
-    if code:
-        raise RuntimeError(f"{name}: train.py exited {code}; see {log} (the same command resumes it)")
-    seconds = time.time() - started
-    (log.with_suffix(".wall_s")).write_text(f"{seconds:.0f}\n")
-    return f"{name}: {seconds / 60:.1f} min"
+    return run_train.run(f"learn-s{seed}", train_argv(seed, args), Path(args.work), args.threads)
 
 
 def searches(run_dir: Path, name: str) -> dict:
@@ -115,16 +57,6 @@ def searches(run_dir: Path, name: str) -> dict:
         out[kind] = {"fewer": sum(c < hops for c in calls) / n, "as_needed": sum(c == hops for c in calls) / n,
                      "more": sum(c > hops for c in calls) / n, "truncated": sum(x["truncated"] for x in samples) / n}
     return out
-
-
-def peak(rss_file: Path) -> tuple[float, str]:
-    """The largest sample of a run's .rss.tsv and the phase its log showed then ("step 6", "eval before", ...)."""
-    rows = [line.split("\t", 2) for line in rss_file.read_text().splitlines() if line.count("\t") == 2]
-    gb, _, line = max(((float(r[1]), int(r[0]), r[2]) for r in rows), default=(0.0, 0, ""))
-    step = re.match(r"train:\s+\d+%\S*\s+(\d+)/(\d+)", line)
-    if step:                                     # the bar shows the steps done: the peak is in the next one
-        return gb, f"step {int(step.group(1)) + 1} of {step.group(2)}"
-    return gb, line.split(":")[0][:40]
 
 
 def report(args, seeds: list[int]) -> dict:
@@ -148,7 +80,7 @@ def report(args, seeds: list[int]) -> dict:
         log = work / "logs" / f"learn-s{s}.log"
         metrics = [json.loads(line) for line in jsonl.lines((r / "metrics.jsonl").read_text(encoding="utf-8"))
                    if line.strip()]
-        gb, phase = peak(log.with_suffix(".rss.tsv")) if log.with_suffix(".rss.tsv").exists() else (0.0, "")
+        gb, phase = run_train.peak(log.with_suffix(".rss.tsv")) if log.with_suffix(".rss.tsv").exists() else (0.0, "")
         wall = log.with_suffix(".wall_s")
         res["runs"][s] = {"wall_min": round(int(wall.read_text()) / 60, 1) if wall.exists() else None,
                           "peak_rss_gb": gb, "peak_during": phase,

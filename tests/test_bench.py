@@ -49,6 +49,39 @@ def test_lookup_task_is_deterministic_and_answerable_by_search(tmp_path):
             assert r["query"][1] == f"{r['bridge']} passphrase"      # ... which names the director: the second query
 
 
+def test_three_hop_questions_need_three_searches(tmp_path):
+    """With three_hop_every = 3 every third RL and test row is three-hop: the question's own text finds the
+    employee's page (whose passphrase is the wrong one), and the three queries in turn find the firm, the director and
+    the answer; a three-hop demonstration names only cold-start entities; the lookup and two-hop rows are the people
+    they are without three-hop (the employees are drawn apart), and the demonstrations search three times."""
+    from harness.run import coldstart
+    task = build_lookup.make_task(tmp_path / "t", n_train=30, n_test=12, n_cold=10, two_hop_demos=2,
+                                  three_hop_demos=3, three_hop_every=3)
+    plain = build_lookup.make_task(tmp_path / "p", n_train=30, n_test=12, n_cold=10, two_hop_demos=2)
+    train, test = read(task["train"]), read(task["test"])
+    assert [r["type"] for r in train[:10]].count("three_hop") == 3
+    assert [r["type"] for r in train[:10]].count("two_hop") == 2
+    assert [r["type"] for r in train[10:16]] == ["lookup", "two_hop", "three_hop", "two_hop", "lookup", "three_hop"]
+    assert [r["type"] for r in test].count("three_hop") == 4
+    for mine, theirs in zip(train + test, read(plain["train"]) + read(plain["test"])):
+        assert mine["answer"] == theirs["answer"]                         # the same person at every row
+    later = {r["question"].split(" where ")[-1].removesuffix(" works?") for r in train[10:] + test
+             if r["type"] == "three_hop"} | {r["bridge"] for r in train[10:] + test if "bridge" in r}
+    assert not any(name in json.dumps(r) for r in train[:10] for name in later)
+    search = search_mod.make_search("bm25", corpus_path=task["corpus"], cache=tmp_path / "cache", topk=1)
+    for r in [r for r in train + test if r["type"] == "three_hop"]:
+        employee = r["question"].split(" where ")[-1].removesuffix(" works?")
+        results = search.search([*r["query"], r["question"]])
+        assert r["answer"][0] in results[2] and r["answer"][0] not in results[3], r
+        assert employee in results[3] and employee in results[0]          # the question finds the employee's page
+        assert f"Its director is {r['bridge']}." in results[1]
+    rows = [{"question": r["question"], "golds": r["answer"], "meta": r} for r in train[:10]]
+    for row, demo in zip(rows, coldstart.build_demonstrations(rows, search)):
+        hops = build_lookup.SEARCHES[row["meta"]["type"]]
+        assert [m["role"] for m in demo["messages"]].count("tool") == hops
+        assert row["golds"][0] in demo["messages"][-2]["content"]
+
+
 def test_committed_lookup_task_is_what_the_generator_writes(tmp_path):
     """data/lookup/ (configs/learn.yaml) is build_lookup.py's output at its defaults, byte for byte."""
     made = build_lookup.make_task(tmp_path / "lookup")
@@ -158,6 +191,76 @@ def test_compare_report_aggregates_every_seed(tmp_path):
     assert "| 0.300 [" in row and "| – | 1.000 [" in row            # AEPO has no AEPO − AEPO
 
 
+def typed_run(run_dir: Path, correct_after: list[int], before: list[int] | None, informative: float, branches: float):
+    """A finished run over 6 held-out questions (lookup, two_hop, three_hop, twice) x 2 samples: `correct_after[i]`
+    samples right on question i, each sample searching as often as its type needs; 4 steps, each with one question
+    of every type, `informative` of the two-hop groups with unequal rewards, `branches` branches per two-hop question."""
+    kinds = ["lookup", "two_hop", "three_hop"] * 2
+    (run_dir / "eval").mkdir(parents=True)
+    metrics = [{"step": i + 1, "reward": 0.5, "entropy": 0.5, "clip_hi": 0.0, "clip_lo": 0.0, "grad_kept": 0.01,
+                "grad_dropped": 0.0, "branches": branches, "branch_top_chain": 0.75, "tool_calls": 2.0,
+                "diversity/answers": 0.5, "diversity/tokens": 0.5, "diversity/tool_seqs": 0.5,
+                "tools/search/calls": 8.0, "time/step": 30.0, "probe_entropy": 0.6,
+                **{f"type/{t}/{key}": v for t in ("lookup", "two_hop", "three_hop") for key, v in
+                   (("questions", 1), ("frac_reward_zero_std", 1 - informative if t == "two_hop" else 1.0),
+                    ("branches", branches if t == "two_hop" else 0.0), ("m", 4.0 if t == "two_hop" else 8.0))}}
+               for i in range(4)]
+    (run_dir / "metrics.jsonl").write_text("".join(json.dumps(m) + "\n" for m in metrics))
+    for name, correct in (("after", correct_after), ("before", before)):
+        if correct is None:
+            continue
+        rows = [{"index": i, "n": 2, "num_correct": c, "meta": {"type": kinds[i]},
+                 "samples": [{"correct": j < c, "format_valid": True,
+                              "tool_calls": [["search", "q"]] * build_lookup.SEARCHES[kinds[i]]} for j in range(2)]}
+                for i, c in enumerate(correct)]
+        (run_dir / "eval" / f"{name}_results.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+        p1 = sum(correct) / 12
+        (run_dir / "eval" / f"{name}_summary.json").write_text(json.dumps(
+            {"pass@1": p1, "pass@2": p1, "tool_calls": 2.0, "format_valid": 1.0}))
+
+
+def test_compare_report_by_question_type_and_mechanisms(tmp_path):
+    """after − start and AEPO − method per question type (the same seeds and questions), and the mechanism table:
+    informative groups per step and their share, branches and m per question by type, held-out searches per correct
+    answer."""
+    args = compare_algorithms.main_parser().parse_args(["--work", str(tmp_path / "work"), "--out", str(tmp_path / "o"),
+                                                        "--seeds", "0,1", "--backend", "transformers"])
+    start = [1, 0, 0, 1, 0, 0]                                  # lookups only, in both seeds
+    after = {"grpo": [2, 1, 0, 2, 1, 0], "arpo": [2, 2, 0, 2, 2, 0], "aepo": [2, 2, 1, 2, 2, 1]}
+    for a, correct in after.items():
+        for seed in (0, 1):
+            typed_run(tmp_path / "work" / "runs" / f"{a}-s{seed}", correct, start if a == "grpo" else None,
+                      informative={"grpo": 0.25, "arpo": 0.5, "aepo": 0.75}[a], branches=0.0 if a == "grpo" else 2.0)
+            (tmp_path / "work" / "logs").mkdir(exist_ok=True)
+            (tmp_path / "work" / "logs" / f"{a}-s{seed}.argv.json").write_text(json.dumps(
+                compare_algorithms.train_argv(a, seed, {"train": "t", "test": "e", "corpus": "c"}, args)))
+    res = compare_algorithms.report(args, ["grpo", "arpo", "aepo"], [0, 1], tmp_path / "o")
+    assert res["types"] == {"lookup": 2, "two_hop": 2, "three_hop": 2}
+    grpo, aepo = res["algos"]["grpo"]["by_type"], res["algos"]["aepo"]["by_type"]
+    assert grpo["two_hop"]["gain"][0] == pytest.approx(0.5) and aepo["three_hop"]["gain"][0] == pytest.approx(0.5)
+    assert grpo["lookup"]["gain"][0] == pytest.approx(0.5) and res["start_by_type"]["two_hop"][0] == 0.0
+    assert grpo["two_hop"]["aepo_minus"][0] == pytest.approx(0.5) and grpo["three_hop"]["aepo_minus"][0] == 0.5
+    assert res["algos"]["arpo"]["by_type"]["lookup"]["aepo_minus"] == (0.0, 0.0, 0.0)
+    mech = {a: res["algos"][a]["mean_sd"] for a in after}
+    assert mech["aepo"]["informative/two_hop"][0] == pytest.approx(0.75)     # one two-hop question a step
+    assert mech["grpo"]["informative_share/two_hop"][0] == pytest.approx(0.25)
+    assert mech["aepo"]["informative/lookup"][0] == 0.0
+    assert mech["arpo"]["branches/two_hop"][0] == 2.0 and mech["arpo"]["branches/lookup"][0] == 0.0
+    assert mech["aepo"]["m/two_hop"][0] == 4.0 and mech["aepo"]["top_chain"][0] == 0.75
+    assert "top_chain" not in mech["grpo"]                                   # no branches: no share
+    # held-out searches per correct answer: GRPO 6 right of 12 samples, 2 x (1 + 2 + 3) x 2 = 24 searches
+    assert mech["grpo"]["searches_per_correct/all"][0] == pytest.approx(24 / 6)
+    assert mech["aepo"]["searches_per_correct/three_hop"][0] == pytest.approx(12 / 2)
+    assert "searches_per_correct/three_hop" not in mech["grpo"]               # none right: no such number
+    md = (tmp_path / "o" / "results.md").read_text()
+    assert "| GRPO | two_hop | 0.000 [0.000, 0.000] | 0.500 [0.500, 0.500] | 0.500 [0.500, 0.500] | 0.500 [" in md
+    assert "| informative groups / step (lookup / two_hop / three_hop) |" in md
+    assert ("| AEPO | 0.00 ± 0.00 / 0.75 ± 0.00 / 0.00 ± 0.00 | 0.00 ± 0.00 / 0.75 ± 0.00 / 0.00 ± 0.00 | "
+            "0.00 ± 0.00 / 2.00 ± 0.00 / 0.00 ± 0.00 | 8.0 ± 0.0 / 4.0 ± 0.0 / 8.0 ± 0.0 | 0.75 ± 0.00 | "
+            "0.0100 ± 0.0000 / 0.0000 ± 0.0000 | 0.000 ± 0.000 | 2.40 ± 0.00 (1.00 ± 0.00 / 2.00 ± 0.00 / 6.00 ± 0.00) |"
+            in md.splitlines())
+
+
 def test_interval_resamples_seeds_and_questions():
     """The bootstrap's interval: none for a constant, the seeds' spread counted (two seeds 0.2 apart on every
     question give a wider interval than the same spread within each seed), near the normal one for many questions."""
@@ -182,8 +285,12 @@ def test_compare_report_names_a_missing_run(tmp_path):
 
 def test_compare_methods_chooses_among_only(tmp_path):
     parse = compare_algorithms.main_parser().parse_args
-    everything = compare_algorithms.chosen_reports(parse(["--out", str(tmp_path)]))
+    assert compare_algorithms.chosen_reports(parse(["--out", str(tmp_path)])) == {
+        "algorithms": (["grpo", "arpo", "aepo"], tmp_path)}                  # the default: GRPO, ARPO, AEPO
+    everything = compare_algorithms.chosen_reports(parse(["--out", str(tmp_path), "--only", "all"]))
     assert everything["experiments"] == (["grpo", "aepo", *compare_algorithms.EXPERIMENTS], tmp_path / "experiments")
+    assert compare_algorithms.chosen_reports(parse(["--out", str(tmp_path), "--methods", "dapo,grpo,aepo"])) == {
+        "algorithms": (["grpo", "dapo", "aepo"], tmp_path)}                  # any of the eight, in the table's order
     some = compare_algorithms.chosen_reports(parse(["--out", str(tmp_path), "--only", "experiments",
                                                     "--methods", "aepo-norollout,grpo"]))
     assert some == {"experiments": (["grpo", "aepo-norollout"], tmp_path / "experiments")}     # in the table's order
