@@ -120,41 +120,26 @@ def test_pack_shared_layout():
 # Values and gradients against the padded forward
 
 
+@pytest.mark.parametrize("batch", ["apart", "shared prefixes"])
 @pytest.mark.parametrize("arch, variant", [("llama", ""), ("qwen2", ""), ("qwen3", ""),
                                            ("llama", "gradient checkpointing"), ("llama", "lora")])
-def test_packed_equals_padded_float32(arch, variant):
+def test_packed_equals_padded_float32(arch, variant, batch):
+    """The padded forward's log-probs, entropies and gradients to rounding, for trajectories apart and for ones that
+    share prefixes (a prompt, a branch, a duplicate, a prefix of another: computed once, their gradients summed over
+    the trajectories through a shared token)."""
     lm = tiny(arch)
     if variant == "gradient checkpointing":                            # backward recomputes the attention
         enable_gradient_checkpointing(lm)
         lm.train()
     if variant == "lora":
         lm = with_adapters(lm, b_scale=0.05)
-    mb, adv = micro_batch(VOCAB)
+    mb, adv = micro_batch(VOCAB) if batch == "apart" else shared_micro_batch(VOCAB)
     padded, packed = forward_backward(lm, mb, adv, packed=False), forward_backward(lm, mb, adv, packed=True)
     assert Policy(lm, packed=True).packed and lm.config._attn_implementation == packing.ATTENTION
     for want, got in zip(padded[:2], packed[:2]):
         assert torch.allclose(got, want, rtol=1e-5, atol=1e-5)
         assert bool((got[mb.mask == 0] == 0).all())                   # unscored positions stay 0
     assert worst_relative(packed[2], padded[2]) < 1e-5
-
-
-@pytest.mark.parametrize("arch, variant", [("llama", ""), ("qwen2", ""), ("qwen3", ""),
-                                           ("llama", "gradient checkpointing"), ("llama", "lora")])
-def test_shared_prefixes_equal_padded_float32(arch, variant):
-    """Prefixes computed once (a prompt, a branch, a duplicate, a prefix of another): the padded forward's log-probs,
-    entropies and gradients (summed over the trajectories through a shared token) to rounding."""
-    lm = tiny(arch)
-    if variant == "gradient checkpointing":
-        enable_gradient_checkpointing(lm)
-        lm.train()
-    if variant == "lora":
-        lm = with_adapters(lm, b_scale=0.05)
-    mb, adv = shared_micro_batch(VOCAB)
-    padded, shared = forward_backward(lm, mb, adv, packed=False), forward_backward(lm, mb, adv, packed=True)
-    for want, got in zip(padded[:2], shared[:2]):
-        assert torch.allclose(got, want, rtol=1e-5, atol=1e-5)
-        assert bool((got[mb.mask == 0] == 0).all())
-    assert worst_relative(shared[2], padded[2]) < 1e-5
 
 
 def test_shared_prefixes_bf16_as_close_to_float32_as_unshared():
