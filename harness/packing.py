@@ -1,19 +1,18 @@
 """The padding-free (packed) forward's pieces: a micro-batch's trajectories in one row, each attending only to itself.
 
-`pack` turns right-padded rows (`tensorize`'s layout) into one row (1, N) of their N real tokens, positions restarting
-at 0 per trajectory, and the trajectories' boundaries; the model's forward hands the boundaries (`boundaries`: the
-kwargs transformers' flash-attention varlen path reads) down to `attention`, an attention function registered with
-transformers as ATTENTION, which runs causal attention per trajectory: projections, MLPs and norms see no padding,
-and attention costs Σ L_i² instead of B · L². A call without boundaries (generation with its KV cache and left padding,
-the padded path) goes to transformers' own sdpa_attention_forward with sdpa's mask, so a model switched to ATTENTION
-(`use_packed_attention`) computes everything else as before. `unpack` takes the scored positions back out of the row.
-A Policy (harness/run/policy.py) decides once, when it is built, whether its forward packs (`supported` says for which
-models the packed path is exact), and then switches its model to ATTENTION, once.
-
-`pack_shared` (the Policy's forward, unless share_prefixes is off) also computes each prefix that trajectories of the
-micro-batch share once: the system prompt every trajectory starts with, a question's prompt over its k trajectories, a
-tree's branch over the chains through it (`SharedPrefixes`, `shared_prefix_attention`). The same values and gradients:
-a causal LM's hidden state at a token depends only on the tokens up to it.
+`pack_shared` turns right-padded rows (`tensorize`'s layout) into one row (1, N) of their real tokens, each prefix that
+trajectories of the micro-batch share held once (the system prompt every trajectory starts with, a question's prompt
+over its k trajectories, a tree's branch over the chains through it; share=False: none), a token's position that in its
+trajectory, and the layout (`SharedPrefixes`). The model's forward hands the layout (`SharedPrefixes.kwargs`: with
+nothing shared, the trajectories' boundaries as transformers' flash-attention varlen path reads them, `boundaries`)
+down to `attention`, an attention function registered with transformers as ATTENTION, which runs causal attention per
+trajectory (over its shared prefix too: `shared_prefix_attention`): projections, MLPs and norms see no padding and no
+shared prefix twice, and attention costs Σ L_i² instead of B · L². The same values and gradients: a causal LM's hidden
+state at a token depends only on the tokens up to it. A call without boundaries (generation with its KV cache and left
+padding, the padded path) goes to transformers' own sdpa_attention_forward with sdpa's mask, so a model switched to
+ATTENTION (`use_packed_attention`) computes everything else as before. `SharedPrefixes.unpack` takes the scored
+positions back out of the row. A Policy (harness/run/policy.py) decides once, when it is built, whether its forward
+packs (`supported` says for which models the packed path is exact), and then switches its model to ATTENTION, once.
 """
 from __future__ import annotations
 
@@ -46,40 +45,11 @@ def use_packed_attention(decoder) -> None:
         decoder.set_attn_implementation(ATTENTION)
 
 
-def pack(input_ids: torch.Tensor, attention_mask: torch.Tensor):
-    """Right-padded rows -> one row of their real tokens.
-
-    input_ids, attention_mask: (B, L); attention_mask is 1 on a row's real tokens, which come first (`tensorize`).
-    Returns ids (1, N) and position_ids (1, N) (0 .. L_i − 1 within trajectory i), cu_seqlens (B+1,) int32
-    (trajectory i is [cu_seqlens[i], cu_seqlens[i+1]) of the row) and lengths (B,) L_i; N = Σ L_i."""
-    real = attention_mask.bool()
-    lengths = real.sum(1)
-    columns = torch.arange(real.shape[1], device=real.device)
-    if not torch.equal(real, columns < lengths[:, None]):
-        raise ValueError("packing needs right-padded rows (each row's real tokens first, then its padding)")
-    ids = input_ids[real][None]
-    position_ids = columns.expand_as(real)[real][None]
-    cu_seqlens = torch.nn.functional.pad(lengths.cumsum(0), (1, 0)).to(torch.int32)
-    return ids, position_ids, cu_seqlens, lengths
-
-
 def boundaries(cu_seqlens: torch.Tensor, lengths: torch.Tensor) -> dict:
     """The trajectories' boundaries as a model's forward passes them on to its attention function (the names of
     transformers' flash-attention varlen path)."""
     longest = int(lengths.max())
     return dict(cu_seq_lens_q=cu_seqlens, cu_seq_lens_k=cu_seqlens, max_length_q=longest, max_length_k=longest)
-
-
-def unpack(hidden: torch.Tensor, mask: torch.Tensor, cu_seqlens: torch.Tensor) -> torch.Tensor:
-    """hidden (1, N, D) of the packed row -> (n, D) at the n positions where mask (B, L-1) is 1, in the order of the
-    padded layout's `hidden[:, :-1][mask]`: position t of trajectory i is cu_seqlens[i] + t of the row. A scored
-    position (mask 1: input_ids[i, t+1] is scored given the prefix up to t) needs a next token in its own trajectory,
-    so no target crosses a boundary."""
-    rows, cols = mask.bool().nonzero(as_tuple=True)
-    lengths = cu_seqlens.diff()
-    if bool((cols + 1 >= lengths[rows]).any()):
-        raise ValueError("mask is 1 at a position whose next token is not in its trajectory (padding)")
-    return hidden[0, cu_seqlens[rows].long() + cols]
 
 
 def attention(module, query, key, value, attention_mask, dropout: float = 0.0, scaling: float | None = None,
@@ -146,7 +116,6 @@ def sdpa_per_trajectory(module, query, key, value, dropout, scaling, cu_seqlens)
     return torch.cat(outputs)[torch.argsort(torch.cat(order))][None]
 
 
-
 @dataclass
 class SharedPrefixes:
     """A micro-batch packed with every shared prefix computed once (`pack_shared`). Trajectory i (L_i tokens) shares
@@ -186,7 +155,7 @@ class SharedPrefixes:
 def pack_shared(input_ids: torch.Tensor, attention_mask: torch.Tensor, share: bool = True):
     """Right-padded rows -> one row holding each shared prefix once: ids (1, N), position_ids (1, N) (a token's
     position in its trajectory) and the SharedPrefixes layout; N = Σ (L_i − first[i]). With no prefix shared this is
-    `pack`'s row (as with share=False: nothing shared)."""
+    a row of every real token, positions restarting at 0 per trajectory (as with share=False)."""
     real = attention_mask.bool()
     lengths = real.sum(1)
     columns = torch.arange(real.shape[1], device=real.device)

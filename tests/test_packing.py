@@ -78,19 +78,21 @@ def worst_relative(grads, reference) -> float:
 
 
 def test_pack_and_unpack_layout():
+    """share=False: every real token, positions restarting per trajectory, the boundaries flash-attention reads."""
     ids = torch.tensor([[5, 6, 7, 0], [8, 9, 0, 0], [1, 2, 3, 4]])
     attn = (ids != 0).long()
     attn[2] = 1
-    packed, positions, cu_seqlens, lengths = packing.pack(ids, attn)
+    packed, positions, layout = packing.pack_shared(ids, attn, share=False)
+    cu_seqlens, lengths = layout.kwargs()["cu_seq_lens_q"], torch.tensor(layout.lengths)
     assert packed.tolist() == [[5, 6, 7, 8, 9, 1, 2, 3, 4]] and positions.tolist() == [[0, 1, 2, 0, 1, 0, 1, 2, 3]]
     assert cu_seqlens.tolist() == [0, 3, 5, 9] and cu_seqlens.dtype == torch.int32 and lengths.tolist() == [3, 2, 4]
     mask = torch.tensor([[0, 1, 0], [1, 0, 0], [0, 1, 1]])            # scores 7 | 9 | 3, 4
     hidden = torch.arange(9.0)[None, :, None]                           # (1, N, 1): a position's own index
-    assert packing.unpack(hidden, mask, cu_seqlens)[:, 0].tolist() == [1, 3, 6, 7]   # the token before each target
+    assert layout.unpack(hidden, mask)[:, 0].tolist() == [1, 3, 6, 7]   # the token before each target
     with pytest.raises(ValueError, match="next token is not in its trajectory"):
-        packing.unpack(hidden, torch.tensor([[0, 0, 1], [0, 0, 0], [0, 0, 0]]), cu_seqlens)
+        layout.unpack(hidden, torch.tensor([[0, 0, 1], [0, 0, 0], [0, 0, 0]]))
     with pytest.raises(ValueError, match="right-padded"):
-        packing.pack(ids, attn.flip(1))
+        packing.pack_shared(ids, attn.flip(1))
 
 
 def test_pack_shared_layout():
@@ -109,11 +111,10 @@ def test_pack_shared_layout():
     assert layout.unpack(hidden, mask)[:, 0].tolist() == [1, 2, 1, 2, 3, 0, 1]
     with pytest.raises(ValueError, match="next token is not in its trajectory"):
         layout.unpack(hidden, torch.tensor([[0, 0, 0, 1], [0] * 4, [0] * 4, [0] * 4, [0] * 4]))
-    plain, plain_positions, unshared = packing.pack_shared(ids, attn, share=False)   # pack's row and boundaries
-    row, row_positions, cu_seqlens, lengths = packing.pack(ids, attn)
-    assert torch.equal(plain, row) and torch.equal(plain_positions, row_positions) and not any(unshared.first)
-    got, want = unshared.kwargs(), packing.boundaries(cu_seqlens, lengths)
-    assert got.keys() == want.keys() and all(torch.equal(torch.as_tensor(got[k]), torch.as_tensor(want[k])) for k in want)
+    plain, plain_positions, unshared = packing.pack_shared(ids, attn, share=False)   # every real token, boundaries
+    assert torch.equal(plain[0], ids[attn.bool()]) and not any(unshared.first) and not unshared.shares
+    assert plain_positions.tolist() == [[0, 1, 2, 3, 0, 1, 2, 0, 1, 2, 3, 4, 0, 0, 1, 2]]
+    assert unshared.kwargs()["cu_seq_lens_q"].tolist() == [0, 4, 7, 12, 13, 16]
 
 
 # ---------------------------------------------------------------------------------------------------------------------

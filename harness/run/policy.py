@@ -40,8 +40,9 @@ class Policy(torch.nn.Module):
     positions where mask is 1, 0 elsewhere. Only masked positions go through the LM head (loss.logprobs_and_entropy,
     chunked), so prompts and tool results cost no (T, V) logits. packed (asked for, and decided here once: where
     packing.supported, its attention registered with transformers now): every forward runs the decoder on the rows'
-    real tokens in one row, each trajectory attending to itself only (harness/packing.py), the same values up to
-    rounding with no padding computed; else on the padded rows. `self.packed` says which."""
+    real tokens in one row, each trajectory attending to itself only and each prefix the rows share computed once
+    (harness/packing.py; share_prefixes=False: none), the same values up to rounding with no padding computed; else
+    on the padded rows. `self.packed` says which."""
 
     def __init__(self, lm, packed: bool = False, share_prefixes: bool = True):
         super().__init__()
@@ -53,8 +54,7 @@ class Policy(torch.nn.Module):
     def forward(self, input_ids, attention_mask, mask, temperature: float = 1.0, chunk_size: int = 1024):
         decoder, sel = self.lm.get_decoder(), mask.bool()
         if self.packed:
-            ids, position_ids, layout = packing.pack_shared(input_ids, attention_mask) if self.share_prefixes \
-                else packing.pack_shared(input_ids, attention_mask, share=False)
+            ids, position_ids, layout = packing.pack_shared(input_ids, attention_mask, share=self.share_prefixes)
             hidden = decoder(input_ids=ids, position_ids=position_ids, attention_mask=torch.ones_like(ids),
                              **layout.kwargs()).last_hidden_state
             hidden_sel = layout.unpack(hidden, sel)
