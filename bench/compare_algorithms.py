@@ -9,8 +9,9 @@ budget per seed; only the algorithm's switches differ (configs/<name>.yaml, algo
 
 Task: data/build_lookup.py with a third of the questions three-hop (`--three_hop_every 3`; the cold start's 24
 demonstrations hold `--three_hop_demos` three-hop and 3 two-hop ones: bench/results/gate/), built under --work: fictional
-people and firms behind BM25 top-1, so each question needs one, two or three searches, and every multi-hop success
-hinges on the decision right after a tool result (answer now, or search what it named), where AEPO and ARPO branch.
+people and firms behind BM25 top-1, so each question needs one, two or three searches (3 tool calls allowed;
+learn.yaml's 2 without three-hop questions), and every multi-hop success hinges on the decision right after a tool
+result (answer now, or search what it named), where AEPO and ARPO branch.
 Model: the embedded SmolLM2-135M-Instruct, cold-started once per seed (the cold start is cached by its data and
 seed), so every run of a seed starts from the same weights; GRPO's run evaluates that start (--eval_before), the others
 only after. Held-out: the first --eval_limit test questions x --eval_n samples at temperature 0.6, after − start and
@@ -53,7 +54,7 @@ from build_lookup import SEARCHES, make_task  # noqa: E402
 
 ALGOS = ("grpo", "reinforce_pp", "dapo", "gppo", "cispo", "gigpo", "arpo", "aepo")
 MAIN = ("grpo", "arpo", "aepo")                 # the issue's comparison; the other five with --methods
-TUNABLE = ("steps", "k", "questions_per_step", "max_response_tokens", "lr")    # --config's unless given
+TUNABLE = ("steps", "k", "questions_per_step", "max_response_tokens", "lr", "max_tool_calls")  # --config's unless given
 EXPERIMENTS = {"aepo-noentadv": ["--entropy_advantage=false"], "aepo-nosg": ["--sg_clip=false"],
                "aepo-norollout": ["--entropy_branching=false"], "aepo-halflr": ["--lr={half_lr}"],
                "aepo-shortcold": ["--cold_start_kw={{questions: 24, steps: 2, batch: 3, lr: 5.0e-5}}"]}
@@ -75,11 +76,13 @@ def train_argv(name: str, seed: int, task: dict, args) -> list[str]:
     """The exact train.py command line of one run (printed in the report)."""
     algo, extra = name.split("-")[0], EXPERIMENTS.get(name, [])
     half_lr = (args.lr if args.lr is not None else parse_config(["--config", args.config]).lr) / 2
+    calls = args.max_tool_calls or (3 if args.three_hop_every else None)   # learn.yaml's 2 is a two-hop question's
     return ["train.py", "--config", args.config, "--config", f"configs/{algo}.yaml", f"--seed={seed}",
             f"--run_name={name}-s{seed}", f"--out_dir={args.work}/runs", f"--train_data={task['train']}",
             f"--eval_data={task['test']}", "--search_kw", json.dumps({"corpus_path": task["corpus"], "topk": 1}),
-            f"--backend={args.backend}", *[f"--{key}={getattr(args, key)}" for key in TUNABLE
-                                           if getattr(args, key) is not None],
+            f"--backend={args.backend}", *[f"--{key}={value}" for key in TUNABLE
+                                           if (value := calls if key == "max_tool_calls" else getattr(args, key))
+                                           is not None],
             f"--eval_limit={args.eval_limit}", f"--eval_n={args.eval_n}", f"--eval_every={args.eval_every}",
             f"--eval_before={str(name == 'grpo').lower()}", "--save_every=8", "--keep_checkpoints=1", "--device=cpu",
             *[flag.format(half_lr=half_lr) for flag in extra]]
@@ -445,7 +448,8 @@ def main_parser() -> argparse.ArgumentParser:
     parser.add_argument("--config", default="configs/learn.yaml", help="the setting every run starts from")
     for key in TUNABLE:
         parser.add_argument(f"--{key}", type=float if key == "lr" else int, default=None,
-                            help="train.py's (default: --config's)")
+                            help="train.py's (default: --config's" + ("; 3, one per hop, with three-hop questions)"
+                                                                      if key == "max_tool_calls" else ")"))
     parser.add_argument("--three_hop_every", type=int, default=3, help="every n-th RL and held-out question is "
                         "three-hop (data/build_lookup.py; 0: none)")
     parser.add_argument("--three_hop_demos", type=int, default=3, help="three-hop demonstrations among the cold "

@@ -309,7 +309,14 @@ def test_every_algorithm_and_experiment_has_its_config(tmp_path):
         argv = compare_algorithms.train_argv(name, 0, task, args)
         cfg = config.parse_config(argv[1:])
         assert cfg.seed == 0 and cfg.backend == "transformers", name
+        assert cfg.max_tool_calls == 3, name                  # a three-hop question's searches, learn.yaml allows 2
     aepo = config.parse_config(compare_algorithms.train_argv("aepo", 0, task, args)[1:])
+    parse = compare_algorithms.main_parser().parse_args
+    two_hop = parse(["--work", str(tmp_path), "--three_hop_every", "0"])
+    assert config.parse_config(compare_algorithms.train_argv("aepo", 0, task, two_hop)[1:]).max_tool_calls == \
+        config.parse_config(["--config", "configs/learn.yaml"]).max_tool_calls
+    given = parse(["--work", str(tmp_path), "--max_tool_calls", "5"])
+    assert config.parse_config(compare_algorithms.train_argv("aepo", 0, task, given)[1:]).max_tool_calls == 5
     for name, flags in compare_algorithms.EXPERIMENTS.items():
         cfg = config.parse_config(compare_algorithms.train_argv(name, 0, task, args)[1:])
         differ = {f for f in config.Config.__dataclass_fields__ if getattr(cfg, f) != getattr(aepo, f)}
