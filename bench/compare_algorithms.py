@@ -54,7 +54,7 @@ from build_lookup import SEARCHES, make_task  # noqa: E402
 
 ALGOS = ("grpo", "reinforce_pp", "dapo", "gppo", "cispo", "gigpo", "arpo", "aepo")
 MAIN = ("grpo", "arpo", "aepo")                 # the comparison; the other five with --methods
-TUNABLE = ("steps", "k", "questions_per_step", "max_response_tokens", "lr", "max_tool_calls")  # --config's unless given
+TUNABLE = ("steps", "k", "questions_per_step", "max_response_tokens", "lr")    # --config's unless given
 EXPERIMENTS = {"aepo-noentadv": ["--entropy_advantage=false"], "aepo-nosg": ["--sg_clip=false"],
                "aepo-norollout": ["--entropy_branching=false"], "aepo-halflr": ["--lr={half_lr}"],
                "aepo-shortcold": ["--cold_start_kw={{questions: 24, steps: 2, batch: 3, lr: 5.0e-5}}"]}
@@ -80,9 +80,9 @@ def train_argv(name: str, seed: int, task: dict, args) -> list[str]:
     return ["train.py", "--config", args.config, "--config", f"configs/{algo}.yaml", f"--seed={seed}",
             f"--run_name={name}-s{seed}", f"--out_dir={args.work}/runs", f"--train_data={task['train']}",
             f"--eval_data={task['test']}", "--search_kw", json.dumps({"corpus_path": task["corpus"], "topk": 1}),
-            f"--backend={args.backend}", *[f"--{key}={value}" for key in TUNABLE
-                                           if (value := calls if key == "max_tool_calls" else getattr(args, key))
-                                           is not None],
+            f"--backend={args.backend}", *[f"--{key}={getattr(args, key)}" for key in TUNABLE
+                                           if getattr(args, key) is not None],
+            *([f"--max_tool_calls={calls}"] if calls else []),
             f"--eval_limit={args.eval_limit}", f"--eval_n={args.eval_n}", f"--eval_every={args.eval_every}",
             f"--eval_before={str(name == 'grpo').lower()}", "--save_every=8", "--keep_checkpoints=1", "--device=cpu",
             *[flag.format(half_lr=half_lr) for flag in extra]]
@@ -210,7 +210,7 @@ def report(args, names: list[str], seeds: list[int], out: Path) -> dict:
     runs = {(a, s): load_run(Path(args.work) / "runs" / f"{a}-s{s}") for a in names for s in seeds}
     k = args.eval_n
     res = {"seeds": seeds, "settings": {key: getattr(args, key) for key in (
-               "config", *TUNABLE, "eval_limit", "eval_n", "eval_every", "backend", "three_hop_every",
+               "config", *TUNABLE, "max_tool_calls", "eval_limit", "eval_n", "eval_every", "backend", "three_hop_every",
                "three_hop_demos")},
            "train_commands": {a: "python " + shlex.join(json.loads((Path(args.work) / "logs" / f"{a}-s{seeds[0]}"
                                                                   ".argv.json").read_text())).replace(f"{ROOT}/", "")
@@ -448,8 +448,9 @@ def main_parser() -> argparse.ArgumentParser:
     parser.add_argument("--config", default="configs/learn.yaml", help="the setting every run starts from")
     for key in TUNABLE:
         parser.add_argument(f"--{key}", type=float if key == "lr" else int, default=None,
-                            help="train.py's (default: --config's" + ("; 3, one per hop, with three-hop questions)"
-                                                                      if key == "max_tool_calls" else ")"))
+                            help="train.py's (default: --config's)")
+    parser.add_argument("--max_tool_calls", type=int, default=None, help="train.py's (default: 3, one per hop, with "
+                        "three-hop questions; --config's without)")
     parser.add_argument("--three_hop_every", type=int, default=3, help="every n-th RL and held-out question is "
                         "three-hop (data/build_lookup.py; 0: none)")
     parser.add_argument("--three_hop_demos", type=int, default=3, help="three-hop demonstrations among the cold "
