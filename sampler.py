@@ -3,7 +3,7 @@
 batch that requests join and leave), and the per-request seeds that make a tree independent of its batch.
 
 harness/generation/ implements it for transformers and vLLM; tests/fakes.py has scripted ones. This file copies with
-rollout.py and tools.py (torch is not needed).
+rollout.py, rounds.py and tools.py (torch is not needed).
 """
 from __future__ import annotations
 

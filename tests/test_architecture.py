@@ -1,13 +1,13 @@
-"""The tree's imports form layers: the paper's math (rollout, sampler, loss, advantage, reward, tools) imports only
-itself and the python tool's sandbox, harness/ never imports the entry points (eval.py, train.py), eval.py never imports
-train.py, and no module imports itself through others (no circle, function-level imports included). The harness map
-(harness/__init__.py's docstring) names every module and package there is."""
+"""The tree's imports form layers: the paper's math (rollout, rounds, sampler, loss, advantage, reward, tools) imports
+only itself and the python tool's sandbox, harness/ never imports the entry points (eval.py, train.py), eval.py never
+imports train.py, and no module imports itself through others (no circle, function-level imports included). The
+harness map (harness/__init__.py's docstring) names every module and package there is."""
 import ast
 import re
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-MATH = {"rollout", "sampler", "loss", "advantage", "reward", "tools"}
+MATH = {"rollout", "rounds", "sampler", "loss", "advantage", "reward", "tools"}
 ENTRY = {"eval", "train"}
 
 

@@ -16,6 +16,7 @@ import yaml
 
 from harness import cli
 from harness import config
+from harness import parser
 import eval as evaluation
 from harness import generation
 from harness import search as search_mod
@@ -460,7 +461,7 @@ def boundary_cases():
     for command, cls in (("train", config.Config), ("eval", evaluation.EvalConfig)):
         for f in dataclasses.fields(cls):
             valid = f.metadata.get("valid", "")
-            interval = config._INTERVAL.fullmatch(valid)
+            interval = parser._INTERVAL.fullmatch(valid)
             if not valid:
                 continue
             if interval is None:

@@ -1,11 +1,12 @@
 """The README's promise that the paper's files drop into other trainers: loss.py, advantage.py, rollout.py with
-sampler.py and tools.py, and reward.py with tools.py are each copied alone into an empty folder and run there, making real calls, in
-a fresh interpreter that can import nothing but the standard library, torch and numpy (and what torch itself loads):
-not the rest of this repository, nor transformers, vLLM or any other installed package. The math files run every
-function on inputs on the CPU (and on CUDA where present) with torch's default device set to meta, so an allocation
-that ignores its inputs' device fails; the rollout runs a tree whose trajectories call both tools for real (the
-python tool, without harness/, in a plain subprocess that says so), the same trees when requests join and leave a
-running batch (a generator with `start`), and a broken search backend becomes an observation."""
+rounds.py, sampler.py and tools.py, and reward.py with tools.py are each copied alone into an empty folder and run
+there, making real calls, in a fresh interpreter that can import nothing but the standard library, torch and numpy
+(and what torch itself loads): not the rest of this repository, nor transformers, vLLM or any other installed
+package. The math files run every function on inputs on the CPU (and on CUDA where present) with torch's default
+device set to meta, so an allocation that ignores its inputs' device fails; the rollout runs a tree whose
+trajectories call both tools for real (the python tool, without harness/, in a plain subprocess that says so), the
+same trees when requests join and leave a running batch (a generator with `start`), and a broken search backend
+becomes an observation."""
 import shutil
 import subprocess
 import sys
@@ -93,8 +94,8 @@ USES = {
             print(f"advantage.py on {device}: {len(outputs)} outputs, all on {device} (default device meta)")
         print("advantage.py ok")
     ''',
-    ("rollout.py", "sampler.py", "tools.py"): '''
-        import rollout, sampler, tools
+    ("rollout.py", "rounds.py", "sampler.py", "tools.py"): '''
+        import rollout, rounds, sampler, tools
 
         class Tokenizer:                                  # a byte-level stand-in: ids are characters
             eos_token_id = 0
@@ -159,7 +160,7 @@ USES = {
         print("search observation with a broken backend:", trajectories[0].observations[0])
         runner.close()
         broken.close()
-        print("rollout.py + sampler.py + tools.py ok")
+        print("rollout.py + rounds.py + sampler.py + tools.py ok")
     ''',
     ("reward.py", "tools.py"): '''
         import reward
