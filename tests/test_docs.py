@@ -167,11 +167,11 @@ def test_every_deviation_number_exists():
 
 
 def test_the_top_level_is_the_paper_and_the_entry_points():
-    """The paper's files and the entry points, and sampler.py: the rollout's side of a generation backend, which copies
-    with rollout.py (README: Files and the paper)."""
+    """The paper's files and the entry points, and sampler.py and rounds.py: the rollout's side of a generation backend
+    and the trees' rounds on it, which copy with rollout.py (README: Files and the paper)."""
     files = subprocess.run(["git", "ls-files"], cwd=ROOT, capture_output=True, text=True, check=True).stdout.split()
     top = {f for f in files if "/" not in f and f.endswith(".py")}
-    assert top == PAPER_FILES | {"sampler.py"}
+    assert top == PAPER_FILES | {"sampler.py", "rounds.py"}
 
 
 def test_the_readme_is_a_readers_guide():
