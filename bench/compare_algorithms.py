@@ -69,7 +69,8 @@ COLORS = {"grpo": "tab:gray", "reinforce_pp": "tab:brown", "dapo": "tab:olive", 
           "aepo-shortcold": "lime"}
 MECHANISMS = [("entropy", "policy token entropy"), ("diversity", "rollout diversity"),
               ("tool_calls", "tool calls per trajectory"), ("reward", "training reward"),
-              ("pass1", "held-out Pass@1"), ("clip", "gradient kept / dropped by the clip")]
+              ("pass1", "held-out Pass@1"), ("clip", "gradient kept / dropped by the clip"),
+              ("types", "training success and searches by question type")]
 
 
 def train_argv(name: str, seed: int, task: dict, args) -> list[str]:
@@ -164,6 +165,21 @@ def searches_per_correct(run_dir: Path, name: str = "after") -> dict[str, float]
     return out
 
 
+def searches_by_type(run_dir: Path, name: str = "after") -> dict[str, float]:
+    """Held-out search calls per sample by question type (`searches/<type>`), and the share of samples that searched
+    exactly as often as their type needs (`as_needed/<type>`, build_lookup.SEARCHES): where a run settled."""
+    rows = [json.loads(line) for line in jsonl.lines((run_dir / "eval" / f"{name}_results.jsonl").read_text(
+        encoding="utf-8")) if line.strip()]
+    out = {}
+    for kind in sorted({r.get("meta", {}).get("type") for r in rows} & set(SEARCHES)):
+        counts = [sum(c[0] == "search" for c in x.get("tool_calls", [])) for r in rows
+                  if r.get("meta", {}).get("type") == kind for x in r.get("samples", [])]
+        if counts:
+            out[f"searches/{kind}"] = statistics.fmean(counts)
+            out[f"as_needed/{kind}"] = statistics.fmean(c == SEARCHES[kind] for c in counts)
+    return out
+
+
 def by_type(ms: list[dict]) -> dict:
     """Per question type, over a run's steps: informative groups (rewards not all equal: the only ones with an
     advantage) per step and as a share of that type's groups; branches and the pre-monitor's m per question."""
@@ -190,6 +206,7 @@ def per_seed_numbers(run: dict, k: int, run_dir: Path | None = None) -> dict:
     extra = {**by_type(ms), **({"top_chain": statistics.fmean(branched)} if branched else {})}
     if run_dir is not None and (run_dir / "eval" / "after_results.jsonl").exists():
         extra.update({f"searches_per_correct/{kind}": v for kind, v in searches_per_correct(run_dir).items()})
+        extra.update(searches_by_type(run_dir))
 
     def avg(key, rows=ms):
         return statistics.fmean(m[key] for m in rows)
@@ -364,16 +381,19 @@ def mechanism_table(res: dict, names: list[str]) -> list[str]:
              "the trajectories a tree forked off; m is the pre-monitor's global samples per question (k without the "
              "dynamic budget); the top chain's share is of a branched tree's branches; kept / dropped are the shares "
              "of tokens the clip kept a gradient for and dropped; the probe's change is its entropy at the last step "
-             "less the first's; searches per correct answer are held-out search calls over correct samples.", "",
+             "less the first's; searches per correct answer are held-out search calls over correct samples; then "
+             "held-out searches per sample, and the share of samples that searched as often as their type needs.", "",
              f"| | informative groups / step ({head}) | share of groups informative | branches / question | m / question "
              "| branches on the top chain | grad kept / dropped | probe entropy change | searches per correct answer "
-             f"(all; {head}) |", "|---|---|---|---|---|---|---|---|---|"]
+             f"(all; {head}) | held-out searches / sample | searching as often as needed |",
+             "|---|---|---|---|---|---|---|---|---|---|---|"]
     for a in names:
         lines.append(f"| {NAMES[a]} | {per_kind(a, 'informative')} | {per_kind(a, 'informative_share')} | "
                      f"{per_kind(a, 'branches')} | {per_kind(a, 'm', '{:.1f}')} | {cell(a, 'top_chain')} | "
                      f"{cell(a, 'grad_kept', '{:.4f}')} / {cell(a, 'grad_dropped', '{:.4f}')} | "
                      f"{cell(a, 'probe_change', '{:.3f}')} | {cell(a, 'searches_per_correct/all')} "
-                     f"({per_kind(a, 'searches_per_correct')}) |")
+                     f"({per_kind(a, 'searches_per_correct')}) | {per_kind(a, 'searches')} | "
+                     f"{per_kind(a, 'as_needed')} |")
     return lines
 
 
@@ -389,9 +409,13 @@ def plot(runs: dict, names: list[str], seeds: list[int], key: str, title: str, a
                        ("grad_dropped", "share of tokens the clip dropped")],
               "entropy": [("entropy", "sampled tokens' entropy (the step's rollout)"),
                           ("probe_entropy", "the policy's entropy on the probe (the same tokens every step)")],
-              "pass1": [("pass@1", "held-out Pass@1"), ("format_valid", "held-out samples in the agent's format")]
+              "pass1": [("pass@1", "held-out Pass@1"), ("format_valid", "held-out samples in the agent's format")],
+              "types": [(f"type/{t}/{m}", f"{t}: {label}") for m, label in (
+                  ("acc", "training success"), ("searches", "searches / trajectory")) for t in SEARCHES]
               }.get(key, [(key, title)])
-    fig, axes = plt.subplots(1, len(panels), figsize=(5.2 * len(panels), 3.8), squeeze=False)
+    cols = min(len(panels), 3)
+    fig, axes = plt.subplots(-(-len(panels) // cols), cols, figsize=(5.2 * cols, 3.8 * -(-len(panels) // cols)),
+                             squeeze=False)
     for ax, (metric, label) in zip(axes.flat, panels):
         starts = [runs[names[0], s]["eval"].get("before", {}).get(metric) for s in seeds]   # the seed's shared start
         for a in names:

@@ -191,10 +191,12 @@ def test_compare_report_aggregates_every_seed(tmp_path):
     assert "| 0.300 [" in row and "| – | 1.000 [" in row            # AEPO has no AEPO − AEPO
 
 
-def typed_run(run_dir: Path, correct_after: list[int], before: list[int] | None, informative: float, branches: float):
+def typed_run(run_dir: Path, correct_after: list[int], before: list[int] | None, informative: float, branches: float,
+              three_hop_searches: int = 3):
     """A finished run over 6 held-out questions (lookup, two_hop, three_hop, twice) x 2 samples: `correct_after[i]`
-    samples right on question i, each sample searching as often as its type needs; 4 steps, each with one question
-    of every type, `informative` of the two-hop groups with unequal rewards, `branches` branches per two-hop question."""
+    samples right on question i, each sample searching as often as its type needs (three-hop: `three_hop_searches`);
+    4 steps, each with one question of every type, `informative` of the two-hop groups with unequal rewards,
+    `branches` branches per two-hop question."""
     kinds = ["lookup", "two_hop", "three_hop"] * 2
     (run_dir / "eval").mkdir(parents=True)
     metrics = [{"step": i + 1, "reward": 0.5, "entropy": 0.5, "clip_hi": 0.0, "clip_lo": 0.0, "grad_kept": 0.01,
@@ -211,7 +213,9 @@ def typed_run(run_dir: Path, correct_after: list[int], before: list[int] | None,
             continue
         rows = [{"index": i, "n": 2, "num_correct": c, "meta": {"type": kinds[i]},
                  "samples": [{"correct": j < c, "format_valid": True,
-                              "tool_calls": [["search", "q"]] * build_lookup.SEARCHES[kinds[i]]} for j in range(2)]}
+                              "tool_calls": [["search", "q"]] * (three_hop_searches if kinds[i] == "three_hop"
+                                                                  else build_lookup.SEARCHES[kinds[i]])}
+                             for j in range(2)]}
                 for i, c in enumerate(correct)]
         (run_dir / "eval" / f"{name}_results.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
         p1 = sum(correct) / 12
@@ -230,7 +234,8 @@ def test_compare_report_by_question_type_and_mechanisms(tmp_path):
     for a, correct in after.items():
         for seed in (0, 1):
             typed_run(tmp_path / "work" / "runs" / f"{a}-s{seed}", correct, start if a == "grpo" else None,
-                      informative={"grpo": 0.25, "arpo": 0.5, "aepo": 0.75}[a], branches=0.0 if a == "grpo" else 2.0)
+                      informative={"grpo": 0.25, "arpo": 0.5, "aepo": 0.75}[a], branches=0.0 if a == "grpo" else 2.0,
+                      three_hop_searches=2 if (a, seed) == ("arpo", 1) else 3)      # one run stops a search short
             (tmp_path / "work" / "logs").mkdir(exist_ok=True)
             (tmp_path / "work" / "logs" / f"{a}-s{seed}.argv.json").write_text(json.dumps(
                 compare_algorithms.train_argv(a, seed, {"train": "t", "test": "e", "corpus": "c"}, args)))
@@ -252,13 +257,18 @@ def test_compare_report_by_question_type_and_mechanisms(tmp_path):
     assert mech["grpo"]["searches_per_correct/all"][0] == pytest.approx(24 / 6)
     assert mech["aepo"]["searches_per_correct/three_hop"][0] == pytest.approx(12 / 2)
     assert "searches_per_correct/three_hop" not in mech["grpo"]               # none right: no such number
+    # held-out searches per sample and the share that searched as often as the type needs
+    assert mech["grpo"]["searches/three_hop"] == (3.0, 0.0) and mech["grpo"]["as_needed/two_hop"] == (1.0, 0.0)
+    assert mech["arpo"]["searches/three_hop"] == pytest.approx((2.5, math.sqrt(0.5)))
+    assert mech["arpo"]["as_needed/three_hop"] == pytest.approx((0.5, math.sqrt(0.5)))
+    assert mech["arpo"]["as_needed/lookup"] == (1.0, 0.0)
     md = (tmp_path / "o" / "results.md").read_text()
     assert "| GRPO | two_hop | 0.000 [0.000, 0.000] | 0.500 [0.500, 0.500] | 0.500 [0.500, 0.500] | 0.500 [" in md
     assert "| informative groups / step (lookup / two_hop / three_hop) |" in md
     assert ("| AEPO | 0.00 ± 0.00 / 0.75 ± 0.00 / 0.00 ± 0.00 | 0.00 ± 0.00 / 0.75 ± 0.00 / 0.00 ± 0.00 | "
             "0.00 ± 0.00 / 2.00 ± 0.00 / 0.00 ± 0.00 | 8.0 ± 0.0 / 4.0 ± 0.0 / 8.0 ± 0.0 | 0.75 ± 0.00 | "
-            "0.0100 ± 0.0000 / 0.0000 ± 0.0000 | 0.000 ± 0.000 | 2.40 ± 0.00 (1.00 ± 0.00 / 2.00 ± 0.00 / 6.00 ± 0.00) |"
-            in md.splitlines())
+            "0.0100 ± 0.0000 / 0.0000 ± 0.0000 | 0.000 ± 0.000 | 2.40 ± 0.00 (1.00 ± 0.00 / 2.00 ± 0.00 / 6.00 ± 0.00) | "
+            "1.00 ± 0.00 / 2.00 ± 0.00 / 3.00 ± 0.00 | 1.00 ± 0.00 / 1.00 ± 0.00 / 1.00 ± 0.00 |" in md.splitlines())
 
 
 def test_interval_resamples_seeds_and_questions():
