@@ -76,8 +76,8 @@ MECHANISMS = [("entropy", "policy token entropy"), ("diversity", "rollout divers
 def train_argv(name: str, seed: int, task: dict, args) -> list[str]:
     """The exact train.py command line of one run (printed in the report)."""
     algo, extra = name.split("-")[0], EXPERIMENTS.get(name, [])
-    half_lr = (args.lr if args.lr is not None else parse_config(["--config", args.config]).lr) / 2
-    calls = args.max_tool_calls or (3 if args.three_hop_every else None)   # learn.yaml's 2 is a two-hop question's
+    half_lr = settings(args)["lr"] / 2
+    calls = tool_call_limit(args)
     return ["train.py", "--config", args.config, "--config", f"configs/{algo}.yaml", f"--seed={seed}",
             f"--run_name={name}-s{seed}", f"--out_dir={args.work}/runs", f"--train_data={task['train']}",
             f"--eval_data={task['test']}", "--search_kw", json.dumps({"corpus_path": task["corpus"], "topk": 1}),
@@ -87,6 +87,21 @@ def train_argv(name: str, seed: int, task: dict, args) -> list[str]:
             f"--eval_limit={args.eval_limit}", f"--eval_n={args.eval_n}", f"--eval_every={args.eval_every}",
             f"--eval_before={str(name == 'grpo').lower()}", "--save_every=8", "--keep_checkpoints=1", "--device=cpu",
             *[flag.format(half_lr=half_lr) for flag in extra]]
+
+
+def tool_call_limit(args) -> int | None:
+    """--max_tool_calls, else 3 with three-hop questions (one per hop; learn.yaml's 2 is a two-hop question's)."""
+    return args.max_tool_calls or (3 if args.three_hop_every else None)
+
+
+def settings(args) -> dict:
+    """The comparison's settings as the runs got them: --config's values where a flag was not given."""
+    config = parse_config(["--config", args.config])
+    return {"config": args.config, **{key: getattr(config, key) if getattr(args, key) is None else getattr(args, key)
+                                      for key in TUNABLE},
+            "max_tool_calls": tool_call_limit(args) or config.max_tool_calls,
+            **{key: getattr(args, key) for key in ("eval_limit", "eval_n", "eval_every", "backend", "three_hop_every",
+                                                   "three_hop_demos")}}
 
 
 def run_one(name: str, seed: int, task: dict, args) -> str:
@@ -217,6 +232,8 @@ def per_seed_numbers(run: dict, k: int, run_dir: Path | None = None) -> dict:
             "tool_calls": avg("tool_calls"), "clip_hi": avg("clip_hi"), "clip_lo": avg("clip_lo"),
             "grad_kept": avg("grad_kept"), "grad_dropped": avg("grad_dropped"), "branches": avg("branches"),
             "searches_executed": sum(m.get("tools/search/calls", 0) for m in ms), "step_s": avg("time/step"),
+            "train_min": sum(m["time/step"] for m in ms) / 60,
+            "eval_min": sum(e.get("wall_s", 0) for e in run["eval"].values()) / 60,
             **({"branch_top_chain": avg("branch_top_chain")} if "branch_top_chain" in ms[0] else {}),
             **({"probe_first": ms[0]["probe_entropy"], "probe_last": ms[-1]["probe_entropy"],
                 "probe_change": ms[-1]["probe_entropy"] - ms[0]["probe_entropy"]} if "probe_entropy" in ms[0] else {}),
@@ -226,9 +243,7 @@ def per_seed_numbers(run: dict, k: int, run_dir: Path | None = None) -> dict:
 def report(args, names: list[str], seeds: list[int], out: Path) -> dict:
     runs = {(a, s): load_run(Path(args.work) / "runs" / f"{a}-s{s}") for a in names for s in seeds}
     k = args.eval_n
-    res = {"seeds": seeds, "settings": {key: getattr(args, key) for key in (
-               "config", *TUNABLE, "max_tool_calls", "eval_limit", "eval_n", "eval_every", "backend", "three_hop_every",
-               "three_hop_demos")},
+    res = {"seeds": seeds, "settings": settings(args),
            "train_commands": {a: "python " + shlex.join(json.loads((Path(args.work) / "logs" / f"{a}-s{seeds[0]}"
                                                                   ".argv.json").read_text())).replace(f"{ROOT}/", "")
                               for a in names},
@@ -274,6 +289,8 @@ def report(args, names: list[str], seeds: list[int], out: Path) -> dict:
                 res["algos"][a]["format_gain"] = interval(np.stack(fmt[a]) - np.stack(fmt_start))
         if "aepo" in names and a != "aepo":
             res["algos"][a]["aepo_minus"] = interval(after["aepo"] - after[a])
+    res["minutes"] = {part: sum(res["algos"][a]["per_seed"][s][f"{part}_min"] for a in names for s in seeds)
+                      for part in ("train", "eval")}                   # steps and evaluations; not start-up
     out.mkdir(parents=True, exist_ok=True)
     (out / "results.json").write_text(json.dumps(res, indent=2))
     table = markdown(res, names, k)
@@ -315,6 +332,9 @@ def markdown(res: dict, names: list[str], k: int) -> str:
     q = res["algos"][names[0]]["questions"]
     intervals = [f"# {', '.join(NAMES[a] for a in names)} ({time.strftime('%Y-%m-%d')})", "",
                  f"Settings: {json.dumps(res['settings'])}.", "",
+                 f"Time, {len(names) * len(seeds)} runs: {res['minutes']['train'] / 60:.1f} h of training steps and "
+                 f"{res['minutes']['eval'] / 60:.1f} h of held-out evaluation (a run's start-up and the seeds' cold "
+                 "starts besides); per run in the last table.", "",
                  f"Held-out Pass@1 over {q} questions x {k} samples and seeds {', '.join(map(str, seeds))}: mean and "
                  "95% interval (bootstrap over seeds and questions); the paired difference compares the same "
                  "questions of the same seeds, each seed's methods from the same start.", "",
@@ -347,8 +367,8 @@ def markdown(res: dict, names: list[str], k: int) -> str:
              f"{mean_sd(before)[0]:.3f} ± {mean_sd(before)[1]:.3f}." if before else "", "",
              f"| | Pass@1 after | Pass@{k} after | train reward (2nd half) | entropy step 1 → last 3 | diversity: answers "
              "/ tokens / tool calls | tool calls / traj | clip hi / lo | grad kept / dropped | searches run | s / step |"
-             " probe entropy step 1 → last (change) | branches / question, share on the top chain |",
-             "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+             " probe entropy step 1 → last (change) | branches / question, share on the top chain | min: training, "
+             "evaluation |", "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for a in names:
         lines.append(f"| {NAMES[a]} | {cell(a, 'pass@1', seeds_too=True)} | {cell(a, f'pass@{k}')} "
                      f"| {cell(a, 'train_reward_2nd_half')} | {cell(a, 'entropy_first', '{:.2f}')} → "
@@ -357,7 +377,8 @@ def markdown(res: dict, names: list[str], k: int) -> str:
                      f"| {cell(a, 'tool_calls', '{:.2f}')} | {cell(a, 'clip_hi', '{:.4f}')} / "
                      f"{cell(a, 'clip_lo', '{:.4f}')} | {cell(a, 'grad_kept', '{:.4f}')} / "
                      f"{cell(a, 'grad_dropped', '{:.4f}')} | {cell(a, 'searches_executed', '{:.0f}')} "
-                     f"| {cell(a, 'step_s', '{:.0f}')} | {probe(a)} | {branching(a)} |")
+                     f"| {cell(a, 'step_s', '{:.0f}')} | {probe(a)} | {branching(a)} | "
+                     f"{cell(a, 'train_min', '{:.0f}')}, {cell(a, 'eval_min', '{:.1f}')} |")
     lines += ["", "Entropy step 1 → last 3: the entropy of the tokens each step sampled (it moves with the questions "
               "drawn and with what the tree samples). Probe entropy: the policy's own entropy, teacher-forced on the "
               "same few trajectories at every step; each run samples its probe once from its start, so compare the "

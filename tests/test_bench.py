@@ -10,6 +10,7 @@ import pytest
 
 import rollout
 from harness import search as search_mod
+from harness.config import parse_config
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "bench"))
@@ -136,7 +137,7 @@ def fake_run(run_dir: Path, rewards, before=None, after=0.5, branches=1.0, step4
     for name, v in (("before", before), ("after", after), ("step4", step4)):
         if v is not None:
             (run_dir / "eval" / f"{name}_summary.json").write_text(
-                json.dumps({"pass@1": v, "pass@4": min(1.0, 2 * v), "f1": v, "tool_calls": 1.1,
+                json.dumps({"pass@1": v, "pass@4": min(1.0, 2 * v), "f1": v, "tool_calls": 1.1, "wall_s": 60.0,
                             "format_valid": 0.5 if name == "before" else 1.0}))
             correct = round(20 * v)                 # 10 questions x 2 samples, the first `correct` samples right
             (run_dir / "eval" / f"{name}_results.jsonl").write_text("".join(      # the start: one sample in format
@@ -167,6 +168,11 @@ def test_compare_report_aggregates_every_seed(tmp_path):
     assert grpo["mean_sd"]["train_reward_2nd_half"][0] == pytest.approx(0.625)    # steps 5-8
     assert grpo["mean_sd"]["diversity_tokens"][0] == pytest.approx(0.25 + 0.1 * 3.5)
     assert res["before"][0]["pass@1"] == 0.25
+    # the settings as the runs got them (--config's where no flag was given); time: 8 steps x 30 s a run, and one
+    # minute an evaluation (GRPO's runs three: before, step 4, after; the others two)
+    assert res["settings"]["steps"] == 8 and res["settings"]["k"] == parse_config(["--config", "configs/learn.yaml"]).k
+    assert res["minutes"] == {"train": pytest.approx(6 * 4.0), "eval": pytest.approx(2 * 3 + 4 * 2)}
+    assert grpo["per_seed"][0]["eval_min"] == pytest.approx(3.0)
     assert grpo["per_seed"][0]["probe_change"] == pytest.approx(-0.02 * 7)     # step 8's probe less step 1's
     md = (tmp_path / "out" / "results.md").read_text()
     assert "| AEPO | 0.300 ± 0.283 [0.500, 0.100]" in md
