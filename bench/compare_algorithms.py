@@ -127,13 +127,25 @@ def pass1_curve(run: dict, steps: int, eval_every: int, key: str = "pass@1") -> 
     return points + [(steps, run["eval"]["after"][key])]
 
 
+def eval_rows(run_dir: Path, name: str) -> list[dict]:
+    """Evaluation `name`'s rows (eval.py's {name}_results.jsonl: one per held-out question) in the data's order."""
+    text = (run_dir / "eval" / f"{name}_results.jsonl").read_text(encoding="utf-8")
+    return sorted((json.loads(line) for line in jsonl.lines(text) if line.strip()), key=lambda r: r["index"])
+
+
+def kind_of(row: dict) -> str | None:
+    return row.get("meta", {}).get("type")
+
+
+def searches(sample: dict) -> int:
+    return sum(call[0] == "search" for call in sample.get("tool_calls", []))
+
+
 def per_question(run_dir: Path, name: str, key: str = "correct") -> np.ndarray | None:
     """(questions,) the share of evaluation `name`'s samples that were correct (or had `key` true, e.g.
     format_valid), per held-out question, in the data's order (eval.py's {name}_results.jsonl); None where the rows
     do not list their samples."""
-    text = (run_dir / "eval" / f"{name}_results.jsonl").read_text(encoding="utf-8")
-    rows = [json.loads(line) for line in jsonl.lines(text) if line.strip()]
-    rows.sort(key=lambda r: r["index"])
+    rows = eval_rows(run_dir, name)
     if key == "correct":
         return np.array([r["num_correct"] / r["n"] for r in rows], dtype=float)
     if not all(isinstance(r.get("samples"), list) for r in rows):
@@ -160,21 +172,18 @@ def mean_sd(xs: list[float]) -> tuple[float, float]:
 
 def question_types(run_dir: Path, name: str = "after") -> list[str | None]:
     """The held-out questions' types (their data's `type`), in the order of per_question."""
-    rows = [json.loads(line) for line in jsonl.lines((run_dir / "eval" / f"{name}_results.jsonl").read_text(
-        encoding="utf-8")) if line.strip()]
-    return [r.get("meta", {}).get("type") for r in sorted(rows, key=lambda r: r["index"])]
+    return [kind_of(r) for r in eval_rows(run_dir, name)]
 
 
 def searches_per_correct(run_dir: Path, name: str = "after") -> dict[str, float]:
     """Held-out search calls per correct answer (all samples' searches over the correct samples), overall and per
     question type: what a correct answer costs in tool calls."""
-    rows = [json.loads(line) for line in jsonl.lines((run_dir / "eval" / f"{name}_results.jsonl").read_text(
-        encoding="utf-8")) if line.strip()]
+    rows = eval_rows(run_dir, name)
     out = {}
-    for kind in [None, *sorted({r.get("meta", {}).get("type") for r in rows} - {None})]:
-        mine = [x for r in rows if kind is None or r.get("meta", {}).get("type") == kind for x in r.get("samples", [])]
+    for kind in [None, *sorted({kind_of(r) for r in rows} - {None})]:
+        mine = [x for r in rows if kind is None or kind_of(r) == kind for x in r.get("samples", [])]
         correct = sum(bool(x.get("correct")) for x in mine)
-        calls = sum(c[0] == "search" for x in mine for c in x.get("tool_calls", []))
+        calls = sum(searches(x) for x in mine)
         if correct:                              # (none correct: no such number)
             out[kind or "all"] = calls / correct
     return out
@@ -183,12 +192,10 @@ def searches_per_correct(run_dir: Path, name: str = "after") -> dict[str, float]
 def searches_by_type(run_dir: Path, name: str = "after") -> dict[str, float]:
     """Held-out search calls per sample by question type (`searches/<type>`), and the share of samples that searched
     exactly as often as their type needs (`as_needed/<type>`, build_lookup.SEARCHES): where a run settled."""
-    rows = [json.loads(line) for line in jsonl.lines((run_dir / "eval" / f"{name}_results.jsonl").read_text(
-        encoding="utf-8")) if line.strip()]
+    rows = eval_rows(run_dir, name)
     out = {}
-    for kind in sorted({r.get("meta", {}).get("type") for r in rows} & set(SEARCHES)):
-        counts = [sum(c[0] == "search" for c in x.get("tool_calls", [])) for r in rows
-                  if r.get("meta", {}).get("type") == kind for x in r.get("samples", [])]
+    for kind in sorted({kind_of(r) for r in rows} & set(SEARCHES)):
+        counts = [searches(x) for r in rows if kind_of(r) == kind for x in r.get("samples", [])]
         if counts:
             out[f"searches/{kind}"] = statistics.fmean(counts)
             out[f"as_needed/{kind}"] = statistics.fmean(c == SEARCHES[kind] for c in counts)
@@ -435,8 +442,8 @@ def plot(runs: dict, names: list[str], seeds: list[int], key: str, title: str, a
                   ("acc", "training success"), ("searches", "searches / trajectory")) for t in SEARCHES]
               }.get(key, [(key, title)])
     cols = min(len(panels), 3)
-    fig, axes = plt.subplots(-(-len(panels) // cols), cols, figsize=(5.2 * cols, 3.8 * -(-len(panels) // cols)),
-                             squeeze=False)
+    rows = -(-len(panels) // cols)
+    fig, axes = plt.subplots(rows, cols, figsize=(5.2 * cols, 3.8 * rows), squeeze=False)
     for ax, (metric, label) in zip(axes.flat, panels):
         starts = [runs[names[0], s]["eval"].get("before", {}).get(metric) for s in seeds]   # the seed's shared start
         for a in names:
